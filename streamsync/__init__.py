@@ -1,0 +1,74 @@
+"""streamsync: stream model weights from an RL trainer into live inference engines.
+
+Weights flow as ``AsyncIterator[tuple[str, torch.Tensor]]`` through stackable adapters
+(:mod:`streamsync.adapters`), over a transport chosen by URL (:mod:`streamsync.transports`),
+into a receiver-side sink that runs prepare → load each bucket → finalize.
+"""
+
+from streamsync.adapter import Adapter, Chain, NamedTensor, NamedTensors, reading
+from streamsync.errors import (
+    AuthenticationError,
+    ChecksumError,
+    ClosedError,
+    ConfigError,
+    DtypeMismatchError,
+    DuplicateTensorError,
+    EndOfStream,
+    PeerBrokenError,
+    ProtocolVersionError,
+    ReceiverFailedError,
+    SenderAbortedError,
+    ShapeMismatchError,
+    StaleSyncError,
+    StreamsyncError,
+    SyncInProgressError,
+    SyncTimeoutError,
+    UnknownTensorError,
+    WireFormatError,
+)
+from streamsync.report import LoadResult, SyncReport
+from streamsync.sink import ModuleSink, Sink
+from streamsync.sources import named_tensors
+from streamsync.sync import DEFAULT_TIMEOUT, receive, send
+from streamsync.transports import Receiver, Sender, open_receiver, open_sender
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Adapter",
+    "AuthenticationError",
+    "Chain",
+    "ChecksumError",
+    "ClosedError",
+    "ConfigError",
+    "DtypeMismatchError",
+    "DuplicateTensorError",
+    "EndOfStream",
+    "LoadResult",
+    "ModuleSink",
+    "NamedTensor",
+    "NamedTensors",
+    "PeerBrokenError",
+    "ProtocolVersionError",
+    "Receiver",
+    "ReceiverFailedError",
+    "Sender",
+    "SenderAbortedError",
+    "ShapeMismatchError",
+    "Sink",
+    "StaleSyncError",
+    "StreamsyncError",
+    "SyncInProgressError",
+    "SyncReport",
+    "SyncTimeoutError",
+    "UnknownTensorError",
+    "WireFormatError",
+    "__version__",
+    "named_tensors",
+    "open_receiver",
+    "open_sender",
+    "reading",
+    "receive",
+    "send",
+]

@@ -1,0 +1,3 @@
+from streamsync.cli import main
+
+raise SystemExit(main())

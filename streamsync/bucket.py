@@ -1,0 +1,459 @@
+"""The bucket format: named tensors packed into one contiguous byte buffer plus msgspec
+metadata.
+
+Sender side, :class:`BucketBuilder` groups tensors into :class:`Bucket` plans that hold
+references to the source tensors and are packed straight into a transport's slot (one copy;
+a fused cast converts during that copy). Receiver side, :class:`Unpacker` validates untrusted
+headers against the slot, turns entries into views of the slot, and reassembles tensors that
+were split into chunks across consecutive buckets.
+
+Every entry starts at a multiple of :data:`ALIGN` bytes, so a view of any dtype is legal
+whatever came before it (a bf16 tensor of odd length followed by an fp32 one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+import xxhash
+
+from streamsync.dtypes import dtype_from_name, dtype_name
+from streamsync.errors import (
+    ChecksumError,
+    ConfigError,
+    DuplicateTensorError,
+    WireFormatError,
+)
+from streamsync.wire import BucketHeader, End, Entry
+
+__all__ = [
+    "ALIGN",
+    "MIN_BUCKET_BYTES",
+    "Bucket",
+    "BucketBuilder",
+    "PackedBucket",
+    "Unpacker",
+    "align_up",
+    "allocate_slot",
+]
+
+#: Alignment of every entry's offset: a cache line, a multiple of every dtype's size.
+ALIGN: Final = 64
+#: The smallest bucket accepted.
+MIN_BUCKET_BYTES: Final = 1024
+#: Default limit on one reassembled tensor, checked before allocating its staging buffer.
+DEFAULT_MAX_TENSOR_BYTES: Final = 1 << 40
+
+NamedTensor = tuple[str, torch.Tensor]
+#: A fused cast: ``(name, tensor) -> dtype to send, or None to send as is``.
+CastRule = Callable[[str, torch.Tensor], "torch.dtype | None"]
+
+
+def align_up(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def allocate_slot(nbytes: int) -> torch.Tensor:
+    """A byte buffer whose start is aligned for every dtype (CPU allocations are 64-byte
+    aligned by torch's allocator)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _digest(region: torch.Tensor) -> int:
+    """xxh3-64 of a uint8 tensor's bytes, read in place."""
+    return int(xxhash.xxh3_64_intdigest(region.numpy().data))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(slots=True)
+class _Part:
+    """Where one entry's bytes come from: elements ``[start, stop)`` of ``source``
+    (flattened when chunked), converted to the entry's dtype while packing."""
+
+    source: torch.Tensor
+    start: int
+    stop: int
+    whole: bool
+
+
+@dataclass(slots=True)
+class Bucket:
+    """A bucket not yet packed: its entries and the tensors their bytes come from.
+
+    ``tensors`` counts the tensors whose last (or only) piece is in this bucket.
+    """
+
+    entries: list[Entry] = field(default_factory=list)
+    parts: list[_Part] = field(default_factory=list)
+    nbytes: int = 0
+    tensors: int = 0
+    #: The last chunk of a chunked tensor is in this bucket.
+    holds_tail: bool = False
+
+    def pack_into(self, buf: torch.Tensor, *, checksum: bool = False) -> list[Entry]:
+        """Copy every entry into ``buf`` (a uint8 tensor of at least ``nbytes``).
+
+        Returns the entries, with checksums filled in when ``checksum`` is true.
+        """
+        if buf.numel() < self.nbytes:
+            raise ConfigError(
+                f"slot of {buf.numel()} bytes is too small for a bucket of {self.nbytes}"
+            )
+        out: list[Entry] = []
+        for entry, part in zip(self.entries, self.parts, strict=True):
+            dtype = dtype_from_name(entry.dtype)
+            region = buf[entry.offset : entry.offset + entry.nbytes]
+            dst = region.view(dtype)
+            if part.whole:
+                dst = dst.view(part.source.shape)
+                dst.copy_(part.source)
+            else:
+                dst.copy_(part.source[part.start : part.stop])
+            if checksum:
+                entry = _with_checksum(entry, region)
+            out.append(entry)
+        return out
+
+    def pack(self, *, checksum: bool = False) -> PackedBucket:
+        """Pack into a fresh buffer (tests and in-process use; transports pack into slots)."""
+        buf = allocate_slot(self.nbytes)
+        entries = self.pack_into(buf, checksum=checksum)
+        return PackedBucket(entries=tuple(entries), data=buf, tensors=self.tensors)
+
+
+@dataclass(slots=True, frozen=True)
+class PackedBucket:
+    """A packed bucket: entries plus the byte buffer they point into."""
+
+    entries: tuple[Entry, ...]
+    data: torch.Tensor
+    tensors: int = 0
+
+
+def _with_checksum(entry: Entry, region: torch.Tensor) -> Entry:
+    digest = _digest(region)
+    return Entry(
+        entry.name,
+        entry.dtype,
+        entry.shape,
+        entry.offset,
+        entry.nbytes,
+        entry.chunk,
+        entry.chunks,
+        entry.tensor_offset,
+        digest,
+    )
+
+
+class BucketBuilder:
+    """Groups named tensors into buckets of at most ``bucket_bytes``.
+
+    A tensor that does not fit in what is left of the current bucket starts the next one; a
+    tensor larger than a bucket is split into element-aligned chunks, the first filling what
+    is left of the current bucket. ``cast`` maps a source dtype to the dtype to send (or
+    ``None`` to send as is): the conversion happens while packing, so it writes where the
+    copy would have.
+    """
+
+    def __init__(
+        self,
+        bucket_bytes: int,
+        *,
+        cast: CastRule | None = None,
+    ) -> None:
+        if bucket_bytes < MIN_BUCKET_BYTES:
+            raise ConfigError(
+                f"bucket_bytes={bucket_bytes} is too small; use at least {MIN_BUCKET_BYTES}"
+            )
+        self.bucket_bytes = bucket_bytes
+        self._cast = cast
+        self._current = Bucket()
+
+    def add(self, name: str, tensor: torch.Tensor) -> Iterator[Bucket]:
+        """Add one tensor; yields each bucket that became full."""
+        if not isinstance(tensor, torch.Tensor):
+            raise WireFormatError(
+                f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor"
+            )
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        dtype = tensor.dtype
+        if self._cast is not None:
+            dtype = self._cast(name, tensor) or dtype
+        wire_dtype = dtype_name(dtype)  # raises for dtypes that cannot travel
+        itemsize = _itemsize(dtype)
+        shape = tuple(tensor.shape)
+        nbytes = tensor.numel() * itemsize
+        offset = align_up(self._current.nbytes)
+        if offset + nbytes <= self.bucket_bytes:
+            self._place(Entry(name, wire_dtype, shape, offset, nbytes), _Part(tensor, 0, 0, True))
+            self._current.tensors += 1
+            return
+        if nbytes <= self.bucket_bytes:
+            # Fits in a bucket of its own: close the current one first.
+            if self._current.entries:
+                yield self._flush_current()
+            self._place(Entry(name, wire_dtype, shape, 0, nbytes), _Part(tensor, 0, 0, True))
+            self._current.tensors += 1
+            return
+        yield from self._add_chunked(name, tensor, wire_dtype, shape, itemsize)
+
+    def _add_chunked(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        wire_dtype: str,
+        shape: tuple[int, ...],
+        itemsize: int,
+    ) -> Iterator[Bucket]:
+        flat = tensor.reshape(-1)  # one copy at most (non-contiguous input), kept for all chunks
+        room = self.bucket_bytes - align_up(self._current.nbytes)
+        # The receiver reassembles into one staging buffer: a chunked tensor must not start
+        # in the bucket where the previous chunked tensor ends.
+        if room < max(ALIGN, self.bucket_bytes // 8) or self._current.holds_tail:
+            # Too little left to be worth a chunk: start the tensor in a fresh bucket.
+            if self._current.entries:
+                yield self._flush_current()
+            room = self.bucket_bytes
+        numel = flat.numel()
+        per_bucket = self.bucket_bytes // itemsize
+        spans: list[tuple[int, int]] = []
+        start = 0
+        while start < numel:
+            count = min(numel - start, (room // itemsize) if not spans else per_bucket)
+            spans.append((start, start + count))
+            start += count
+        for index, (lo, hi) in enumerate(spans):
+            if index > 0:
+                yield self._flush_current()
+            entry = Entry(
+                name,
+                wire_dtype,
+                shape,
+                align_up(self._current.nbytes),
+                (hi - lo) * itemsize,
+                index,
+                len(spans),
+                lo * itemsize,
+            )
+            self._place(entry, _Part(flat, lo, hi, False))
+        self._current.tensors += 1
+        self._current.holds_tail = True
+
+    def _place(self, entry: Entry, part: _Part) -> None:
+        self._current.entries.append(entry)
+        self._current.parts.append(part)
+        self._current.nbytes = entry.offset + entry.nbytes
+
+    def _flush_current(self) -> Bucket:
+        done, self._current = self._current, Bucket()
+        return done
+
+    def flush(self) -> Bucket | None:
+        """The last, partly filled bucket, if any tensor is in it."""
+        if not self._current.entries:
+            return None
+        return self._flush_current()
+
+
+@dataclass(slots=True)
+class _Pending:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    total: int
+    chunks: int
+    next_chunk: int
+    next_offset: int
+
+
+class Unpacker:
+    """Receiver side of the bucket format: validates untrusted headers and yields views.
+
+    One instance serves one channel across syncs and keeps one staging buffer (sized for the
+    largest chunked tensor seen) for reassembly. Views it returns are valid until the next
+    call to :meth:`feed` (the slot is reused once the sink returns).
+    """
+
+    def __init__(self, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
+        self.max_tensor_bytes = max_tensor_bytes
+        self._staging: torch.Tensor | None = None
+        self._pending: _Pending | None = None
+        self._names: set[str] = set()
+        self._sync_id: int | None = None
+        self._seq = 0
+        self._tensors = 0
+        self._nbytes = 0
+        self._completed_here = False
+
+    def begin(self, sync_id: int) -> None:
+        """Start a new sync: forget what the previous one received."""
+        self._pending = None
+        self._names = set()
+        self._sync_id = sync_id
+        self._seq = 0
+        self._tensors = 0
+        self._nbytes = 0
+
+    def feed(self, header: BucketHeader, data: torch.Tensor) -> list[NamedTensor]:
+        """Validate ``header`` against the bucket bytes ``data`` (uint8) and return the
+        complete tensors of this bucket, as views into ``data`` or into the staging buffer."""
+        if header.sync_id != self._sync_id:
+            raise WireFormatError(
+                f"bucket of sync {header.sync_id} arrived during sync {self._sync_id}"
+            )
+        if header.seq != self._seq:
+            raise WireFormatError(
+                f"bucket {header.seq} of sync {header.sync_id} arrived; expected bucket {self._seq}"
+            )
+        if header.nbytes < 0 or header.nbytes > data.numel():
+            raise WireFormatError(
+                f"bucket {header.seq} claims {header.nbytes} bytes; the slot holds {data.numel()}"
+            )
+        self._seq += 1
+        self._nbytes += header.nbytes
+        out: list[NamedTensor] = []
+        self._completed_here = False
+        for entry in header.entries:
+            dtype, itemsize = self._check_entry(entry, header.nbytes)
+            region = data[entry.offset : entry.offset + entry.nbytes]
+            if entry.checksum is not None:
+                digest = _digest(region)
+                if digest != entry.checksum:
+                    raise ChecksumError(
+                        f"tensor {entry.name!r} (chunk {entry.chunk}/{entry.chunks}) in bucket "
+                        f"{header.seq} does not match its checksum"
+                    )
+            if entry.chunks == 1:
+                self._claim(entry.name)
+                out.append((entry.name, region.view(dtype).view(entry.shape)))
+                self._tensors += 1
+                continue
+            done = self._feed_chunk(entry, dtype, itemsize, region)
+            if done is not None:
+                out.append(done)
+        return out
+
+    def _check_entry(self, entry: Entry, bucket_nbytes: int) -> tuple[torch.dtype, int]:
+        dtype = dtype_from_name(entry.dtype)
+        itemsize = _itemsize(dtype)
+        name = entry.name
+        if any(d < 0 for d in entry.shape):
+            raise WireFormatError(f"tensor {name!r} has a negative dimension: {list(entry.shape)}")
+        total = math.prod(entry.shape) * itemsize
+        if total > self.max_tensor_bytes:
+            raise WireFormatError(
+                f"tensor {name!r} claims {total} bytes (shape {list(entry.shape)}, {entry.dtype}); "
+                f"the limit is {self.max_tensor_bytes}"
+            )
+        if entry.offset < 0 or entry.nbytes < 0 or entry.offset + entry.nbytes > bucket_nbytes:
+            raise WireFormatError(
+                f"tensor {name!r} claims bytes [{entry.offset}, {entry.offset + entry.nbytes}) "
+                f"outside its bucket of {bucket_nbytes} bytes"
+            )
+        if entry.offset % ALIGN:
+            raise WireFormatError(f"tensor {name!r} starts at unaligned offset {entry.offset}")
+        if entry.nbytes % itemsize:
+            raise WireFormatError(
+                f"tensor {name!r}: {entry.nbytes} bytes is not a whole number of {entry.dtype}"
+            )
+        if not 0 <= entry.chunk < entry.chunks:
+            raise WireFormatError(f"tensor {name!r}: chunk {entry.chunk} of {entry.chunks}")
+        if entry.chunks == 1 and (entry.nbytes != total or entry.tensor_offset != 0):
+            raise WireFormatError(
+                f"tensor {name!r} has {entry.nbytes} bytes; shape {list(entry.shape)} of "
+                f"{entry.dtype} needs {total}"
+            )
+        if entry.tensor_offset < 0 or entry.tensor_offset + entry.nbytes > total:
+            raise WireFormatError(
+                f"chunk {entry.chunk} of tensor {name!r} claims bytes beyond its {total}"
+            )
+        return dtype, itemsize
+
+    def _claim(self, name: str) -> None:
+        if name in self._names:
+            raise DuplicateTensorError(f"tensor {name!r} arrived twice in sync {self._sync_id}")
+        self._names.add(name)
+
+    def _feed_chunk(
+        self, entry: Entry, dtype: torch.dtype, itemsize: int, region: torch.Tensor
+    ) -> NamedTensor | None:
+        pending = self._pending
+        if entry.chunk == 0:
+            if self._completed_here:
+                # The staging buffer still holds the tensor completed in this bucket.
+                raise WireFormatError(
+                    f"tensor {entry.name!r} starts in the bucket where another chunked tensor "
+                    "ends; the format requires it to start in the next bucket"
+                )
+            if pending is not None:
+                raise WireFormatError(
+                    f"tensor {entry.name!r} started before tensor {pending.name!r} was complete"
+                )
+            self._claim(entry.name)
+            total = math.prod(entry.shape) * itemsize
+            pending = self._pending = _Pending(
+                entry.name, dtype, entry.shape, total, entry.chunks, 0, 0
+            )
+            if self._staging is None or self._staging.numel() < total:
+                self._staging = None  # free the old one before allocating the new one
+                self._staging = allocate_slot(total)
+        elif pending is None or pending.name != entry.name:
+            raise WireFormatError(
+                f"chunk {entry.chunk} of tensor {entry.name!r} arrived out of order"
+            )
+        if (
+            entry.chunk != pending.next_chunk
+            or entry.chunks != pending.chunks
+            or entry.tensor_offset != pending.next_offset
+            or entry.dtype != dtype_name(pending.dtype)
+            or entry.shape != pending.shape
+        ):
+            raise WireFormatError(
+                f"chunk {entry.chunk}/{entry.chunks} of tensor {entry.name!r} does not continue "
+                f"chunk {pending.next_chunk - 1} (expected offset {pending.next_offset})"
+            )
+        assert self._staging is not None
+        self._staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(region)
+        pending.next_chunk += 1
+        pending.next_offset += entry.nbytes
+        if pending.next_chunk < pending.chunks:
+            return None
+        if pending.next_offset != pending.total:
+            raise WireFormatError(
+                f"tensor {entry.name!r}: chunks add up to {pending.next_offset} bytes, "
+                f"expected {pending.total}"
+            )
+        self._pending = None
+        self._tensors += 1
+        self._completed_here = True
+        view = self._staging[: pending.total].view(pending.dtype).view(pending.shape)
+        return (pending.name, view)
+
+    def finish(self, end: End) -> None:
+        """Check the sender's counts against what arrived."""
+        if end.sync_id != self._sync_id:
+            raise WireFormatError(f"end of sync {end.sync_id} arrived during sync {self._sync_id}")
+        if self._pending is not None:
+            raise WireFormatError(
+                f"sync {end.sync_id} ended with tensor {self._pending.name!r} incomplete "
+                f"({self._pending.next_chunk} of {self._pending.chunks} chunks)"
+            )
+        if (end.buckets, end.tensors, end.nbytes) != (self._seq, self._tensors, self._nbytes):
+            raise WireFormatError(
+                f"sync {end.sync_id}: sender sent {end.buckets} buckets, {end.tensors} tensors, "
+                f"{end.nbytes} bytes; received {self._seq}, {self._tensors}, {self._nbytes}"
+            )
+
+    @property
+    def names(self) -> Sequence[str]:
+        """Names received so far in this sync."""
+        return sorted(self._names)

@@ -1,0 +1,118 @@
+"""Every exception streamsync raises, in one flat hierarchy under :class:`StreamsyncError`.
+
+Each message names the tensor, the peer or the option involved and says what would be valid.
+An exception raised by a sync that had already applied some tensors carries the partial
+:class:`~streamsync.SyncReport` in ``exc.report`` (``report.complete`` is ``False``), so a
+caller can tell exactly which names the receiving model now holds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamsync.report import SyncReport
+
+__all__ = [
+    "StreamsyncError",
+    "ConfigError",
+    "WireFormatError",
+    "ChecksumError",
+    "ProtocolVersionError",
+    "AuthenticationError",
+    "StaleSyncError",
+    "SyncInProgressError",
+    "UnknownTensorError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "DuplicateTensorError",
+    "SyncTimeoutError",
+    "ClosedError",
+    "PeerBrokenError",
+    "EndOfStream",
+    "SenderAbortedError",
+    "ReceiverFailedError",
+]
+
+
+class StreamsyncError(Exception):
+    """Base class of every streamsync error.
+
+    ``report`` is set when the error ended a sync after some tensors had been applied.
+    """
+
+    report: SyncReport | None = None
+
+
+class ConfigError(StreamsyncError, ValueError):
+    """An option, URL or argument is invalid; the message lists what is valid."""
+
+
+class WireFormatError(StreamsyncError):
+    """Bytes or metadata from a peer are malformed: bad encoding, impossible sizes,
+    offsets outside the slot, unknown dtype, chunks out of order, counts that do not add up."""
+
+
+class ChecksumError(WireFormatError):
+    """A tensor's bytes do not match the checksum its sender computed."""
+
+
+class ProtocolVersionError(WireFormatError):
+    """The peer speaks another version of the streamsync wire protocol."""
+
+
+class AuthenticationError(StreamsyncError):
+    """The peer did not prove it knows the channel's shared secret."""
+
+
+class StaleSyncError(StreamsyncError):
+    """A sync id is not newer than the last one this receiver applied."""
+
+
+class SyncInProgressError(StreamsyncError):
+    """A second sync was started on a channel while one is still running."""
+
+
+class UnknownTensorError(StreamsyncError, KeyError):
+    """A strict sink received a name that its model does not have."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(StreamsyncError):
+    """A tensor's shape differs from the shape of the receiving tensor of that name."""
+
+
+class DtypeMismatchError(StreamsyncError):
+    """A tensor's dtype differs from the dtype of the receiving tensor of that name."""
+
+
+class DuplicateTensorError(StreamsyncError):
+    """The same name arrived twice in one sync."""
+
+
+class SyncTimeoutError(StreamsyncError, TimeoutError):
+    """A wait ran past its timeout: the message says what was awaited and from whom."""
+
+
+class ClosedError(StreamsyncError):
+    """This side's channel was closed (by this process) and cannot be used any more."""
+
+
+class PeerBrokenError(StreamsyncError):
+    """The peer went away (process died, socket closed) without ending the sync."""
+
+
+class EndOfStream(StreamsyncError):
+    """The peer closed the channel cleanly; no further buckets will come."""
+
+
+class SenderAbortedError(StreamsyncError):
+    """The sender aborted the sync (its source or adapter chain raised); the message holds
+    the sender's reason."""
+
+
+class ReceiverFailedError(StreamsyncError):
+    """A receiver reported that it could not apply the sync; the message names the receiver
+    and holds its reason."""

@@ -1,0 +1,58 @@
+"""Reports returned by every sync: msgspec Structs, so they serialise for RPC and JSON."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["LoadResult", "SyncReport"]
+
+
+class LoadResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one sink (or one model instance of a sink) did with a sync."""
+
+    #: Names copied into the model.
+    loaded: tuple[str, ...] = ()
+    #: The model's names that the sync did not update.
+    missing: tuple[str, ...] = ()
+    #: Names received that this model does not have (non-strict sinks skip them).
+    unexpected: tuple[str, ...] = ()
+    #: Per model instance, for sinks that serve several (a main model and a drafter).
+    instances: dict[str, LoadResult] = {}
+
+
+class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The outcome of one sync on one side.
+
+    ``complete`` is false on the partial report attached to an exception: then ``loaded``
+    lists exactly what the receiving model was given before the sync failed.
+    """
+
+    sync_id: int
+    side: str
+    tensors: int
+    nbytes: int
+    buckets: int
+    seconds: float
+    #: Seconds per phase: sender ``source``/``pack``/``wait``/``end``; receiver
+    #: ``wait``/``prepare``/``load``/``finalize``.
+    phases: dict[str, float] = {}
+    complete: bool = True
+    loaded: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    instances: dict[str, LoadResult] = {}
+    receivers: int = 1
+
+    @property
+    def gbps(self) -> float:
+        """Payload gigabytes (1e9 bytes) per second, end to end."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        """One human line: tensors, bytes, seconds, GB/s."""
+        state = "ok" if self.complete else "PARTIAL"
+        return (
+            f"sync {self.sync_id} {self.side}: {self.tensors} tensors, "
+            f"{self.nbytes / 2**20:.1f} MiB in {self.buckets} buckets, "
+            f"{self.seconds:.3f} s, {self.gbps:.2f} GB/s [{state}]"
+        )

@@ -1,0 +1,123 @@
+"""Sinks: the receiver side's three-phase lifecycle.
+
+A sink has ``prepare()``, called once before the first bucket of a sync; ``load(tensors)``,
+called once per bucket with that bucket's complete tensors; and ``finalize()``, called once
+after the last bucket, which may return a :class:`~streamsync.LoadResult`. Each method may be
+a plain or an ``async`` function.
+
+**The tensors handed to ``load`` are views into a transport slot that is reused as soon as
+``load`` returns.** A sink must copy what it keeps; keeping a view is how an engine ends up
+with another bucket's bytes in its weights.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from streamsync.adapter import NamedTensor
+from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
+from streamsync.report import LoadResult
+
+__all__ = ["ModuleSink", "Sink", "call_phase"]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receiver-side target of a sync (plain or async methods)."""
+
+    def prepare(self) -> Any:
+        """Before the first bucket: get the model ready to be loaded."""
+
+    def load(self, tensors: Sequence[NamedTensor]) -> Any:
+        """One bucket's complete tensors. Views: copy what you keep."""
+
+    def finalize(self) -> Any:
+        """After the last bucket; may return a :class:`LoadResult`."""
+
+
+async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a sink method that may be plain or async."""
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def _shape(t: torch.Size | Sequence[int]) -> list[int]:
+    return list(t)
+
+
+class ModuleSink:
+    """Copies received tensors into a module's parameters and persistent buffers, in place,
+    by state-dict name.
+
+    Strict (the default): a name the module lacks, or a shape or dtype that differs from the
+    module's, raises an error naming the tensor, before anything of that bucket is applied.
+    With ``strict=False`` unknown names are skipped (reported as ``unexpected``) and dtypes
+    are converted; shapes must still match.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, strict: bool = True) -> None:
+        self.module = module
+        self.strict = strict
+        self._targets: dict[str, torch.Tensor] = {
+            name: t.detach() for name, t in module.state_dict(keep_vars=True).items()
+        }
+        # Tied weights share storage under several names: loading one loads them all.
+        by_storage: dict[tuple[int, tuple[int, ...], torch.dtype], list[str]] = {}
+        for name, t in self._targets.items():
+            if t.numel():
+                key = (t.data_ptr(), tuple(t.shape), t.dtype)
+                by_storage.setdefault(key, []).append(name)
+        self._aliases = {n: group for group in by_storage.values() for n in group}
+        self._loaded: set[str] = set()
+        self._unexpected: list[str] = []
+
+    def prepare(self) -> None:
+        self._loaded = set()
+        self._unexpected = []
+
+    def _unknown(self, name: str) -> UnknownTensorError:
+        close = difflib.get_close_matches(name, self._targets, n=3)
+        hint = f"; close matches: {', '.join(close)}" if close else ""
+        return UnknownTensorError(
+            f"tensor {name!r} is not a parameter or buffer of {type(self.module).__name__}{hint}"
+        )
+
+    def load(self, tensors: Sequence[NamedTensor]) -> None:
+        plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for name, src in tensors:
+            dst = self._targets.get(name)
+            if dst is None:
+                if self.strict:
+                    raise self._unknown(name)
+                self._unexpected.append(name)
+                continue
+            if dst.shape != src.shape:
+                raise ShapeMismatchError(
+                    f"tensor {name!r}: received shape {_shape(src.shape)}, "
+                    f"the module's is {_shape(dst.shape)}"
+                )
+            if dst.dtype != src.dtype and self.strict:
+                raise DtypeMismatchError(
+                    f"tensor {name!r}: received dtype {src.dtype}, the module's is {dst.dtype}"
+                )
+            plan.append((name, dst, src))
+        # Everything checked: now apply the whole bucket.
+        with torch.no_grad():
+            for name, dst, src in plan:
+                dst.copy_(src)
+                self._loaded.add(name)
+
+    def finalize(self) -> LoadResult:
+        done = {alias for name in self._loaded for alias in self._aliases.get(name, (name,))}
+        return LoadResult(
+            loaded=tuple(sorted(self._loaded)),
+            missing=tuple(sorted(n for n in self._targets if n not in done)),
+            unexpected=tuple(self._unexpected),
+        )

@@ -1,0 +1,120 @@
+"""Transports, chosen by URL so that swapping one is a configuration string.
+
+=================  ==========================================================
+``memory://NAME``  in-process, for tests (:mod:`streamsync.transports.memory`)
+=================  ==========================================================
+
+Further schemes register themselves with :func:`register`; a URL's query string holds the
+transport's options (``memory://demo?receivers=2&slots=3``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from streamsync.errors import ConfigError
+from streamsync.transports.base import Incoming, Receiver, Sender
+
+__all__ = [
+    "Endpoint",
+    "Incoming",
+    "Receiver",
+    "Sender",
+    "open_receiver",
+    "open_sender",
+    "parse_endpoint",
+    "register",
+    "schemes",
+]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A parsed transport URL."""
+
+    scheme: str
+    target: str
+    options: dict[str, str]
+
+    def int_option(self, key: str, default: int) -> int:
+        raw = self.options.get(key)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{self.scheme}://{self.target}: option {key}={raw!r} is not an integer"
+            ) from None
+
+
+SenderFactory = Callable[[Endpoint, dict[str, Any]], Sender]
+ReceiverFactory = Callable[[Endpoint, dict[str, Any]], Receiver]
+
+_registry: dict[str, tuple[SenderFactory, ReceiverFactory]] = {}
+
+
+def register(scheme: str, sender: SenderFactory, receiver: ReceiverFactory) -> None:
+    """Make ``scheme://`` URLs open ``sender``/``receiver`` (a user's own transport too)."""
+    _registry[scheme] = (sender, receiver)
+
+
+def schemes() -> list[str]:
+    """The URL schemes that can be opened."""
+    _load_builtin()
+    return sorted(_registry)
+
+
+def parse_endpoint(url: str) -> Endpoint:
+    """Split a transport URL into scheme, target and options."""
+    parts = urlsplit(url)
+    if not parts.scheme or "://" not in url:
+        raise ConfigError(f"endpoint {url!r} is not a URL; valid forms: {_forms()}")
+    target = parts.netloc + parts.path
+    if not target:
+        raise ConfigError(f"endpoint {url!r} names no channel; valid forms: {_forms()}")
+    return Endpoint(parts.scheme, target, dict(parse_qsl(parts.query)))
+
+
+def _forms() -> str:
+    return ", ".join(f"{s}://..." for s in schemes())
+
+
+def _factories(url: str) -> tuple[Endpoint, tuple[SenderFactory, ReceiverFactory]]:
+    _load_builtin()
+    endpoint = parse_endpoint(url)
+    try:
+        return endpoint, _registry[endpoint.scheme]
+    except KeyError:
+        raise ConfigError(
+            f"unknown transport {endpoint.scheme!r} in {url!r}; known: {', '.join(schemes())}"
+        ) from None
+
+
+def open_sender(url: str, **kwargs: Any) -> Sender:
+    """A sender for ``url`` (not yet opened: use ``async with``)."""
+    endpoint, (factory, _) = _factories(url)
+    return factory(endpoint, kwargs)
+
+
+def open_receiver(url: str, **kwargs: Any) -> Receiver:
+    """A receiver for ``url`` (not yet opened: use ``async with``)."""
+    endpoint, (_, factory) = _factories(url)
+    return factory(endpoint, kwargs)
+
+
+_loaded = False
+
+
+def _load_builtin() -> None:
+    # Each transport module registers itself; heavy ones import their dependencies lazily.
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from streamsync.transports import memory
+
+    register("memory", memory.sender_from_url, memory.receiver_from_url)

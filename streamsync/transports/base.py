@@ -1,0 +1,127 @@
+"""The transport ABC pair: :class:`Sender` and :class:`Receiver`.
+
+A transport moves buckets from one sender to one or more receivers through a ring of slots.
+The sender packs a bucket into a free slot and announces it; each receiver reads it, hands
+the tensors to its sink and acknowledges the slot, which the sender may reuse once every
+receiver has acknowledged it. After the last bucket the sender announces the end of the sync
+and waits for every receiver's report.
+
+Both sides are async context managers and every wait takes a timeout. Using a side after
+*this* process closed it raises :class:`~streamsync.ClosedError`; the peer going away raises
+:class:`~streamsync.PeerBrokenError`; the peer closing cleanly between syncs ends the
+receiver's iteration (:class:`~streamsync.EndOfStream` from :meth:`Receiver.receive`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import torch
+
+from streamsync.bucket import Bucket
+from streamsync.errors import EndOfStream
+from streamsync.wire import Abort, BucketHeader, Done, End, Failed
+
+__all__ = ["Incoming", "Receiver", "Sender"]
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """What a receiver got: a bucket header with its bytes (a uint8 view of the slot, valid
+    until :meth:`Receiver.release`), the end of a sync, or the sender's abort."""
+
+    message: BucketHeader | End | Abort
+    data: torch.Tensor | None = None
+
+
+class _Resource(ABC):
+    _closed = False
+    _opened = False
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        self._opened = True
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Acquire resources and meet the peer (called by ``async with``)."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release every resource this side holds; idempotent."""
+
+    def __del__(self) -> None:
+        if self._opened and not self._closed:
+            warnings.warn(
+                f"{type(self).__name__} was not closed; use 'async with' or await aclose()",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
+
+class Sender(_Resource):
+    """Send side of a channel."""
+
+    #: Number of receivers every bucket goes to.
+    receivers: int = 1
+    #: Largest bucket one slot holds.
+    slot_bytes: int
+
+    @abstractmethod
+    async def send(
+        self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
+    ) -> None:
+        """Wait (up to ``timeout`` seconds) for a free slot, pack ``bucket`` into it and
+        announce it to every receiver."""
+
+    @abstractmethod
+    async def end(self, end: End, *, timeout: float) -> list[Done]:
+        """Announce the end of a sync and wait for every receiver's report.
+
+        Raises :class:`~streamsync.ReceiverFailedError` if any receiver failed.
+        """
+
+    @abstractmethod
+    async def abort(self, abort: Abort) -> None:
+        """Tell every receiver the sync is abandoned (best effort, never blocks long)."""
+
+
+class Receiver(_Resource):
+    """Receive side of a channel; async-iterating it yields :class:`Incoming` messages."""
+
+    @abstractmethod
+    async def receive(self, *, timeout: float) -> Incoming:
+        """The next bucket, end or abort. Raises :class:`~streamsync.EndOfStream` when the
+        sender closed the channel between syncs."""
+
+    @abstractmethod
+    async def release(self, header: BucketHeader) -> None:
+        """Give the bucket's slot back to the sender (its views become invalid)."""
+
+    @abstractmethod
+    async def reply(self, report: Done | Failed) -> None:
+        """Send this receiver's report of a sync back to the sender."""
+
+    #: Timeout used when the receiver is async-iterated.
+    iter_timeout: float = 60.0
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Incoming:
+        try:
+            return await self.receive(timeout=self.iter_timeout)
+        except EndOfStream:
+            raise StopAsyncIteration from None

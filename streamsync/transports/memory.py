@@ -1,0 +1,217 @@
+"""``memory://NAME``: an in-process transport for tests and single-process setups.
+
+It runs the same slot-ring protocol as the process transports (bounded ring, per-slot acks,
+fan-out, end-of-sync reports), so a slow receiver applies backpressure exactly as it would
+over shared memory. Sender and receivers meet by name within one process.
+
+URL options: ``receivers`` (default 1), ``slots`` (default 2), ``slot_bytes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from streamsync.bucket import allocate_slot
+from streamsync.errors import ConfigError, EndOfStream, PeerBrokenError, SyncTimeoutError
+from streamsync.transports.ring import RingReceiver, RingSender
+from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
+
+if TYPE_CHECKING:
+    from streamsync.transports import Endpoint
+
+__all__ = ["MemoryReceiver", "MemorySender"]
+
+_Inbox = tuple[MemoryObjectSendStream[Message], MemoryObjectReceiveStream[Message]]
+
+
+@dataclass
+class _Channel:
+    name: str
+    sender: MemorySender | None = None
+    inboxes: list[_Inbox] = field(default_factory=list)
+    receivers: list[MemoryReceiver | None] = field(default_factory=list)
+    joined: anyio.Event | None = None
+
+
+_channels: dict[str, _Channel] = {}
+
+
+def _channel(name: str) -> _Channel:
+    chan = _channels.get(name)
+    if chan is None:
+        chan = _channels[name] = _Channel(name)
+    return chan
+
+
+def _forget_if_unused(chan: _Channel) -> None:
+    if chan.sender is None and not any(chan.receivers) and _channels.get(chan.name) is chan:
+        del _channels[chan.name]
+
+
+class MemorySender(RingSender):
+    """Sender side of ``memory://NAME``."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        receivers: int = 1,
+        slots: int = 2,
+        slot_bytes: int = 64 << 20,
+        connect_timeout: float = 60.0,
+    ) -> None:
+        if receivers < 1:
+            raise ConfigError(f"memory://{name}: receivers={receivers}; need at least 1")
+        super().__init__(slots=slots, receivers=receivers, slot_bytes=slot_bytes)
+        self.name = name
+        self.connect_timeout = connect_timeout
+        self._slots: list[torch.Tensor] = []
+        self._chan: _Channel | None = None
+
+    async def open(self) -> None:
+        chan = _channel(self.name)
+        if chan.sender is not None:
+            raise ConfigError(f"memory://{self.name} already has a sender")
+        chan.sender = self
+        self._chan = chan
+        # Allocated once and reused by every sync on this channel.
+        self._slots = [allocate_slot(self.slot_bytes) for _ in range(self.ring.slots)]
+
+    async def _await_receivers(self, timeout: float) -> None:
+        chan = self._chan
+        assert chan is not None
+        with anyio.move_on_after(min(timeout, self.connect_timeout)):
+            while len(chan.receivers) < self.receivers:
+                chan.joined = anyio.Event()
+                await chan.joined.wait()
+        if len(chan.receivers) < self.receivers:
+            raise SyncTimeoutError(
+                f"memory://{self.name}: {len(chan.receivers)} of {self.receivers} receivers "
+                f"joined within {min(timeout, self.connect_timeout):g} s"
+            )
+        if len(chan.receivers) > self.receivers:
+            raise ConfigError(
+                f"memory://{self.name}: {len(chan.receivers)} receivers joined; the sender "
+                f"expects receivers={self.receivers}"
+            )
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self._slots[index]
+
+    async def _publish(
+        self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
+    ) -> None:
+        assert self._chan is not None
+        for index, (send, _) in enumerate(self._chan.inboxes[: self.receivers]):
+            try:
+                send.send_nowait(msg)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self.on_broken(PeerBrokenError(f"memory://{self.name}: receiver {index} is gone"))
+                self._check()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        chan = self._chan
+        if chan is not None and chan.sender is self:
+            for send, _ in chan.inboxes:
+                with contextlib.suppress(
+                    anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock
+                ):
+                    send.send_nowait(Bye("sender closed"))
+                send.close()
+            chan.sender = None
+            chan.inboxes = []
+            chan.receivers = []
+            _forget_if_unused(chan)
+        self._slots = []
+        self._closed = True
+
+
+class MemoryReceiver(RingReceiver):
+    """Receiver side of ``memory://NAME``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._chan: _Channel | None = None
+        self._inbox: MemoryObjectReceiveStream[Message] | None = None
+
+    async def open(self) -> None:
+        chan = _channel(self.name)
+        send, recv = anyio.create_memory_object_stream[Message](math.inf)
+        self.index = len(chan.receivers)
+        chan.receivers.append(self)
+        chan.inboxes.append((send, recv))
+        self._chan = chan
+        self._inbox = recv
+        if chan.joined is not None:
+            chan.joined.set()
+
+    async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
+        assert self._inbox is not None and self._chan is not None
+        while True:
+            try:
+                with anyio.fail_after(timeout):
+                    msg = await self._inbox.receive()
+            except TimeoutError:
+                raise SyncTimeoutError(
+                    f"memory://{self.name}: nothing from the sender within {timeout:g} s"
+                ) from None
+            except anyio.EndOfStream:
+                raise EndOfStream(f"memory://{self.name}: sender closed the channel") from None
+            if not isinstance(msg, BucketHeader):
+                return msg, None
+            sender = self._chan.sender
+            if sender is not None:
+                return msg, sender.slot(msg.slot) if 0 <= msg.slot < sender.ring.slots else None
+            # The sender left with this bucket in flight (its slots are gone); what it said
+            # last, an abort or a goodbye, follows in the inbox.
+
+    async def _post(self, msg: Ack | Done | Failed) -> None:
+        chan = self._chan
+        # Like a socket whose peer left: the reply is dropped here, and what the sender said
+        # last (its abort, its goodbye) is read from the inbox by the next receive.
+        if chan is not None and chan.sender is not None:
+            chan.sender.on_reply(msg)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        chan = self._chan
+        if chan is None:
+            return
+        if chan.sender is not None:
+            chan.sender.on_reply(Bye("receiver closed", self.index))
+        if self in chan.receivers:
+            chan.receivers[chan.receivers.index(self)] = None
+        if not any(chan.receivers):
+            # Nobody listens any more: the next receivers start a fresh roster.
+            chan.receivers = []
+            chan.inboxes = []
+        if self._inbox is not None:
+            self._inbox.close()
+        _forget_if_unused(chan)
+
+
+def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> MemorySender:
+    """``memory://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override."""
+    opts: dict[str, Any] = {
+        "receivers": endpoint.int_option("receivers", 1),
+        "slots": endpoint.int_option("slots", 2),
+        "slot_bytes": endpoint.int_option("slot_bytes", 64 << 20),
+    }
+    opts.update(kwargs)
+    return MemorySender(endpoint.target, **opts)
+
+
+def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> MemoryReceiver:
+    """``memory://NAME``."""
+    return MemoryReceiver(endpoint.target, **kwargs)

@@ -1,0 +1,289 @@
+"""The slot-ring protocol every transport shares: slot accounting with per-receiver acks,
+receivers' reports, failure propagation. Transports add only how bytes and messages move.
+
+A transport subclasses :class:`RingSender` and implements ``_publish`` (deliver a message and,
+for buckets, its slot to every receiver), then feeds what receivers send back into
+:meth:`RingSender.on_reply` and a lost link into :meth:`RingSender.on_broken`. Receivers
+subclass :class:`RingReceiver` and implement ``_next`` and ``_post``.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from collections.abc import Callable
+
+import anyio
+import torch
+
+from streamsync.bucket import Bucket
+from streamsync.errors import (
+    ClosedError,
+    EndOfStream,
+    PeerBrokenError,
+    ReceiverFailedError,
+    StreamsyncError,
+    SyncInProgressError,
+    SyncTimeoutError,
+    WireFormatError,
+)
+from streamsync.transports.base import Incoming, Receiver, Sender
+from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
+
+__all__ = ["RingReceiver", "RingSender", "SlotRing"]
+
+
+class _Signal:
+    """A level-triggered wake-up for waiters that re-check a condition (anyio has no
+    condition variable without a lock)."""
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait_until(self, ready: Callable[[], bool], *, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SyncTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+            if self._event is None:
+                self._event = anyio.Event()
+            with anyio.move_on_after(remaining):
+                await self._event.wait()
+
+
+class SlotRing:
+    """Which slots are free: a slot is free again when every receiver acknowledged it."""
+
+    def __init__(self, slots: int, receivers: int) -> None:
+        if slots < 1:
+            raise ValueError(f"slots={slots}; a ring needs at least 1 slot")
+        self.slots = slots
+        self.receivers = receivers
+        self._owed: list[set[int]] = [set() for _ in range(slots)]
+        self._owner: list[tuple[int, int] | None] = [None] * slots
+        self._cursor = 0
+
+    def take(self, sync_id: int, seq: int) -> int | None:
+        """A free slot, now owed an ack by every receiver, or ``None``."""
+        for step in range(self.slots):
+            slot = (self._cursor + step) % self.slots
+            if not self._owed[slot]:
+                self._owed[slot] = set(range(self.receivers))
+                self._owner[slot] = (sync_id, seq)
+                self._cursor = (slot + 1) % self.slots
+                return slot
+        return None
+
+    def ack(self, ack: Ack) -> None:
+        """Record a receiver's ack; an ack for a slot that holds another bucket is an error."""
+        if not 0 <= ack.slot < self.slots:
+            raise WireFormatError(f"receiver {ack.receiver} acked slot {ack.slot} of {self.slots}")
+        if self._owner[ack.slot] != (ack.sync_id, ack.seq):
+            raise WireFormatError(
+                f"receiver {ack.receiver} acked bucket {ack.seq} of sync {ack.sync_id} in slot "
+                f"{ack.slot}, which holds {self._owner[ack.slot]}"
+            )
+        self._owed[ack.slot].discard(ack.receiver)
+
+    def reset(self) -> None:
+        """Forget every outstanding ack (after a failed sync nobody will ack)."""
+        self._owed = [set() for _ in range(self.slots)]
+        self._owner = [None] * self.slots
+
+    @property
+    def busy(self) -> int:
+        """Slots still waiting for acks."""
+        return sum(1 for owed in self._owed if owed)
+
+
+class RingSender(Sender):
+    """Sender half of the ring protocol; transports provide the slots and the messaging."""
+
+    def __init__(self, *, slots: int, receivers: int, slot_bytes: int) -> None:
+        self.receivers = receivers
+        self.slot_bytes = slot_bytes
+        self.ring = SlotRing(slots, receivers)
+        self._signal = _Signal()
+        self._broken: StreamsyncError | None = None
+        self._reports: dict[int, Done | Failed] = {}
+        self._sync_id: int | None = None
+        self._failed: Failed | None = None
+        self._departed: dict[int, str] = {}
+        self._closed = False
+
+    # -- transport hooks ---------------------------------------------------------------
+    @abstractmethod
+    def slot(self, index: int) -> torch.Tensor:
+        """The writable uint8 buffer of slot ``index``."""
+
+    @abstractmethod
+    async def _publish(
+        self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
+    ) -> None:
+        """Deliver ``msg`` (and a bucket's packed bytes) to every receiver."""
+
+    async def _await_receivers(self, timeout: float) -> None:
+        """Wait until every receiver has joined (transports with a rendezvous override)."""
+
+    def on_reply(self, msg: Message) -> None:
+        """Feed a message a receiver sent back (transports call this)."""
+        if isinstance(msg, Ack):
+            try:
+                self.ring.ack(msg)
+            except WireFormatError as exc:
+                self.on_broken(exc)
+        elif isinstance(msg, Done | Failed):
+            if msg.sync_id == self._sync_id:
+                self._reports[msg.receiver] = msg
+                if isinstance(msg, Failed) and self._failed is None:
+                    self._failed = msg
+        elif isinstance(msg, Bye):
+            # A receiver that already reported on this sync may leave without breaking it;
+            # the next sync needs every receiver, so it will fail (see _check).
+            self._departed[msg.receiver] = msg.reason or "bye"
+        else:
+            self.on_broken(WireFormatError(f"receiver sent an unexpected {type(msg).__name__}"))
+        self._signal.notify()
+
+    def on_broken(self, exc: StreamsyncError) -> None:
+        """The link to a receiver is gone (transports call this)."""
+        if self._broken is None:
+            self._broken = exc
+        self._signal.notify()
+
+    # -- protocol ----------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+        if self._failed is not None:
+            raise _receiver_failed(self._failed)
+        if self._broken is not None:
+            raise self._broken
+        for index, reason in self._departed.items():
+            if index not in self._reports:
+                raise PeerBrokenError(f"receiver {index} closed the channel: {reason}")
+
+    async def send(
+        self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
+    ) -> None:
+        if seq == 0:
+            self._begin(sync_id)
+            self._check()
+            await self._await_receivers(timeout)
+        self._check()
+        if bucket.nbytes > self.slot_bytes:
+            raise StreamsyncError(
+                f"bucket of {bucket.nbytes} bytes does not fit a slot of {self.slot_bytes}"
+            )
+        taken: list[int] = []
+
+        def ready() -> bool:
+            self._check()
+            slot = self.ring.take(sync_id, seq)
+            if slot is not None:
+                taken.append(slot)
+            return slot is not None
+
+        await self._signal.wait_until(
+            ready, timeout=timeout, what=f"a free slot for bucket {seq} (receivers did not ack)"
+        )
+        slot = taken[0]
+        buf = self.slot(slot)
+        entries = bucket.pack_into(buf, checksum=checksum)
+        header = BucketHeader(sync_id, seq, slot, bucket.nbytes, tuple(entries))
+        await self._publish(header, buf[: bucket.nbytes])
+
+    def _begin(self, sync_id: int) -> None:
+        if self._sync_id is not None:
+            raise SyncInProgressError(
+                f"sync {sync_id} started while sync {self._sync_id} is still running "
+                "on this channel"
+            )
+        self._sync_id = sync_id
+        self._reports = {}
+        self._failed = None
+
+    async def end(self, end: End, *, timeout: float) -> list[Done]:
+        try:
+            if end.buckets == 0:
+                self._begin(end.sync_id)
+                self._check()
+                await self._await_receivers(timeout)
+            self._check()
+            await self._publish(end, None)
+
+            def ready() -> bool:
+                if len(self._reports) >= self.receivers:
+                    return True
+                self._check()
+                return False
+
+            await self._signal.wait_until(
+                ready,
+                timeout=timeout,
+                what=f"the reports of {self.receivers} receiver(s) on sync {end.sync_id}",
+            )
+            if self._failed is not None:
+                raise _receiver_failed(self._failed)
+            return [r for r in self._reports.values() if isinstance(r, Done)]
+        finally:
+            self._finish_sync()
+
+    async def abort(self, abort: Abort) -> None:
+        try:
+            if not self._closed and self._broken is None:
+                with anyio.move_on_after(1.0):
+                    await self._publish(abort, None)
+        finally:
+            self._finish_sync()
+
+    def _finish_sync(self) -> None:
+        self._sync_id = None
+        self.ring.reset()
+
+
+class RingReceiver(Receiver):
+    """Receiver half of the ring protocol; transports provide ``_next`` and ``_post``."""
+
+    index: int = 0
+
+    @abstractmethod
+    async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
+        """The next message from the sender and, for a bucket, its bytes. Raises
+        ``EndOfStream`` if the sender closed cleanly, ``PeerBrokenError`` if it vanished."""
+
+    @abstractmethod
+    async def _post(self, msg: Ack | Done | Failed) -> None:
+        """Send ``msg`` to the sender."""
+
+    async def receive(self, *, timeout: float) -> Incoming:
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+        msg, data = await self._next(timeout=timeout)
+        if isinstance(msg, Bye):
+            raise EndOfStream(f"sender closed the channel: {msg.reason or 'bye'}")
+        if not isinstance(msg, BucketHeader | End | Abort):
+            raise WireFormatError(f"sender sent an unexpected {type(msg).__name__}")
+        if isinstance(msg, BucketHeader) and data is None:
+            raise WireFormatError(
+                f"bucket {msg.seq} of sync {msg.sync_id} arrived without its bytes"
+            )
+        return Incoming(msg, data)
+
+    async def release(self, header: BucketHeader) -> None:
+        await self._post(Ack(header.sync_id, header.seq, header.slot, self.index))
+
+    async def reply(self, report: Done | Failed) -> None:
+        await self._post(report)
+
+
+def _receiver_failed(failed: Failed) -> ReceiverFailedError:
+    return ReceiverFailedError(
+        f"receiver {failed.receiver} failed sync {failed.sync_id}: {failed.error}: {failed.message}"
+    )

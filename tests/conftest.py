@@ -1,0 +1,71 @@
+"""Shared test helpers: small tensors of every dtype the wire carries."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+# Every dtype vLLM uses on the wire, including the fp8 formats and bool.
+WIRE_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float64,
+]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random values of ``dtype`` with arbitrary bit patterns where the dtype allows."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        # Random bytes reinterpreted: covers every fp8 bit pattern except NaNs we'd not compare.
+        raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+        return raw.view(dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(
+        max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=gen, dtype=torch.int64
+    ).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN payloads included), dtype and shape included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.contiguous(), b.contiguous()
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def run_both(**sides: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+    """Run each side concurrently; returns each one's result or the exception it raised."""
+    out: dict[str, Any] = {}
+
+    async def run(key: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            out[key] = await fn()
+        except Exception as exc:
+            out[key] = exc
+
+    async with anyio.create_task_group() as tg:
+        for key, fn in sides.items():
+            tg.start_soon(run, key, fn)
+    return out

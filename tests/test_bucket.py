@@ -1,0 +1,243 @@
+"""The bucket format: alignment, every dtype, chunking, validation of untrusted headers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import WIRE_DTYPES, random_tensor, same_bits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamsync.bucket import ALIGN, BucketBuilder, Unpacker
+from streamsync.errors import (
+    ChecksumError,
+    ConfigError,
+    DuplicateTensorError,
+    WireFormatError,
+)
+from streamsync.wire import BucketHeader, End, Entry
+
+
+def roundtrip(
+    tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int, *, checksum: bool = False
+) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """Pack through the builder, unpack through the unpacker; returns copies and #buckets."""
+    builder = BucketBuilder(bucket_bytes)
+    buckets = [b for name, t in tensors for b in builder.add(name, t)]
+    last = builder.flush()
+    if last is not None:
+        buckets.append(last)
+    unpacker = Unpacker()
+    unpacker.begin(7)
+    out: list[tuple[str, torch.Tensor]] = []
+    total = 0
+    slot = torch.empty(bucket_bytes, dtype=torch.uint8)  # reused, as transports do
+    for seq, bucket in enumerate(buckets):
+        assert bucket.nbytes <= bucket_bytes
+        slot.fill_(0xA5)
+        entries = bucket.pack_into(slot, checksum=checksum)
+        header = BucketHeader(7, seq, 0, bucket.nbytes, tuple(entries))
+        out.extend((n, t.clone()) for n, t in unpacker.feed(header, slot))
+        total += bucket.nbytes
+    tensor_count = sum(b.tensors for b in buckets)
+    unpacker.finish(End(7, len(buckets), tensor_count, total))
+    return out, len(buckets)
+
+
+def test_odd_bf16_then_fp32_is_aligned() -> None:
+    # A bf16 tensor of odd length followed by an fp32 one: the case that crashes verl.
+    a = torch.randn(3).to(torch.bfloat16)
+    b = torch.randn(5)
+    builder = BucketBuilder(4096)
+    assert list(builder.add("a", a)) == []
+    assert list(builder.add("b", b)) == []
+    bucket = builder.flush()
+    assert bucket is not None
+    assert [e.offset % ALIGN for e in bucket.entries] == [0, 0]
+    assert bucket.entries[1].offset == ALIGN
+    out, _ = roundtrip([("a", a), ("b", b)], 4096)
+    assert same_bits(out[0][1], a) and same_bits(out[1][1], b)
+
+
+@pytest.mark.parametrize("dtype", WIRE_DTYPES, ids=str)
+def test_every_dtype_roundtrips_bit_exactly(dtype: torch.dtype) -> None:
+    tensors = [
+        ("odd", random_tensor((7,), dtype, 1)),
+        ("matrix", random_tensor((5, 3), dtype, 2)),
+        ("scalar", random_tensor((), dtype, 3)),
+        ("empty", random_tensor((0, 4), dtype, 4)),
+        ("big", random_tensor((1100,), dtype, 5)),  # > 1 KiB even at 1 byte: chunked
+    ]
+    out, nbuckets = roundtrip(tensors, 1024, checksum=True)
+    assert [n for n, _ in out] == [n for n, _ in tensors]
+    for (_, got), (name, want) in zip(out, tensors, strict=True):
+        assert same_bits(got, want), name
+    assert nbuckets >= 2
+
+
+def test_non_contiguous_inputs_roundtrip() -> None:
+    base = torch.randn(8, 6)
+    views = [("t", base.t()), ("step", base[:, ::2]), ("big_t", torch.randn(40, 30).t())]
+    out, _ = roundtrip(views, 1024)
+    for (_, got), (_, want) in zip(out, views, strict=True):
+        assert got.is_contiguous()
+        assert torch.equal(got, want)
+
+
+def test_oversize_tensor_is_chunked_and_reassembled() -> None:
+    big = torch.arange(10_000, dtype=torch.float32)
+    out, nbuckets = roundtrip(
+        [("small", torch.ones(3)), ("big", big), ("after", torch.zeros(2))], 4096
+    )
+    assert nbuckets >= 10
+    assert torch.equal(dict(out)["big"], big)
+    assert [n for n, _ in out] == ["small", "big", "after"]
+
+
+def test_first_chunk_fills_the_current_bucket() -> None:
+    builder = BucketBuilder(4096)
+    list(builder.add("small", torch.ones(16)))  # 64 bytes used
+    full = list(builder.add("big", torch.zeros(3000)))  # 12000 bytes
+    assert full[0].entries[0].name == "small"
+    assert full[0].entries[1].chunk == 0 and full[0].entries[1].nbytes == 4096 - 64
+
+
+def test_fused_cast_converts_while_packing() -> None:
+    src = torch.randn(100, dtype=torch.float32)
+    builder = BucketBuilder(1024, cast=lambda name, t: torch.bfloat16)
+    buckets = list(builder.add("w", src))
+    last = builder.flush()
+    buckets += [last] if last else []
+    assert {e.dtype for b in buckets for e in b.entries} == {"bfloat16"}
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    got = None
+    for seq, b in enumerate(buckets):
+        packed = b.pack()
+        for _, t in unpacker.feed(BucketHeader(1, seq, 0, b.nbytes, packed.entries), packed.data):
+            got = t.clone()
+    assert got is not None and same_bits(got, src.to(torch.bfloat16))
+
+
+def test_bucket_size_below_minimum_is_refused() -> None:
+    with pytest.raises(ConfigError, match="at least 1024"):
+        BucketBuilder(512)
+
+
+def _header(entries: tuple[Entry, ...], nbytes: int = 256, seq: int = 0) -> BucketHeader:
+    return BucketHeader(1, seq, 0, nbytes, entries)
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        (Entry("x", "float32", (1000,), 0, 4000), "outside its bucket"),
+        (Entry("x", "float32", (4,), 8, 16), "unaligned"),
+        (Entry("x", "float32", (5,), 0, 16), "needs 20"),
+        (Entry("x", "complex256", (1,), 0, 4), "unknown dtype"),
+        (Entry("x", "float32", (-1, 4), 0, 16), "negative"),
+        (Entry("x", "float32", (1 << 40, 1 << 20), 0, 16), "limit"),
+        (Entry("x", "float32", (4,), 0, 16, 3, 2), "chunk 3 of 2"),
+        (Entry("x", "float32", (8,), 0, 16, 1, 2, 16), "out of order"),
+    ],
+)
+def test_untrusted_header_is_rejected_naming_the_tensor(entry: Entry, match: str) -> None:
+    unpacker = Unpacker(max_tensor_bytes=1 << 30)
+    unpacker.begin(1)
+    with pytest.raises(WireFormatError, match=match) as info:
+        unpacker.feed(_header((entry,)), torch.zeros(256, dtype=torch.uint8))
+    assert "x" in str(info.value) or "dtype" in str(info.value)
+
+
+def test_header_larger_than_slot_is_rejected() -> None:
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    with pytest.raises(WireFormatError, match="slot holds 256"):
+        unpacker.feed(_header((), nbytes=10_000), torch.zeros(256, dtype=torch.uint8))
+
+
+def test_checksum_mismatch_names_the_tensor() -> None:
+    builder = BucketBuilder(1024)
+    list(builder.add("w", torch.ones(8)))
+    bucket = builder.flush()
+    assert bucket is not None
+    slot = torch.zeros(1024, dtype=torch.uint8)
+    entries = bucket.pack_into(slot, checksum=True)
+    slot[3] ^= 0xFF
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    with pytest.raises(ChecksumError, match="'w'"):
+        unpacker.feed(_header(tuple(entries), bucket.nbytes), slot)
+
+
+def test_duplicate_name_in_one_sync_is_refused() -> None:
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    data = torch.zeros(256, dtype=torch.uint8)
+    entry = Entry("w", "float32", (4,), 0, 16)
+    unpacker.feed(_header((entry,)), data)
+    with pytest.raises(DuplicateTensorError, match="'w'"):
+        unpacker.feed(_header((entry,), seq=1), data)
+
+
+def test_end_counts_must_match() -> None:
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    unpacker.feed(
+        _header((Entry("w", "float32", (4,), 0, 16),), 16), torch.zeros(256, dtype=torch.uint8)
+    )
+    with pytest.raises(WireFormatError, match="sent 2 buckets"):
+        unpacker.finish(End(1, 2, 1, 16))
+    unpacker.finish(End(1, 1, 1, 16))
+
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.sampled_from(WIRE_DTYPES), shapes, st.booleans()), max_size=12),
+    bucket_bytes=st.integers(1024, 4096),
+    big=st.integers(0, 2000),
+)
+def test_bucket_format_property(
+    specs: list[tuple[torch.dtype, tuple[int, ...], bool]], bucket_bytes: int, big: int
+) -> None:
+    tensors = []
+    for i, (dtype, shape, transpose) in enumerate(specs):
+        t = random_tensor(shape, dtype, i)
+        if transpose and t.dim() >= 2:
+            t = t.transpose(0, 1)
+        tensors.append((f"t{i}", t))
+    tensors.append(("big", random_tensor((big,), torch.float32, 99)))
+    out, _ = roundtrip(tensors, bucket_bytes, checksum=True)
+    assert [n for n, _ in out] == [n for n, _ in tensors]
+    for (_, got), (_, want) in zip(out, tensors, strict=True):
+        assert same_bits(got, want)
+
+
+def test_chunked_tensor_never_starts_where_another_ends() -> None:
+    # Two chunked tensors back to back: the second must begin in a fresh bucket, since the
+    # receiver hands the first to the sink from its one staging buffer.
+    tensors = [("a", torch.arange(300.0)), ("b", torch.arange(300.0) + 1000)]
+    out, _ = roundtrip(tensors, 1024)
+    assert torch.equal(dict(out)["a"], tensors[0][1]) and torch.equal(dict(out)["b"], tensors[1][1])
+
+
+def test_unpacker_refuses_chunk_starting_where_another_ends() -> None:
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    data = torch.zeros(1024, dtype=torch.uint8)
+    unpacker.feed(_header((Entry("a", "float32", (8,), 0, 16, 0, 2, 0),), 1024), data)
+    with pytest.raises(WireFormatError, match="'b' starts in the bucket"):
+        unpacker.feed(
+            _header(
+                (
+                    Entry("a", "float32", (8,), 0, 16, 1, 2, 16),
+                    Entry("b", "float32", (8,), 64, 16, 0, 2, 0),
+                ),
+                1024,
+                seq=1,
+            ),
+            data,
+        )

@@ -1,0 +1,254 @@
+"""Send/receive over ``memory://``: round trip, backpressure, fan-out, timeouts, failures."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from conftest import run_both
+
+import streamsync as ss
+from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink, fake_state_dict
+from streamsync.transports.memory import MemoryReceiver, MemorySender
+
+
+class Recorder:
+    """A sink that keeps copies and can be slowed down."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.items: list[tuple[str, torch.Tensor]] = []
+        self.phases: list[str] = []
+
+    async def prepare(self) -> None:
+        self.phases.append("prepare")
+
+    async def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.phases.append("load")
+        if self.delay:
+            await anyio.sleep(self.delay)
+        self.items.extend((n, t.clone()) for n, t in tensors)
+
+    def finalize(self) -> None:
+        self.phases.append("finalize")
+
+
+async def run_pair(
+    weights: object, url: str, sink: object, **send_kw: object
+) -> tuple[ss.SyncReport, ss.SyncReport]:
+    out: dict[str, ss.SyncReport] = {}
+
+    async def rx() -> None:
+        out["rx"] = await ss.receive(url, sink, timeout=5)  # type: ignore[arg-type]
+
+    async def tx() -> None:
+        out["tx"] = await ss.send(weights, url, timeout=5, **send_kw)  # type: ignore[arg-type]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rx)
+        tg.start_soon(tx)
+    return out["tx"], out["rx"]
+
+
+async def test_round_trip_reports_and_phases() -> None:
+    weights = fake_state_dict()
+    sink = Recorder()
+    tx, rx = await run_pair(weights, "memory://rt", sink, bucket_bytes=8192)
+    assert [n for n, _ in sink.items] == list(weights)
+    for name, t in sink.items:
+        assert torch.equal(t, weights[name])
+    assert sink.phases[0] == "prepare" and sink.phases[-1] == "finalize"
+    assert sink.phases.count("load") == tx.buckets == rx.buckets > 1
+    assert tx.nbytes == rx.nbytes and tx.tensors == rx.tensors == len(weights)
+    assert tx.complete and rx.complete
+
+
+async def test_into_a_vllm_style_model_stacks_qkv() -> None:
+    cfg = FakeConfig()
+    weights = fake_state_dict(cfg)
+    model = FakeVllmModel(cfg)
+    _, rx = await run_pair(weights, "memory://vllm", LoadWeightsSink(model), bucket_bytes=4096)
+    assert rx.missing == ()
+    qkv = model.named_weights()["model.layers.0.self_attn.qkv_proj.weight"]
+    want = torch.cat([weights[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv, want)
+
+
+async def test_slow_receiver_applies_backpressure() -> None:
+    # 2 slots: the sender can be at most 2 buckets ahead of the receiver's acks.
+    weights = {f"t{i}": torch.full((200,), float(i)) for i in range(10)}  # 800 B each
+    sink = Recorder(delay=0.02)
+    ahead: list[int] = []
+    sender = MemorySender("bp", slots=2, slot_bytes=1024)
+    receiver = MemoryReceiver("bp")
+
+    async def rx() -> None:
+        async with receiver:
+            await ss.receive(receiver, sink, timeout=5)
+
+    async def tx() -> None:
+        async with sender:
+            original = sender._publish
+
+            async def spy(msg, payload):  # type: ignore[no-untyped-def]
+                ahead.append(sender.ring.busy)
+                await original(msg, payload)
+
+            sender._publish = spy  # type: ignore[method-assign]
+            await ss.send(weights, sender, timeout=5)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rx)
+        tg.start_soon(tx)
+    assert max(ahead) == 2  # never more slots in flight than the ring has
+    assert len(sink.items) == 10
+
+
+async def test_fan_out_to_two_receivers() -> None:
+    weights = fake_state_dict()
+    sinks = [Recorder(), Recorder(delay=0.001)]
+    reports: list[ss.SyncReport] = []
+
+    async def rx(sink: Recorder) -> None:
+        reports.append(await ss.receive("memory://fan", sink, timeout=5))
+
+    async def tx() -> None:
+        reports.append(
+            await ss.send(weights, "memory://fan?receivers=2", bucket_bytes=4096, timeout=5)
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rx, sinks[0])
+        tg.start_soon(rx, sinks[1])
+        tg.start_soon(tx)
+    for sink in sinks:
+        assert [n for n, _ in sink.items] == list(weights)
+        assert all(torch.equal(t, weights[n]) for n, t in sink.items)
+    send_report = next(r for r in reports if r.side == "send")
+    assert send_report.receivers == 2
+
+
+async def test_persistent_channel_reuses_slots_and_refuses_stale_syncs() -> None:
+    async with (
+        MemorySender("persist", slot_bytes=4096) as sender,
+        MemoryReceiver("persist") as receiver,
+    ):
+        slots_before = [sender.slot(i).data_ptr() for i in range(2)]
+        for step in range(3):
+            sink = Recorder()
+            weights = {"w": torch.full((10,), float(step))}
+            out = await run_both(
+                rx=lambda s=sink: ss.receive(receiver, s, timeout=5),
+                tx=lambda w=weights: ss.send(w, sender, timeout=5),
+            )
+            assert out["rx"].complete
+            assert torch.equal(sink.items[0][1], weights["w"])
+        assert [sender.slot(i).data_ptr() for i in range(2)] == slots_before
+        # A sync id older than the last applied one is refused by the receiver...
+        out = await run_both(
+            rx=lambda: ss.receive(receiver, Recorder(), timeout=5),
+            tx=lambda: ss.send({"w": torch.ones(1)}, sender, timeout=5, sync_id=1),
+        )
+        assert isinstance(out["rx"], ss.StaleSyncError)
+        assert isinstance(out["tx"], ss.ReceiverFailedError) and "StaleSyncError" in str(out["tx"])
+        # ...and the channel still works for the next, newer sync.
+        sink = Recorder()
+        out = await run_both(
+            rx=lambda: ss.receive(receiver, sink, timeout=5),
+            tx=lambda: ss.send({"w": torch.ones(1)}, sender, timeout=5),
+        )
+        assert out["rx"].complete and torch.equal(sink.items[0][1], torch.ones(1))
+
+
+async def test_receiver_times_out_on_silent_sender() -> None:
+    async with MemorySender("silent"), MemoryReceiver("silent") as receiver:
+        with anyio.fail_after(5):
+            with pytest.raises(ss.SyncTimeoutError, match=r"within 0\.2 s"):
+                await ss.receive(receiver, Recorder(), timeout=0.2)
+
+
+async def test_sender_times_out_when_receiver_never_acks() -> None:
+    async with MemorySender("noack", slots=1, slot_bytes=1024) as sender, MemoryReceiver("noack"):
+        with anyio.fail_after(5), pytest.raises(ss.SyncTimeoutError, match="free slot"):
+            await ss.send({f"t{i}": torch.ones(200) for i in range(3)}, sender, timeout=0.2)
+
+
+async def test_sender_times_out_when_no_receiver_joins() -> None:
+    with anyio.fail_after(5), pytest.raises(ss.SyncTimeoutError, match="0 of 1 receivers"):
+        await ss.send({"w": torch.ones(1)}, "memory://nobody", timeout=0.2)
+
+
+async def test_source_error_aborts_the_receiver() -> None:
+    async def bad_source():  # type: ignore[no-untyped-def]
+        yield "ok", torch.ones(300)
+        yield "ok2", torch.ones(300)
+        raise RuntimeError("trainer exploded")
+
+    errors: dict[str, BaseException] = {}
+
+    async def rx() -> None:
+        try:
+            await ss.receive("memory://abort", Recorder(), timeout=5)
+        except ss.StreamsyncError as exc:
+            errors["rx"] = exc
+
+    async def tx() -> None:
+        try:
+            await ss.send(bad_source(), "memory://abort", bucket_bytes=1024, timeout=5)
+        except RuntimeError as exc:
+            errors["tx"] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rx)
+        tg.start_soon(tx)
+    assert isinstance(errors["rx"], ss.SenderAbortedError)
+    assert "trainer exploded" in str(errors["rx"])
+    assert errors["rx"].report is not None and not errors["rx"].report.complete
+    assert "trainer exploded" in str(errors["tx"])
+
+
+async def test_closed_by_me_differs_from_broken_by_peer() -> None:
+    sender = MemorySender("close")
+    receiver = MemoryReceiver("close")
+    async with receiver:
+        async with sender:
+            pass
+        # The sender closed cleanly: the receiver's stream ends.
+        with pytest.raises(ss.EndOfStream):
+            await receiver.receive(timeout=1)
+    with pytest.raises(ss.ClosedError):
+        await receiver.receive(timeout=1)
+
+    sender2 = MemorySender("broken")
+    async with sender2:
+        r2 = MemoryReceiver("broken")
+        await r2.open()
+        await r2.aclose()  # the receiver goes away
+        with pytest.raises(ss.PeerBrokenError):
+            await ss.send({"w": torch.ones(1)}, sender2, timeout=1)
+
+
+async def test_receiver_iterates_messages() -> None:
+    async with MemorySender("iter", slot_bytes=4096) as sender, MemoryReceiver("iter") as receiver:
+
+        async def tx() -> None:
+            await ss.send({"w": torch.ones(4)}, sender, timeout=5)
+
+        kinds = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tx)
+            async for incoming in receiver:
+                kinds.append(type(incoming.message).__name__)
+                if kinds[-1] == "BucketHeader":
+                    await receiver.release(incoming.message)
+                else:
+                    from streamsync.wire import Done
+
+                    await receiver.reply(Done(incoming.message.sync_id, 0, 1, 16))
+                    break
+        assert kinds == ["BucketHeader", "End"]
+
+
+async def test_unknown_scheme_lists_valid_ones() -> None:
+    with pytest.raises(ss.ConfigError, match="memory"):
+        await ss.send({}, "carrier-pigeon://x")

@@ -1,0 +1,125 @@
+"""ModuleSink: strict errors name the tensor and apply nothing of the bucket; reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streamsync as ss
+from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 3)
+        self.b = torch.nn.Linear(3, 2)
+        self.register_buffer("stat", torch.zeros(2))
+
+
+def bucket_of(**tensors: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return list(tensors.items())
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "words"),
+    [
+        (("a.wieght", torch.ones(3, 4)), UnknownTensorError, ["'a.wieght'", "a.weight"]),
+        (("b.weight", torch.ones(3, 3)), ShapeMismatchError, ["'b.weight'", "[3, 3]", "[2, 3]"]),
+        (
+            ("b.weight", torch.ones(2, 3, dtype=torch.float16)),
+            DtypeMismatchError,
+            ["'b.weight'", "torch.float16", "torch.float32"],
+        ),
+    ],
+)
+def test_strict_errors_name_the_tensor_and_apply_nothing(
+    bad: tuple[str, torch.Tensor], error: type[Exception], words: list[str]
+) -> None:
+    model = Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sink = ModuleSink(model)
+    sink.prepare()
+    # The good tensor comes first in the bucket: it must not be applied either.
+    with pytest.raises(error) as info:
+        sink.load([("a.bias", torch.full((3,), 7.0)), bad])
+    for word in words:
+        assert word in str(info.value)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_loaded_and_missing_are_reported() -> None:
+    model = Tiny()
+    sink = ModuleSink(model)
+    sink.prepare()
+    sink.load([("a.weight", torch.ones(3, 4)), ("stat", torch.ones(2))])
+    result = sink.finalize()
+    assert result.loaded == ("a.weight", "stat")
+    assert result.missing == ("a.bias", "b.bias", "b.weight")
+    assert torch.equal(model.a.weight, torch.ones(3, 4))
+    assert torch.equal(model.stat, torch.ones(2))
+
+
+def test_sink_copies_so_reused_slots_cannot_corrupt_it() -> None:
+    model = Tiny()
+    sink = ModuleSink(model)
+    slot = torch.ones(3, 4)
+    sink.prepare()
+    sink.load([("a.weight", slot)])
+    slot.fill_(-1)  # the transport reuses the slot
+    assert torch.equal(model.a.weight, torch.ones(3, 4))
+
+
+def test_non_strict_skips_unknown_and_converts_dtype() -> None:
+    model = Tiny()
+    sink = ModuleSink(model, strict=False)
+    sink.prepare()
+    sink.load([("zzz", torch.ones(1)), ("stat", torch.ones(2, dtype=torch.float16))])
+    result = sink.finalize()
+    assert result.unexpected == ("zzz",)
+    assert model.stat.dtype == torch.float32 and torch.equal(model.stat, torch.ones(2))
+    with pytest.raises(ShapeMismatchError):
+        sink.load([("stat", torch.ones(3))])
+
+
+def test_tied_weights_count_as_loaded_through_either_name() -> None:
+    model = torch.nn.Module()
+    model.emb = torch.nn.Embedding(5, 4)
+    model.head = torch.nn.Linear(4, 5, bias=False)
+    model.head.weight = model.emb.weight
+    sink = ModuleSink(model)
+    sink.prepare()
+    sink.load([("emb.weight", torch.ones(5, 4))])
+    assert sink.finalize().missing == ()
+
+
+async def test_sync_error_carries_partial_report_and_sender_fails_too() -> None:
+    import anyio
+
+    model = Tiny()
+    weights = {"a.weight": torch.ones(3, 4), "a.bias": torch.ones(3), "b.weight": torch.ones(300)}
+    results: dict[str, BaseException] = {}
+
+    async def rx() -> None:
+        try:
+            await ss.receive("memory://partial", ModuleSink(model), timeout=5)
+        except ss.StreamsyncError as exc:
+            results["rx"] = exc
+
+    async def tx() -> None:
+        try:
+            await ss.send(weights, "memory://partial", bucket_bytes=1024, timeout=5)
+        except ss.StreamsyncError as exc:
+            results["tx"] = exc
+
+    # 1 KiB buckets: the 1200-byte "b.weight" completes in a later bucket than "a.*".
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rx)
+        tg.start_soon(tx)
+    assert isinstance(results["rx"], ShapeMismatchError)
+    report = results["rx"].report
+    assert report is not None and not report.complete
+    assert set(report.loaded) == {"a.weight", "a.bias"}
+    assert isinstance(results["tx"], ss.ReceiverFailedError)
+    assert "b.weight" in str(results["tx"])
