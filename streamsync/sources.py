@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from streamsync.adapter import NamedTensor
+from streamsync.adapter import NamedTensor, reading
+from streamsync.errors import ConfigError
 
 __all__ = ["named_tensors"]
 
@@ -56,14 +57,48 @@ def _check(item: Any) -> NamedTensor:
     return name, _full(tensor)
 
 
-def named_tensors(obj: Any) -> AsyncIterator[NamedTensor]:
+def _check_rank(rank: int) -> None:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"named_tensors(rank={rank}) is a collective call: initialise the default "
+            "process group first, or pass rank=None in a single process"
+        )
+    world = dist.get_world_size()
+    if not (isinstance(rank, int) and 0 <= rank < world):
+        raise ConfigError(f"named_tensors(rank={rank!r}): use a rank in 0..{world - 1}")
+
+
+async def _on_rank(stream: AsyncIterator[NamedTensor], rank: int) -> AsyncIterator[NamedTensor]:
+    # Every rank walks the same tensors in the same order, so the gathers inside the stream
+    # (DTensor.full_tensor, a collective) match up; only the sending rank passes them on.
+    sending = torch.distributed.get_rank() == rank
+    async with reading(stream) as items:
+        async for name, tensor in items:
+            if sending:
+                yield name, tensor
+            # Release this full tensor before the next one is gathered: at most one at a time.
+            del tensor
+
+
+def named_tensors(obj: Any, *, rank: int | None = None) -> AsyncIterator[NamedTensor]:
     """An async stream of ``(name, tensor)`` from:
 
     - an ``nn.Module``: parameters and persistent buffers, by state-dict name
       (DTensor parameters are gathered one at a time);
     - a mapping of names to tensors;
     - a sync or async iterable of ``(name, tensor)`` pairs.
+
+    With ``rank=k`` (FSDP2 and other DTensor-sharded models) the stream is a collective:
+    every rank of the default process group must iterate it to the end, since each DTensor is
+    gathered with ``full_tensor()`` on all ranks, one at a time; only rank ``k`` yields, and
+    on the other ranks the stream yields nothing. Rank ``k`` sends
+    (``ss.send(named_tensors(model, rank=k), ...)``); the others drain it
+    (``async for _ in named_tensors(model, rank=k): pass``).
     """
+    if rank is not None:
+        _check_rank(rank)
+        return _on_rank(named_tensors(obj), rank)
     if isinstance(obj, torch.nn.Module):
         return _from_module(obj)
     if isinstance(obj, Mapping):

@@ -1,28 +1,53 @@
 """Adapters: stackable stages on a stream of named tensors, one per file.
 
-=====================  ===============================================================
-``cast(dtype)``        convert floating-point tensors (fused into packing before ``bucket``)
-``rename(how)``        rename by mapping or function
-``select(pred)``       keep tensors whose name ``pred`` accepts
-``bucket(nbytes)``     group into buckets (the last stage of a sending chain)
-``unbucket()``         packed buckets back into named tensors
-=====================  ===============================================================
+==================================  ============================================================
+``cast(dtype)``                     convert floating-point tensors (fused into packing
+                                    before ``bucket``); fp8 and ``*_scale_inv`` untouched
+``rename(how)``                     rename by mapping or function
+``select(pred)``                    keep tensors whose name ``pred`` accepts
+``expand_moe(when, model_type)``    packed MoE experts into per-expert checkpoint keys
+                                    (vLLM < 0.25), expert by expert, per model family
+``split_buffers(module|names)``     declare the trainer's buffers; the receiver's ``BufferSink``
+                                    copies buffers in place into every model instance
+``quantize_fp8(block, skip)``       block-FP8 weights plus ``float32`` ``*_scale_inv``,
+                                    quantized once, at the sender
+``bucket(nbytes)``                  group into buckets (the last stage of a sending chain)
+``unbucket()``                      packed buckets back into named tensors
+==================================  ============================================================
 """
 
 from streamsync.adapters.bucket import Bucketer, Unbucketer, bucket, unbucket
 from streamsync.adapters.cast import Cast, cast
+from streamsync.adapters.expand_moe import ExpandMoe, expand_moe
+from streamsync.adapters.quantize_fp8 import QuantizeFp8, quantize_fp8
 from streamsync.adapters.rename import Rename, rename
 from streamsync.adapters.select import Select, select
+from streamsync.adapters.split_buffers import (
+    BufferRouter,
+    BufferSink,
+    SplitBuffers,
+    apply_buffers,
+    split_buffers,
+)
 
 __all__ = [
+    "BufferRouter",
+    "BufferSink",
     "Bucketer",
     "Cast",
+    "ExpandMoe",
+    "QuantizeFp8",
     "Rename",
     "Select",
+    "SplitBuffers",
     "Unbucketer",
+    "apply_buffers",
     "bucket",
     "cast",
+    "expand_moe",
+    "quantize_fp8",
     "rename",
     "select",
+    "split_buffers",
     "unbucket",
 ]

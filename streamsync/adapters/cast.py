@@ -13,11 +13,14 @@ __all__ = ["Cast", "cast"]
 
 # Casting fp8 or integer tensors would destroy quantized weights and indices.
 _CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+# ...and so would casting their float32 block scales (``quantize_fp8`` emits ``*_scale_inv``).
+_SCALE_SUFFIX = "_scale_inv"
 
 
 class Cast(Adapter):
     """Casts every tensor of dtype float64/32/16 or bfloat16 whose name ``only`` accepts
-    (all, by default) to ``dtype``. Integer, bool and fp8 tensors pass untouched.
+    (all, by default) to ``dtype``. Integer, bool and fp8 tensors pass untouched, and so do
+    quantization scales (names ending in ``_scale_inv``), which must stay float32.
 
     Followed directly by the bucketer (``cast(...) | bucket(...)``, or ``pipeline=`` of
     :func:`streamsync.send`), the conversion is fused into the packing copy.
@@ -32,6 +35,8 @@ class Cast(Adapter):
     def target(self, name: str, tensor: torch.Tensor) -> torch.dtype | None:
         """The dtype ``tensor`` should travel as, or ``None`` to leave it alone."""
         if tensor.dtype not in _CASTABLE or tensor.dtype == self.dtype:
+            return None
+        if name.endswith(_SCALE_SUFFIX):
             return None
         if self.only is not None and not self.only(name):
             return None

@@ -1,0 +1,282 @@
+"""``split_buffers(...)``: buffer updates applied by in-place copy, apart from ``load_weights``.
+
+Some models keep training-updated state in registered buffers (DeepSeek-V3's
+``e_score_correction_bias``), and the ``load_weights`` of many engine models drops such names
+or routes them wrongly. The fix is to take buffer updates out of what ``load_weights`` sees
+and copy them in place, shape-checked and cast to the receiving dtype, into **every** model
+instance the receiver serves (a main model and a drafter). Names travel unchanged.
+
+Which names are buffers can be decided on either side:
+
+- **Receiver side** (:class:`BufferRouter`, :func:`apply_buffers`, :class:`BufferSink`): a
+  name is a buffer if it is a registered buffer of any receiving instance. Nothing is needed
+  on the sender.
+- **Sender side** (this adapter, ``split_buffers(trainer_module)`` or
+  ``split_buffers(names)``): the trainer's own buffer names (persistent ones, those its
+  ``state_dict`` holds) are declared to the receiver in a small manifest, the tensor
+  :data:`MANIFEST_NAME` (UTF-8 JSON as ``uint8``), sent first; the stream then passes through
+  unchanged. The receiver's router then also treats those names as buffers, even where the
+  engine model holds them as parameters, or does not register them as buffers at all.
+
+A name found to be a buffer is copied into each instance that has a parameter or buffer of
+that name; instances without it (a drafter with fewer layers) are skipped. A receiver given
+the manifest must use the router (:class:`BufferSink` or the vLLM sink, which does); a plain
+strict :class:`~streamsync.ModuleSink` would refuse the manifest as an unknown tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import torch
+
+from streamsync.adapter import Adapter, NamedTensor, reading
+from streamsync.errors import ShapeMismatchError, UnknownTensorError, WireFormatError
+from streamsync.report import LoadResult
+from streamsync.sink import Sink, call_phase
+
+__all__ = [
+    "MANIFEST_NAME",
+    "BufferRouter",
+    "BufferSink",
+    "SplitBuffers",
+    "apply_buffers",
+    "buffer_names",
+    "split_buffers",
+]
+
+#: The name of the manifest tensor; ``::`` never occurs in a PyTorch state-dict name.
+MANIFEST_NAME: Final = "streamsync::buffers"
+
+Instances = Sequence[torch.nn.Module] | Mapping[str, torch.nn.Module]
+
+
+def buffer_names(module: torch.nn.Module) -> frozenset[str]:
+    """The state-dict names of ``module``'s persistent buffers."""
+    names = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return frozenset(names)
+
+
+def _encode(names: Iterable[str]) -> torch.Tensor:
+    raw = json.dumps(sorted(names)).encode()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _decode(tensor: torch.Tensor) -> set[str]:
+    try:
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise ValueError(f"dtype {tensor.dtype}, {tensor.dim()} dims")
+        names = json.loads(bytes(tensor.cpu().numpy()).decode())
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("not a list of names")
+    except ValueError as exc:
+        raise WireFormatError(
+            f"tensor {MANIFEST_NAME!r} is not a buffer manifest (1-D uint8 JSON list of "
+            f"names): {exc}"
+        ) from None
+    return set(names)
+
+
+class SplitBuffers(Adapter):
+    """Sender side: declares ``names`` (or a module's persistent buffers) as buffers to the
+    receiver in a manifest sent first, then passes the stream through unchanged."""
+
+    def __init__(self, buffers: torch.nn.Module | Iterable[str]) -> None:
+        if isinstance(buffers, torch.nn.Module):
+            self.names = buffer_names(buffers)
+        elif isinstance(buffers, str) or not isinstance(buffers, Iterable):
+            raise TypeError(
+                "split_buffers() takes the trainer's nn.Module or an iterable of buffer names, "
+                f"not {type(buffers).__name__}"
+            )
+        else:
+            self.names = frozenset(buffers)
+            bad = [n for n in self.names if not isinstance(n, str)]
+            if bad:
+                raise TypeError(f"split_buffers(): buffer names must be str, not {bad[0]!r}")
+
+    async def _run(self, source: AsyncIterable[NamedTensor]) -> AsyncIterator[NamedTensor]:
+        yield MANIFEST_NAME, _encode(self.names)
+        async with reading(source) as items:
+            async for item in items:
+                yield item
+
+    def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
+        return self._run(source)
+
+
+def split_buffers(buffers: torch.nn.Module | Iterable[str]) -> SplitBuffers:
+    """Declare the trainer's buffers (a module's persistent buffers, or names) to the
+    receiver, whose :class:`BufferSink` copies them in place into every model instance."""
+    return SplitBuffers(buffers)
+
+
+def _labelled(instances: Instances) -> dict[str, torch.nn.Module]:
+    if isinstance(instances, Mapping):
+        out = dict(instances)
+    elif isinstance(instances, torch.nn.Module):
+        out = {"instance0": instances}
+    else:
+        out = {f"instance{i}": m for i, m in enumerate(instances)}
+    for label, module in out.items():
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"model instance {label!r} is a {type(module).__name__}, not a Module")
+    if not out:
+        raise ValueError("no model instances given")
+    return out
+
+
+class BufferRouter:
+    """Receiver side: splits each bucket into buffer updates, copied in place into every
+    model instance that has the name, and the rest, returned for ``load_weights``.
+
+    ``instances``: the receiving models, a sequence (labelled ``instance0``, ...) or a mapping
+    of labels (``{"main": m, "drafter": d}``). ``buffers``: names to treat as buffers on top
+    of each instance's registered buffers and any manifest from the sender. ``strict``: a
+    buffer that no instance has raises :class:`~streamsync.UnknownTensorError`; otherwise it
+    is passed on with the parameters.
+    """
+
+    def __init__(
+        self, instances: Instances, *, buffers: Iterable[str] = (), strict: bool = True
+    ) -> None:
+        self.instances = _labelled(instances)
+        self.buffers = frozenset(buffers)
+        self.strict = strict
+        self.begin()
+
+    def begin(self) -> None:
+        """Start a sync: forget the previous sync's manifest and collect each instance's
+        tensors afresh (engines may replace parameters between syncs)."""
+        self.declared: set[str] = set(self.buffers)
+        self.applied: dict[str, set[str]] = {label: set() for label in self.instances}
+        self.unexpected: list[str] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Collect each instance's tensors again, keeping this sync's manifest (an engine
+        that re-materialises layers while loading swaps its tensors back at the end)."""
+        self._targets: dict[str, dict[str, torch.Tensor]] = {}
+        self._registered: set[str] = set()
+        for label, module in self.instances.items():
+            targets: dict[str, torch.Tensor] = {
+                name: param for name, param in module.named_parameters(remove_duplicate=False)
+            }
+            for name, buf in module.named_buffers(remove_duplicate=False):
+                targets[name] = buf
+                self._registered.add(name)
+            self._targets[label] = targets
+
+    def is_buffer(self, name: str) -> bool:
+        """Whether ``name`` is applied by in-place copy rather than passed on."""
+        return name in self.declared or name in self._registered
+
+    def split(
+        self, tensors: Iterable[NamedTensor]
+    ) -> tuple[list[NamedTensor], dict[str, list[str]]]:
+        """Copy the buffer updates among ``tensors`` into every instance that has them;
+        returns the remaining tensors (for ``load_weights``) and, per instance label, the
+        names copied into it. A shape mismatch raises before anything is copied."""
+        rest: list[NamedTensor] = []
+        plan: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
+        for name, tensor in tensors:
+            if name == MANIFEST_NAME:
+                self.declared |= _decode(tensor)
+                continue
+            if not self.is_buffer(name):
+                rest.append((name, tensor))
+                continue
+            found = False
+            for label, targets in self._targets.items():
+                dst = targets.get(name)
+                if dst is None:
+                    continue
+                found = True
+                if dst.shape != tensor.shape:
+                    raise ShapeMismatchError(
+                        f"buffer {name!r}: received shape {list(tensor.shape)}, model instance "
+                        f"{label!r} has {list(dst.shape)}"
+                    )
+                plan.append((label, name, dst, tensor))
+            if not found:
+                if self.strict:
+                    raise UnknownTensorError(
+                        f"buffer {name!r} is in none of the model instances "
+                        f"{', '.join(map(repr, self.instances))}"
+                    )
+                self.unexpected.append(name)
+                rest.append((name, tensor))
+        applied: dict[str, list[str]] = {label: [] for label in self.instances}
+        with torch.no_grad():
+            for label, name, dst, src in plan:
+                dst.copy_(src)  # casts to the instance's dtype and device
+                applied[label].append(name)
+                self.applied[label].add(name)
+        return rest, applied
+
+
+def apply_buffers(
+    instances: Instances,
+    tensors: Iterable[NamedTensor],
+    *,
+    buffers: Iterable[str] = (),
+    strict: bool = True,
+) -> tuple[list[NamedTensor], dict[str, list[str]]]:
+    """One-shot :meth:`BufferRouter.split`: copy buffer updates into every instance, return
+    the remaining tensors and the names applied per instance."""
+    return BufferRouter(instances, buffers=buffers, strict=strict).split(tensors)
+
+
+class BufferSink:
+    """A sink that applies buffer updates to every model instance itself and hands the rest
+    of each bucket to ``sink`` (typically one that calls ``load_weights``).
+
+    Its :class:`~streamsync.LoadResult` is ``sink``'s, with the buffers applied added to
+    ``loaded`` (and removed from ``missing``) and to each instance's entry in ``instances``.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        instances: Instances,
+        *,
+        buffers: Iterable[str] = (),
+        strict: bool = True,
+    ) -> None:
+        self.sink = sink
+        self.router = BufferRouter(instances, buffers=buffers, strict=strict)
+
+    async def prepare(self) -> None:
+        self.router.begin()
+        await call_phase(self.sink.prepare)
+
+    async def load(self, tensors: Sequence[NamedTensor]) -> None:
+        rest, _ = self.router.split(tensors)
+        if rest:
+            await call_phase(self.sink.load, rest)
+
+    async def finalize(self) -> LoadResult:
+        result = await call_phase(self.sink.finalize)
+        base = result if isinstance(result, LoadResult) else LoadResult()
+        applied = self.router.applied
+        everywhere = set().union(*applied.values())
+        instances = dict(base.instances)
+        for label, names in applied.items():
+            prev = instances.get(label, LoadResult())
+            instances[label] = LoadResult(
+                loaded=tuple(sorted(set(prev.loaded) | names)),
+                missing=tuple(n for n in prev.missing if n not in names),
+                unexpected=prev.unexpected,
+            )
+        return LoadResult(
+            loaded=tuple(sorted(set(base.loaded) | everywhere)),
+            missing=tuple(n for n in base.missing if n not in everywhere),
+            unexpected=(*base.unexpected, *self.router.unexpected),
+            instances=instances,
+        )
