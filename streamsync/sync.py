@@ -101,6 +101,8 @@ async def send(
 async def _send(
     buckets: AsyncIterable[Bucket], sender: Sender, sync_id: int, *, timeout: float, checksum: bool
 ) -> SyncReport:
+    # The clock starts once every receiver is there: joining is not part of the sync.
+    await sender.wait_ready(timeout=timeout)
     start = time.perf_counter()
     seq = tensors = nbytes = 0
     source_s = send_s = 0.0

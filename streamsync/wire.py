@@ -66,6 +66,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
 
     receiver: str
     pid: int
+    #: Fresh random bytes the sender echoes in its ``Welcome``, so a recorded ``Welcome``
+    #: cannot be replayed; with the nonces both sides derive the session's MAC key.
+    nonce: bytes = b""
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
@@ -75,6 +78,12 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     slots: int
     slot_bytes: int
     segment: str = ""
+    #: The sender's fresh random bytes (see ``Hello.nonce``).
+    nonce: bytes = b""
+    #: The receiver's ``Hello.nonce``, echoed.
+    echo: bytes = b""
+    #: Transport-specific description of the slots (e.g. CUDA IPC handles), msgpack.
+    layout: bytes = b""
 
 
 class BucketHeader(msgspec.Struct, frozen=True, tag="bucket"):

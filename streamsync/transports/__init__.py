@@ -1,11 +1,20 @@
 """Transports, chosen by URL so that swapping one is a configuration string.
 
-=================  ==========================================================
-``memory://NAME``  in-process, for tests (:mod:`streamsync.transports.memory`)
-=================  ==========================================================
+=========================  ============================================================
+``memory://NAME``          in-process, for tests (:mod:`streamsync.transports.memory`)
+``shm://NAME``             shared-memory ring between processes on one Linux machine
+                           (:mod:`streamsync.transports.shm`)
+``zmq+tcp://HOST:PORT``    ZeroMQ over TCP, across machines; HOST defaults to 127.0.0.1,
+                           ``*`` binds every interface (:mod:`streamsync.transports.zeromq`)
+``zmq+ipc://PATH``         ZeroMQ over a unix socket: an absolute path, ``@name`` (abstract)
+                           or a bare name (in a per-user 0700 directory)
+``cuda-ipc://NAME``        a ring of CUDA buffers shared between processes on one machine
+                           (:mod:`streamsync.transports.cuda_ipc`)
+=========================  ============================================================
 
 Further schemes register themselves with :func:`register`; a URL's query string holds the
-transport's options (``memory://demo?receivers=2&slots=3``).
+transport's options (``shm://demo?receivers=2&slots=3``). Secrets are never URL options:
+pass ``secret=`` to the sender and receivers, or set ``$STREAMSYNC_SECRET``.
 """
 
 from __future__ import annotations
@@ -118,3 +127,24 @@ def _load_builtin() -> None:
     from streamsync.transports import memory
 
     register("memory", memory.sender_from_url, memory.receiver_from_url)
+    # The modules behind these import only the standard library and torch at import time;
+    # pyzmq and CUDA are imported when a channel opens.
+    register("shm", _lazy("shm", "sender_from_url"), _lazy("shm", "receiver_from_url"))
+    for scheme in ("zmq+tcp", "zmq+ipc"):
+        register(scheme, _lazy("zeromq", "sender_from_url"), _lazy("zeromq", "receiver_from_url"))
+    register(
+        "cuda-ipc", _lazy("cuda_ipc", "sender_from_url"), _lazy("cuda_ipc", "receiver_from_url")
+    )
+
+
+def _lazy(module: str, factory: str) -> Callable[[Endpoint, dict[str, Any]], Any]:
+    """A factory that imports ``streamsync.transports.<module>`` on first use."""
+
+    def make(endpoint: Endpoint, kwargs: dict[str, Any]) -> Any:
+        import importlib
+
+        mod = importlib.import_module(f"streamsync.transports.{module}")
+        return getattr(mod, factory)(endpoint, kwargs)
+
+    make.__name__ = f"{module}.{factory}"
+    return make

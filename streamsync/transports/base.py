@@ -79,6 +79,9 @@ class Sender(_Resource):
     #: Largest bucket one slot holds.
     slot_bytes: int
 
+    async def wait_ready(self, *, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds) until every receiver is there to be sent to."""
+
     @abstractmethod
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False

@@ -131,6 +131,10 @@ class RingSender(Sender):
     async def _await_receivers(self, timeout: float) -> None:
         """Wait until every receiver has joined (transports with a rendezvous override)."""
 
+    async def wait_ready(self, *, timeout: float) -> None:
+        self._check()
+        await self._await_receivers(timeout)
+
     def on_reply(self, msg: Message) -> None:
         """Feed a message a receiver sent back (transports call this)."""
         if isinstance(msg, Ack):
@@ -244,7 +248,9 @@ class RingSender(Sender):
             self._finish_sync()
 
     def _finish_sync(self) -> None:
+        # A receiver's failure ends its sync, not the channel: the next sync starts clean.
         self._sync_id = None
+        self._failed = None
         self.ring.reset()
 
 

@@ -1,0 +1,542 @@
+"""The conformance suite every transport passes: ours, and users' own.
+
+Subclass :class:`TransportConformance` in a test module and say how to name a fresh
+channel; pytest collects the ``test_*`` methods::
+
+    from streamsync.testing.conformance import TransportConformance
+
+    class TestMyTransport(TransportConformance):
+        def make_url(self, tag: str) -> str:
+            return f"my://{tag}-{os.getpid()}"
+
+The tests are plain functions that run their own event loop (no async test plugin needed).
+Cross-process tests spawn sender and receiver with ``multiprocessing``'s *spawn* context;
+a transport registered by user code names the module that registers it in
+``setup_module``, which each child imports first. Children report plain data (digests of
+what they received, the name of what they raised) through a queue; tensors never cross.
+
+What is checked: bit-exact round trip across processes (every wire dtype, a tensor larger
+than a bucket, two syncs on one channel), order, fan-out to two receivers, backpressure (a
+receiver that does not release stops the sender), close versus broken peer, timeouts on a
+silent peer, SIGKILL of either side mid-sync (the survivor raises
+:class:`~streamsync.PeerBrokenError` within twice the timeout), and no resources left behind
+(file descriptors, ``/dev/shm`` entries, the paths ``resource_paths`` names).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import importlib
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+import streamsync as ss
+from streamsync.bucket import BucketBuilder
+from streamsync.transports import open_receiver, open_sender
+from streamsync.wire import Abort
+
+__all__ = ["TransportConformance", "conformance_weights", "digest"]
+
+_BUCKET_BYTES = 16 << 10
+_CONNECT_S = 60.0
+
+
+def conformance_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic named tensors of every wire dtype, odd sizes, and one tensor larger
+    than the suite's 16 KiB buckets (it travels in chunks)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    floats = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+    for i, dtype in enumerate(floats):
+        out[f"layers.{i}.weight"] = torch.randn(17 + i, 33, generator=gen).to(dtype)
+    raw = torch.randint(0, 256, (301,), generator=gen, dtype=torch.int32).to(torch.uint8)
+    out["fp8.e4m3"] = raw.view(torch.float8_e4m3fn)
+    out["fp8.e5m2"] = raw.flip(0).contiguous().view(torch.float8_e5m2)
+    out["mask"] = torch.randint(0, 2, (77,), generator=gen).bool()
+    out["ids"] = torch.randint(-(2**40), 2**40, (5, 7), generator=gen)
+    out["small.int32"] = torch.randint(-1000, 1000, (3,), generator=gen, dtype=torch.int32)
+    out["scalar"] = torch.tensor(float(seed) + 0.5)
+    out["empty"] = torch.empty(0, 4)
+    out["embed_tokens.weight"] = torch.randn(100, 200, generator=gen).to(torch.bfloat16)  # 40 KB
+    return out
+
+
+def digest(name: str, tensor: torch.Tensor) -> str:
+    """A digest of a named tensor's dtype, shape and exact bytes."""
+    h = hashlib.sha256(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    h.update(flat.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _expected(seed: int) -> list[str]:
+    return [digest(n, t) for n, t in conformance_weights(seed).items()]
+
+
+class _HashingSink:
+    """Records digests in arrival order; optionally slow, optionally signals its first load."""
+
+    def __init__(self, delay: float = 0.0, on_first_load: Callable[[], Any] | None = None) -> None:
+        self.delay = delay
+        self.on_first_load = on_first_load
+        self.digests: list[str] = []
+
+    def prepare(self) -> None:
+        self.digests = []
+
+    async def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.digests.extend(digest(n, t) for n, t in tensors)
+        if self.on_first_load is not None:
+            callback, self.on_first_load = self.on_first_load, None
+            callback()
+        if self.delay:
+            await anyio.sleep(self.delay)
+
+    def finalize(self) -> None:
+        pass
+
+
+async def _slow_source(seed: int, delay: float) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    for name, tensor in conformance_weights(seed).items():
+        yield name, tensor
+        await anyio.sleep(delay)
+
+
+# -- child processes -----------------------------------------------------------------
+def _child(role: str, setup: str, args: dict[str, Any], results: Any) -> None:
+    """Entry point of a spawned side: run it and put a plain dict on ``results``."""
+    if setup:
+        importlib.import_module(setup)
+    try:
+        out: dict[str, Any] = asyncio.run(_SIDES[role](args, results))
+        results.put({"role": role, "ok": True, **out})
+    except BaseException as exc:
+        results.put({"role": role, "ok": False, "error": type(exc).__name__, "message": str(exc)})
+
+
+async def _receiver_side(args: dict[str, Any], results: Any) -> dict[str, Any]:
+    sink = _HashingSink(args.get("delay", 0.0), lambda: results.put({"event": "loading"}))
+    syncs: list[list[str]] = []
+    async with open_receiver(args["url"], connect_timeout=_CONNECT_S, **args["options"]) as rx:
+        results.put({"event": "joined"})
+        for _ in range(args["syncs"]):
+            # The first bucket may wait for other children to start; later waits are short.
+            await ss.receive(rx, sink, timeout=max(args["timeout"], _CONNECT_S))
+            syncs.append(list(sink.digests))
+    return {"syncs": syncs}
+
+
+async def _sender_side(args: dict[str, Any], results: Any) -> dict[str, Any]:
+    async with open_sender(args["url"], connect_timeout=_CONNECT_S, **args["options"]) as tx:
+        for seed in range(args["syncs"]):
+            weights: Any = conformance_weights(seed)
+            if args.get("delay"):
+                weights = _slow_source(seed, args["delay"])
+            size = args.get("bucket_bytes", _BUCKET_BYTES)
+            await ss.send(weights, tx, bucket_bytes=size, timeout=args["timeout"])
+    return {}
+
+
+_SIDES: dict[str, Callable[[dict[str, Any], Any], Coroutine[Any, Any, dict[str, Any]]]] = {
+    "receiver": _receiver_side,
+    "sender": _sender_side,
+}
+
+
+def _open_fds() -> int:
+    with contextlib.suppress(OSError):
+        return len(os.listdir("/proc/self/fd"))
+    return 0
+
+
+def _shm_entries() -> set[str]:
+    with contextlib.suppress(OSError):
+        # Named semaphores of the harness's own multiprocessing queues are not the transport's.
+        return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-")}
+    return set()
+
+
+class TransportConformance:
+    """Subclass and define :meth:`make_url`; every ``test_*`` method checks one behaviour."""
+
+    #: Sender and receivers can live in different processes (``False`` for in-process
+    #: transports: the cross-process tests are skipped and the rest run in one loop).
+    cross_process: bool = True
+    #: The transport tells a dead peer from a silent one (``PeerBrokenError``).
+    detects_peer_death: bool = True
+    #: Module each spawned child imports first (one that registers a user's transport).
+    setup_module: str = ""
+    #: Seconds of every wait in the suite's syncs.
+    timeout: float = 5.0
+    #: Most buckets a sender may have in flight to a receiver that never releases.
+    max_in_flight: int = 16
+    #: How children start: a fresh interpreter either way; "forkserver" (with torch and
+    #: streamsync preloaded) starts them in a fraction of the time "spawn" takes.
+    start_method: str = "forkserver"
+    #: Extra keyword arguments for the sender and receivers (``secret=...``).
+    sender_options: dict[str, Any] = {}  # noqa: RUF012 - read-only defaults
+    receiver_options: dict[str, Any] = {}  # noqa: RUF012
+
+    def make_url(self, tag: str) -> str:
+        """A URL naming a fresh channel (``tag`` is unique per test)."""
+        raise NotImplementedError("define make_url(tag) to return a fresh channel URL")
+
+    def with_receivers(self, url: str, receivers: int) -> str:
+        """``url`` asking for ``receivers`` receivers (override if your URL differs)."""
+        return f"{url}{'&' if '?' in url else '?'}receivers={receivers}"
+
+    def resource_paths(self, url: str) -> list[str]:
+        """Paths that must not exist once both sides are closed or killed (socket files)."""
+        return []
+
+    # -- harness ---------------------------------------------------------------------
+    def _spawn(self, role: str, results: Any, **args: Any) -> Any:
+        ctx = self._context()
+        options = self.receiver_options if role == "receiver" else self.sender_options
+        args = {"timeout": self.timeout, "syncs": 1, "options": options, **args}
+        proc = ctx.Process(target=_child, args=(role, self.setup_module, args, results))
+        proc.start()
+        return proc
+
+    def _context(self) -> Any:
+        if self.start_method == "forkserver":
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(
+                ["torch", "streamsync", __name__, *filter(None, [self.setup_module])]
+            )
+            return ctx
+        return multiprocessing.get_context(self.start_method)
+
+    @staticmethod
+    def _wait_for(
+        results: Any, key: str, value: Any, timeout: float = _CONNECT_S
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            item: dict[str, Any] = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            if item.get(key) == value:
+                return item
+            if item.get("ok") is False:
+                raise AssertionError(f"a child failed: {item}")
+
+    @staticmethod
+    def _finish(procs: Sequence[Any]) -> None:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+    def _check_gone(self, url: str, shm_before: set[str]) -> None:
+        gc.collect()
+        leaked = _shm_entries() - shm_before
+        assert not leaked, f"{url}: /dev/shm entries left behind: {sorted(leaked)}"
+        left = [p for p in self.resource_paths(url) if os.path.exists(p)]
+        assert not left, f"{url}: files left behind: {left}"
+
+    # -- round trip and fan-out --------------------------------------------------------
+    def test_round_trip_is_bit_exact_and_ordered(self) -> None:
+        url = self.make_url("roundtrip")
+        if not self.cross_process:
+            out = asyncio.run(self._in_process(url, receivers=1, syncs=2))
+            assert out == [[_expected(0), _expected(1)]]
+            return
+        results = self._context().Queue()
+        rx = self._spawn("receiver", results, url=url, syncs=2)
+        tx = self._spawn("sender", results, url=url, syncs=2)
+        try:
+            done: dict[str, dict[str, Any]] = {}
+            while len(done) < 2:
+                item = results.get(timeout=_CONNECT_S + 30)
+                if "role" in item:
+                    done[item["role"]] = item
+            assert done["sender"]["ok"], done["sender"]
+            assert done["receiver"]["ok"], done["receiver"]
+            assert done["receiver"]["syncs"] == [_expected(0), _expected(1)]
+        finally:
+            self._finish([rx, tx])
+
+    def test_fan_out_to_two_receivers(self) -> None:
+        url = self.make_url("fanout")
+        if not self.cross_process:
+            out = asyncio.run(self._in_process(url, receivers=2, syncs=1))
+            assert out == [[_expected(0)], [_expected(0)]]
+            return
+        results = self._context().Queue()
+        procs = [self._spawn("receiver", results, url=url) for _ in range(2)]
+        try:
+
+            async def send() -> None:
+                tx_url = self.with_receivers(url, 2)
+                async with open_sender(
+                    tx_url, connect_timeout=_CONNECT_S, **self.sender_options
+                ) as tx:
+                    for _ in range(2):
+                        await anyio.to_thread.run_sync(self._wait_for, results, "event", "joined")
+                    report = await ss.send(
+                        conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
+                    )
+                    assert report.receivers == 2
+
+            asyncio.run(send())
+            finals: list[dict[str, Any]] = []
+            while len(finals) < 2:
+                item = results.get(timeout=30)
+                if "role" in item:
+                    finals.append(item)
+            for item in finals:
+                assert item["ok"], item
+                assert item["syncs"] == [_expected(0)]
+        finally:
+            self._finish(procs)
+
+    async def _in_process(self, url: str, *, receivers: int, syncs: int) -> list[list[list[str]]]:
+        sinks = [_HashingSink() for _ in range(receivers)]
+        got: list[list[list[str]]] = [[] for _ in range(receivers)]
+        async with open_sender(
+            self.with_receivers(url, receivers), connect_timeout=_CONNECT_S, **self.sender_options
+        ) as tx:
+
+            async def rx(i: int) -> None:
+                async with open_receiver(url, **self.receiver_options) as r:
+                    for _ in range(syncs):
+                        await ss.receive(r, sinks[i], timeout=self.timeout)
+                        got[i].append(list(sinks[i].digests))
+
+            async def send() -> None:
+                for seed in range(syncs):
+                    await ss.send(
+                        conformance_weights(seed),
+                        tx,
+                        bucket_bytes=_BUCKET_BYTES,
+                        timeout=self.timeout,
+                    )
+
+            async with anyio.create_task_group() as tg:
+                for i in range(receivers):
+                    tg.start_soon(rx, i)
+                tg.start_soon(send)
+        return got
+
+    # -- flow control, closing, timeouts (one process, one loop) -------------------------
+    def test_backpressure_stops_the_sender(self) -> None:
+        url = self.make_url("backpressure")
+
+        async def run() -> None:
+            builder = BucketBuilder(1024)
+            buckets = [b for i in range(40) for b in builder.add(f"t{i}", torch.full((200,), i))]
+            async with (
+                open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx,
+                open_receiver(url, **self.receiver_options) as rx,
+            ):
+                received: list[int] = []
+
+                async def hold() -> None:  # receives, never releases
+                    while True:
+                        incoming = await rx.receive(timeout=30)
+                        received.append(getattr(incoming.message, "seq", -1))
+
+                accepted = 0
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(hold)
+                    try:
+                        for seq, bucket in enumerate(buckets):
+                            await tx.send(1, seq, bucket, timeout=0.5)
+                            accepted += 1
+                    except ss.SyncTimeoutError:
+                        pass
+                    await anyio.sleep(0.2)
+                    tg.cancel_scope.cancel()
+                assert 1 <= accepted <= self.max_in_flight, f"{accepted} buckets in flight"
+                assert received == list(range(accepted)), received
+                await tx.abort(Abort(1, "test over"))
+
+        asyncio.run(run())
+
+    def test_close_by_sender_ends_stream_and_close_by_me_is_closed(self) -> None:
+        url = self.make_url("close")
+
+        async def run() -> None:
+            tx = open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options)
+            rx = open_receiver(url, **self.receiver_options)
+            async with tx, rx:
+                sink = _HashingSink()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: ss.receive(rx, sink, timeout=self.timeout))
+                    await ss.send(
+                        conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
+                    )
+                await tx.aclose()
+                with anyio.fail_after(2 * self.timeout):
+                    try:
+                        await rx.receive(timeout=self.timeout)
+                    except ss.EndOfStream:
+                        pass
+                    else:
+                        raise AssertionError("receive after the sender closed did not end")
+            try:
+                await rx.receive(timeout=1)
+            except ss.ClosedError:
+                return
+            raise AssertionError("receive on a closed receiver did not raise ClosedError")
+
+        asyncio.run(run())
+
+    def test_receiver_leaving_breaks_the_next_sync(self) -> None:
+        url = self.make_url("leave")
+
+        async def run() -> None:
+            async with open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx:
+                rx = open_receiver(url, **self.receiver_options)
+                await rx.__aenter__()
+                await rx.aclose()
+                await anyio.sleep(0.05)
+                start = time.monotonic()
+                try:
+                    await ss.send(
+                        conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
+                    )
+                except ss.PeerBrokenError:
+                    assert time.monotonic() - start < 2 * self.timeout
+                    return
+                raise AssertionError("send to a receiver that left did not raise PeerBrokenError")
+
+        asyncio.run(run())
+
+    def test_timeouts_on_a_silent_peer(self) -> None:
+        url = self.make_url("silent")
+
+        async def run() -> None:
+            async with (
+                open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx,
+                open_receiver(url, **self.receiver_options) as rx,
+            ):
+                with anyio.fail_after(5):
+                    try:
+                        await ss.receive(rx, _HashingSink(), timeout=0.3)
+                    except ss.SyncTimeoutError:
+                        pass
+                    else:
+                        raise AssertionError("receive from a silent sender did not time out")
+                # The receiver never reads: no acks, no report.
+                with anyio.fail_after(5):
+                    try:
+                        await ss.send(conformance_weights(0), tx, bucket_bytes=1024, timeout=0.3)
+                    except ss.SyncTimeoutError:
+                        pass
+                    else:
+                        raise AssertionError("send to a silent receiver did not time out")
+            lonely = self.make_url("lonely")
+            with anyio.fail_after(5):
+                try:
+                    await ss.send({"w": torch.ones(1)}, lonely, timeout=0.3, **self.sender_options)
+                except ss.SyncTimeoutError:
+                    return
+                raise AssertionError("send with no receiver did not time out")
+
+        asyncio.run(run())
+
+    def test_resources_released_after_close(self) -> None:
+        url = self.make_url("resources")
+        shm_before = _shm_entries()
+
+        async def run() -> None:
+            async with (
+                open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx,
+                open_receiver(url, **self.receiver_options) as rx,
+                anyio.create_task_group() as tg,
+            ):
+                tg.start_soon(lambda: ss.receive(rx, _HashingSink(), timeout=self.timeout))
+                await ss.send(
+                    conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
+                )
+
+        asyncio.run(run())  # warms up imports and lazily created globals
+        fds_before = _open_fds()
+        asyncio.run(run())
+        gc.collect()
+        assert _open_fds() <= fds_before, f"{url}: {_open_fds() - fds_before} descriptors leaked"
+        self._check_gone(url, shm_before)
+
+    # -- SIGKILL mid-sync --------------------------------------------------------------
+    def _expect_death(self, exc: BaseException | None, killed_at: float | None) -> None:
+        assert killed_at is not None, "the child was not killed"
+        wanted = ss.PeerBrokenError if self.detects_peer_death else ss.StreamsyncError
+        assert isinstance(exc, wanted), f"expected {wanted.__name__}, got {exc!r}"
+        took = time.monotonic() - killed_at
+        assert took < 2 * self.timeout, f"the peer's death took {took:.1f} s to surface"
+
+    def test_sigkill_of_the_receiver_mid_sync(self) -> None:
+        if not self.cross_process:
+            return
+        url = self.make_url("killrx")
+        shm_before = _shm_entries()
+        results = self._context().Queue()
+        proc = self._spawn("receiver", results, url=url, delay=30.0)
+        killed: list[float] = []
+        caught: list[BaseException] = []
+
+        async def kill_when_loading() -> None:
+            await anyio.to_thread.run_sync(self._wait_for, results, "event", "loading")
+            os.kill(proc.pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        async def run() -> None:
+            async with open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx:
+                await anyio.to_thread.run_sync(self._wait_for, results, "event", "joined")
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(kill_when_loading)
+                    try:
+                        # Bucket 0 loads for 30 s: the sender waits for a slot when it dies.
+                        await ss.send(
+                            conformance_weights(0), tx, bucket_bytes=1024, timeout=self.timeout
+                        )
+                    except ss.StreamsyncError as exc:
+                        caught.append(exc)
+
+        try:
+            asyncio.run(run())
+        finally:
+            self._finish([proc])
+        self._expect_death(caught[0] if caught else None, killed[0] if killed else None)
+        self._check_gone(url, shm_before)
+
+    def test_sigkill_of_the_sender_mid_sync(self) -> None:
+        if not self.cross_process:
+            return
+        url = self.make_url("killtx")
+        shm_before = _shm_entries()
+        results = self._context().Queue()
+        proc = self._spawn("sender", results, url=url, delay=0.5, bucket_bytes=1024)
+        killed: list[float] = []
+        caught: list[BaseException] = []
+
+        def kill() -> None:
+            os.kill(proc.pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        async def run() -> None:
+            async with open_receiver(
+                url, connect_timeout=_CONNECT_S, **self.receiver_options
+            ) as rx:
+                try:
+                    await ss.receive(rx, _HashingSink(on_first_load=kill), timeout=self.timeout)
+                except ss.StreamsyncError as exc:
+                    caught.append(exc)
+
+        try:
+            asyncio.run(run())
+        finally:
+            self._finish([proc])
+        self._expect_death(caught[0] if caught else None, killed[0] if killed else None)
+        self._check_gone(url, shm_before)

@@ -1,0 +1,225 @@
+"""``cuda-ipc://NAME``: a ring of CUDA buffers shared between processes on one machine.
+
+Bytes: the sender allocates one device buffer of ``slots`` x ``slot_bytes`` once and exports
+it once (``torch.multiprocessing.reductions.reduce_tensor``); only the handle's fields travel,
+as a msgspec struct inside the authenticated ``Welcome`` (never pickle). Each receiver
+rebuilds it once, on the local index of the same physical device (matched by UUID, so
+``CUDA_VISIBLE_DEVICES`` may differ between the processes). A bucket is packed into a slot
+on the device; the sink reads a device view of it.
+
+Synchronisation uses CUDA events, never a device-wide synchronise: the sender records one
+interprocess event per slot after packing it, and a receiver's stream waits on that event
+before reading the slot; a receiver acks a slot only after an event it recorded behind its
+sink's copies has completed.
+
+Messages, rendezvous, peer death and owner-only access are those of ``shm://`` (an abstract
+unix socket per receiver). URL options: ``receivers``, ``slots``, ``slot_bytes``; keyword
+arguments: ``device`` (sender), ``secret``, ``connect_timeout``.
+"""
+
+# torch's CUDA IPC helpers are untyped.
+# mypy: disable-error-code="no-untyped-call"
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from streamsync.errors import ConfigError, WireFormatError
+from streamsync.transports.shm import SharedMemoryReceiver, SharedMemorySender
+from streamsync.wire import Abort, BucketHeader, Bye, End, Welcome
+
+if TYPE_CHECKING:
+    from streamsync.transports import Endpoint
+
+__all__ = ["CudaIpcReceiver", "CudaIpcSender", "CudaRing", "local_device"]
+
+
+class CudaRing(msgspec.Struct, frozen=True, array_like=True):
+    """What a receiver needs to rebuild the sender's device ring: the fields of
+    ``reduce_tensor``'s CUDA handle, the device's UUID and one event handle per slot."""
+
+    device_uuid: str
+    device_index: int
+    numel: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    slot_events: tuple[bytes, ...]
+
+
+def local_device(uuid: str, local_uuids: list[str], fallback: int) -> int:
+    """The local index of the device with ``uuid``; ``fallback`` (the sender's index) when
+    UUIDs are unavailable. Raises ``ConfigError`` if this process cannot see that device."""
+    if not uuid:
+        return fallback
+    if uuid in local_uuids:
+        return local_uuids.index(uuid)
+    raise ConfigError(
+        f"the sender's GPU {uuid} is not visible to this process (visible: "
+        f"{', '.join(local_uuids) or 'none'}); check CUDA_VISIBLE_DEVICES"
+    )
+
+
+def _require_cuda(url: str) -> None:
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{url}: CUDA is not available in this process; use shm:// instead")
+
+
+def _uuid(index: int) -> str:
+    return str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+
+
+class CudaIpcSender(SharedMemorySender):
+    """Sender side of ``cuda-ipc://NAME``."""
+
+    scheme = "cuda-ipc"
+
+    def __init__(
+        self, name: str, *, device: int | str | torch.device | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(name, **kwargs)
+        self._device_arg = device
+        self._ring: torch.Tensor | None = None
+        self._events: list[Any] = []
+        self._handle = b""
+
+    def _make_slots(self) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _require_cuda(self.url)
+        device = torch.device(self._device_arg if self._device_arg is not None else "cuda")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        ring = torch.zeros(self.ring.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self._ring = ring
+        self._slots = list(ring.view(self.ring.slots, self.slot_bytes).unbind(0))
+        self._events = [
+            torch.cuda.Event(interprocess=True, blocking=False) for _ in range(self.ring.slots)
+        ]
+        with torch.cuda.device(self.device):
+            for event in self._events:
+                event.record()  # an interprocess event has a handle only once recorded
+        _, args = reduce_tensor(ring)
+        self._handle = msgspec.msgpack.encode(
+            CudaRing(
+                device_uuid=_uuid(index),
+                device_index=index,
+                numel=ring.numel(),
+                storage_handle=args[7],
+                storage_size_bytes=args[8],
+                storage_offset_bytes=args[9],
+                ref_counter_handle=args[11],
+                ref_counter_offset=args[12],
+                event_handle=args[13],
+                event_sync_required=bool(args[14]),
+                slot_events=tuple(bytes(e.ipc_handle()) for e in self._events),
+            )
+        )
+        torch.cuda.synchronize(self.device)  # the zeroed ring exists before anyone maps it
+
+    def _handshake_fds(self) -> tuple[int, ...]:
+        return ()
+
+    def _layout(self) -> tuple[str, bytes]:
+        return "cuda", self._handle
+
+    def _free_slots(self) -> None:
+        self._slots = []
+        self._events = []
+        self._ring = None
+
+    async def _publish(
+        self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
+    ) -> None:
+        if isinstance(msg, BucketHeader):
+            # Receivers' streams wait on this before reading the slot.
+            self._events[msg.slot].record(torch.cuda.current_stream(self.device))
+        await super()._publish(msg, payload)
+
+
+class CudaIpcReceiver(SharedMemoryReceiver):
+    """Receiver side of ``cuda-ipc://NAME``."""
+
+    scheme = "cuda-ipc"
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self._events: list[Any] = []
+        self.device: torch.device | None = None
+
+    def _attach(self, welcome: Welcome, fds: list[int]) -> None:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        _require_cuda(self.url)
+        if fds or welcome.segment != "cuda":
+            raise WireFormatError(f"{self.url}: the sender did not describe a CUDA ring")
+        try:
+            ring = msgspec.msgpack.decode(welcome.layout, type=CudaRing)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireFormatError(f"{self.url}: malformed CUDA ring description: {exc}") from exc
+        if (
+            ring.numel != welcome.slots * welcome.slot_bytes
+            or len(ring.slot_events) != welcome.slots
+        ):
+            raise WireFormatError(f"{self.url}: the CUDA ring does not match its slot layout")
+        uuids = [_uuid(i) for i in range(torch.cuda.device_count())]
+        index = local_device(ring.device_uuid, uuids, ring.device_index)
+        self.device = torch.device("cuda", index)
+        buf = rebuild_cuda_tensor(
+            torch.Tensor,
+            torch.Size([ring.numel]),
+            (1,),
+            0,
+            torch.storage.UntypedStorage,
+            torch.uint8,
+            index,
+            ring.storage_handle,
+            ring.storage_size_bytes,
+            ring.storage_offset_bytes,
+            False,
+            ring.ref_counter_handle,
+            ring.ref_counter_offset,
+            ring.event_handle,
+            ring.event_sync_required,
+        )
+        self._slots = list(buf.view(welcome.slots, welcome.slot_bytes).unbind(0))
+        self._events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in ring.slot_events]
+
+    def _bucket_data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
+        data = super()._bucket_data(header, payload)
+        torch.cuda.current_stream(self.device).wait_event(self._events[header.slot])
+        return data
+
+    async def release(self, header: BucketHeader) -> None:
+        # Ack only once the sink's copies out of the slot are done (this stream only).
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        done.synchronize()
+        await super().release(header)
+
+    async def _stop(self) -> None:
+        await super()._stop()
+        self._events = []
+
+
+def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> CudaIpcSender:
+    """``cuda-ipc://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override."""
+    opts: dict[str, Any] = {
+        "receivers": endpoint.int_option("receivers", 1),
+        "slots": endpoint.int_option("slots", 2),
+        "slot_bytes": endpoint.int_option("slot_bytes", 64 << 20),
+    }
+    opts.update(kwargs)
+    return CudaIpcSender(endpoint.target, **opts)
+
+
+def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> CudaIpcReceiver:
+    """``cuda-ipc://NAME``."""
+    return CudaIpcReceiver(endpoint.target, **kwargs)

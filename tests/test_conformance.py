@@ -1,0 +1,62 @@
+"""The shared conformance suite (:mod:`streamsync.testing.conformance`) applied to every
+built-in transport that runs on this machine."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+
+import pytest
+
+from streamsync.testing.conformance import TransportConformance
+from streamsync.transports.zeromq import zmq_address
+
+_ids = itertools.count()
+
+
+def _fresh(tag: str) -> str:
+    return f"{tag}-{os.getpid()}-{next(_ids)}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TestMemory(TransportConformance):
+    cross_process = False
+
+    def make_url(self, tag: str) -> str:
+        return f"memory://{_fresh(tag)}"
+
+
+@pytest.mark.slow
+class TestSharedMemory(TransportConformance):
+    def make_url(self, tag: str) -> str:
+        return f"shm://{_fresh(tag)}"
+
+
+@pytest.mark.slow
+class TestZmqTcp(TransportConformance):
+    def make_url(self, tag: str) -> str:
+        return f"zmq+tcp://127.0.0.1:{_free_port()}"
+
+
+@pytest.mark.slow
+class TestZmqIpc(TransportConformance):
+    def make_url(self, tag: str) -> str:
+        return f"zmq+ipc://{_fresh(tag)}"
+
+    def resource_paths(self, url: str) -> list[str]:
+        return [zmq_address("zmq+ipc", url.split("://", 1)[1].split("?")[0], bind=True)[6:]]
+
+
+@pytest.mark.slow
+class TestSharedMemoryWithSecret(TransportConformance):
+    sender_options = {"secret": b"conformance-secret"}  # noqa: RUF012
+    receiver_options = {"secret": b"conformance-secret"}  # noqa: RUF012
+
+    def make_url(self, tag: str) -> str:
+        return f"shm://{_fresh(tag)}"

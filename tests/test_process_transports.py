@@ -1,0 +1,193 @@
+"""What the conformance suite does not cover: authentication, addresses and options,
+owner-only resources, lazy imports, and the CPU-testable parts of ``cuda-ipc://``."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import stat
+import subprocess
+import sys
+
+import anyio
+import pytest
+import torch
+from conftest import run_both
+
+import streamsync as ss
+from streamsync.testing.conformance import TransportConformance
+from streamsync.transports import open_receiver, open_sender
+from streamsync.transports.cuda_ipc import local_device
+from streamsync.transports.zeromq import zmq_address
+
+_ids = itertools.count()
+URLS = ["shm://{tag}", "zmq+ipc://{tag}", "zmq+tcp://127.0.0.1:0"]
+
+
+def _url(form: str) -> str:
+    return form.format(tag=f"unit-{os.getpid()}-{next(_ids)}")
+
+
+class Keep:
+    def __init__(self) -> None:
+        self.items: dict[str, torch.Tensor] = {}
+
+    def prepare(self) -> None:
+        pass
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.items.update((n, t.clone()) for n, t in tensors)
+
+    def finalize(self) -> None:
+        pass
+
+
+async def _pair(url: str, tx_kw: dict[str, object], rx_kw: dict[str, object]) -> dict[str, object]:
+    """Open a sender, then a receiver, then sync once; each side's result or exception."""
+    async with open_sender(url, connect_timeout=2, **tx_kw) as tx:
+        url = getattr(tx, "url", url)  # a tcp port 0 is resolved on open
+
+        async def rx() -> object:
+            async with open_receiver(url, connect_timeout=2, **rx_kw) as r:
+                return await ss.receive(r, Keep(), timeout=2)
+
+        return await run_both(rx=rx, tx=lambda: ss.send({"w": torch.arange(10.0)}, tx, timeout=2))
+
+
+@pytest.mark.parametrize("form", URLS)
+async def test_shared_secret_round_trip(form: str) -> None:
+    out = await _pair(_url(form), {"secret": b"s3cret"}, {"secret": b"s3cret"})
+    assert isinstance(out["tx"], ss.SyncReport) and out["tx"].receivers == 1, out
+
+
+@pytest.mark.parametrize("form", URLS)
+async def test_wrong_secret_fails_on_both_sides(form: str) -> None:
+    with anyio.fail_after(10):
+        out = await _pair(_url(form), {"secret": b"right"}, {"secret": b"wrong"})
+    assert isinstance(out["rx"], ss.AuthenticationError), out
+    assert isinstance(out["tx"], ss.AuthenticationError), out
+
+
+@pytest.mark.parametrize("form", URLS)
+async def test_missing_secret_is_refused(form: str) -> None:
+    with anyio.fail_after(10):
+        out = await _pair(_url(form), {"secret": b"right"}, {})
+    assert isinstance(out["rx"], ss.AuthenticationError), out
+    assert "refused" in str(out["rx"])
+    assert isinstance(out["tx"], ss.AuthenticationError), out
+
+
+async def test_receiver_with_a_secret_refuses_an_unauthenticated_sender() -> None:
+    with anyio.fail_after(10):
+        out = await _pair(_url(URLS[0]), {}, {"secret": b"mine"})
+    assert isinstance(out["rx"], ss.AuthenticationError), out
+    assert isinstance(out["tx"], ss.PeerBrokenError | ss.SyncTimeoutError), out
+
+
+async def test_secret_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMSYNC_SECRET", "from-env")
+    out = await _pair(_url(URLS[0]), {}, {"secret": b"other"})
+    assert isinstance(out["rx"], ss.AuthenticationError), out
+    out = await _pair(_url(URLS[0]), {}, {})
+    assert isinstance(out["tx"], ss.SyncReport), out
+
+
+@pytest.mark.parametrize("form", ["shm://{tag}", "zmq+tcp://127.0.0.1:{port}"])
+async def test_a_receiver_too_many_is_refused(form: str) -> None:
+    # (zmq+ipc removes its socket file once every receiver joined: nobody else gets in.)
+    url = _url(form.replace("{port}", str(40000 + os.getpid() % 20000)))
+    async with open_sender(url, connect_timeout=2), open_receiver(url, connect_timeout=2):
+        with pytest.raises(ss.ConfigError, match="receivers=N"):
+            async with open_receiver(url, connect_timeout=2):
+                pass
+
+
+async def test_second_sender_on_a_name_is_refused() -> None:
+    url = _url(URLS[0])
+    async with open_sender(url):
+        with pytest.raises(ss.ConfigError, match="already has a sender"):
+            async with open_sender(url):
+                pass
+
+
+async def test_receiver_times_out_without_a_sender() -> None:
+    with anyio.fail_after(5), pytest.raises(ss.SyncTimeoutError, match="no sender answered"):
+        async with open_receiver(_url(URLS[0]), connect_timeout=0.3):
+            pass
+
+
+async def test_ipc_socket_file_is_private_then_removed() -> None:
+    url = _url("zmq+ipc://{tag}")
+    path = zmq_address("zmq+ipc", url.split("://")[1], bind=True).removeprefix("ipc://")
+    async with open_sender(url, connect_timeout=2):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode == 0o600, oct(mode)
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        async with open_receiver(url, connect_timeout=2):
+            await anyio.sleep(0.05)
+            assert not os.path.exists(path)  # every receiver joined: nobody needs it
+    assert not os.path.exists(path)
+
+
+async def test_shm_segment_is_anonymous_and_owner_only() -> None:
+    url = _url(URLS[0])
+    before = set(os.listdir("/dev/shm"))
+    async with open_sender(url, slot_bytes=4096) as tx:
+        assert set(os.listdir("/dev/shm")) == before
+        fd = tx._fd  # type: ignore[attr-defined]
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+
+
+def test_zmq_addresses() -> None:
+    assert zmq_address("zmq+tcp", ":5555", bind=True) == "tcp://127.0.0.1:5555"
+    assert zmq_address("zmq+tcp", "*:5555", bind=True) == "tcp://*:5555"
+    assert zmq_address("zmq+ipc", "@abc", bind=True) == "ipc://@abc"
+    assert zmq_address("zmq+ipc", "/run/x.sock", bind=False) == "ipc:///run/x.sock"
+    with pytest.raises(ss.ConfigError, match="not '\\*'"):
+        zmq_address("zmq+tcp", "*:5555", bind=False)
+    with pytest.raises(ss.ConfigError, match="HOST:PORT"):
+        zmq_address("zmq+tcp", "localhost", bind=True)
+    with pytest.raises(ss.ConfigError, match="bare name"):
+        zmq_address("zmq+ipc", "a/b", bind=True)
+
+
+def test_bad_options_name_what_is_valid() -> None:
+    with pytest.raises(ss.ConfigError, match="receivers=0"):
+        open_sender("shm://x?receivers=0")
+    with pytest.raises(ss.ConfigError, match="without '/'"):
+        open_sender("shm://a/b")
+    with pytest.raises(ss.ConfigError, match="secret is empty"):
+        open_sender("shm://x", secret=b"")
+
+
+def test_import_streamsync_stays_light() -> None:
+    code = (
+        "import sys, streamsync, streamsync.transports as t; t.schemes(); "
+        "print(sorted(m for m in ('zmq', 'streamsync.transports.shm', "
+        "'streamsync.transports.zeromq', 'streamsync.transports.cuda_ipc') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert {"shm", "zmq+tcp", "zmq+ipc", "cuda-ipc"} <= set(ss.transports.schemes())
+
+
+# -- cuda-ipc ------------------------------------------------------------------------
+def test_cuda_device_is_found_by_uuid_whatever_the_visible_order() -> None:
+    assert local_device("GPU-b", ["GPU-a", "GPU-b"], fallback=0) == 1
+    assert local_device("", ["GPU-a"], fallback=3) == 3
+    with pytest.raises(ss.ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        local_device("GPU-z", ["GPU-a"], fallback=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+async def test_cuda_ipc_without_cuda_says_what_to_use() -> None:
+    with pytest.raises(ss.ConfigError, match="use shm://"):
+        async with open_sender(_url("cuda-ipc://{tag}")):
+            pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.slow
+class TestCudaIpc(TransportConformance):
+    def make_url(self, tag: str) -> str:
+        return _url("cuda-ipc://" + tag + "-{tag}")
