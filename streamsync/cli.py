@@ -91,20 +91,29 @@ def _as_dict(report: ss.SyncReport) -> dict[str, Any]:
     return data
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="streamsync", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_demo(sub: Any) -> None:
     demo = sub.add_parser("demo", help="run sync steps into a model and verify each one")
     demo.add_argument("--steps", type=int, default=3)
     demo.add_argument("--transport", default="memory://demo", help="transport URL")
     demo.add_argument("--bucket-bytes", type=int, default=4 << 20)
     demo.add_argument("--timeout", type=float, default=60.0)
     demo.add_argument("--json", help="write the reports to this file")
+    demo.set_defaults(run=_demo_in_process)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamsync", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    try:
+        from streamsync import bench
+    except ImportError:  # pragma: no cover - the bench module is part of the package
+        bench = None  # type: ignore[assignment]
+    if bench is not None:
+        bench.add_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _demo_in_process(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    result: int = args.run(args)
+    return result
 
 
 if __name__ == "__main__":
