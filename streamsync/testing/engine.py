@@ -1,0 +1,95 @@
+"""Check a vLLM engine against the trainer: greedy tokens and prompt logprobs of both.
+
+Used by the real-engine tests and by ``streamsync demo``. vLLM is imported lazily.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MAX_TOKENS",
+    "PROMPTS",
+    "Outputs",
+    "engine_outputs",
+    "make_llm",
+    "outputs_from",
+    "reference_outputs",
+    "sampling",
+]
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300], [42, 7, 300, 9, 511, 3]]
+MAX_TOKENS = 8
+
+
+@dataclass
+class Outputs:
+    """Greedy tokens per prompt, and the logprob of each prompt token after the first."""
+
+    tokens: list[list[int]]
+    prompt_logprobs: list[list[float]]
+
+    def max_logprob_diff(self, other: Outputs) -> float:
+        """The largest absolute prompt-logprob difference to ``other``."""
+        return max(
+            abs(a - b)
+            for mine, theirs in zip(self.prompt_logprobs, other.prompt_logprobs, strict=True)
+            for a, b in zip(mine, theirs, strict=True)
+        )
+
+
+def make_llm(path: str, *, dtype: str = "float32", **kwargs: Any) -> Any:
+    """A small CPU engine on ``path`` with streamsync's worker extension (in-process when
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from vllm import LLM
+
+    options: dict[str, Any] = {"dtype": dtype, **kwargs}
+    return LLM(
+        model=path,
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=4,
+        seed=0,
+        worker_extension_cls="streamsync.vllm.WorkerExtension",
+        **options,
+    )
+
+
+def sampling() -> Any:
+    """Greedy sampling with prompt logprobs, ignoring EOS (fixed-length outputs)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True
+    )
+
+
+def outputs_from(results: list[Any]) -> Outputs:
+    """Outputs from vLLM ``RequestOutput`` objects."""
+    tokens = [list(r.outputs[0].token_ids) for r in results]
+    logprobs = [[next(iter(d.values())).logprob for d in r.prompt_logprobs[1:]] for r in results]
+    return Outputs(tokens, logprobs)
+
+
+def engine_outputs(llm: Any) -> Outputs:
+    """Greedy generation of the fixed prompts on an ``LLM``."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    return outputs_from(llm.generate(prompts, sampling(), use_tqdm=False))
+
+
+@torch.no_grad()
+def reference_outputs(model: torch.nn.Module) -> Outputs:
+    """Greedy tokens and prompt logprobs of the trainer's own Transformers model."""
+    tokens, logprobs = [], []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = model.generate(  # type: ignore[operator]
+            ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        tokens.append(out[0, len(prompt) :].tolist())
+        logits = model(ids).logits[0].float().log_softmax(-1)
+        logprobs.append([logits[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)])
+    return Outputs(tokens, logprobs)
