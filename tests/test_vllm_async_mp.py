@@ -6,6 +6,7 @@ The worker runs in its own process, so the weights cross a real process boundary
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from pathlib import Path
@@ -81,3 +82,5 @@ def test_async_llm_multiprocess_engine(tmp_path: Path, monkeypatch: pytest.Monke
             assert_matches(got, want)
     finally:
         llm.shutdown()
+        del llm  # let its finalizer run now, not at interpreter exit
+        gc.collect()

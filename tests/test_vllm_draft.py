@@ -30,7 +30,7 @@ def spec_metrics(llm: Any) -> dict[str, float]:
     }
 
 
-def test_draft_model_both_instances_updated(tmp_path: Path) -> None:
+def test_draft_model_both_instances_updated(tmp_path: Path, free_port: int) -> None:
     """A draft-model engine: the sync reaches the main model and the drafter. With both on
     the trainer's weights, every drafted token is accepted."""
     main_path, draft_path = tmp_path / "main", tmp_path / "draft"
@@ -52,10 +52,16 @@ def test_draft_model_both_instances_updated(tmp_path: Path) -> None:
         assert after["num_accepted_tokens"] - before["num_accepted_tokens"] < (
             after["num_draft_tokens"] - before["num_draft_tokens"]
         )
+        # Three consecutive syncs, over shm and over zmq.
+        endpoints = [
+            f"shm://draft-{os.getpid()}",
+            f"zmq+ipc://{tmp_path}/draft.sock",
+            f"zmq+tcp://127.0.0.1:{free_port}",
+        ]
         for step in range(3):
             perturb(trainer, seed=300 + step)
             want = reference_outputs(trainer)
-            report = sync(llm, trainer, f"shm://draft-{os.getpid()}")
+            report = sync(llm, trainer, endpoints[step])
             assert set(report.instances) == {"worker0.main", "worker0.drafter"}
             assert all(not r.missing for r in report.instances.values())
             before = spec_metrics(llm)

@@ -73,9 +73,11 @@ def test_fp8_three_syncs_match_fresh_and_online_engines(tmp_path: Path) -> None:
     llm = make_llm(str(tmp_path / "fp8-a"), dtype="bfloat16")
     try:
         previous = engine_outputs(llm)
+        # Three consecutive syncs, over shm and over zmq.
+        endpoints = ["shm://fp8-test", f"zmq+ipc://{tmp_path}/fp8.sock", "shm://fp8-test"]
         for step in range(3):
             perturb(trainer, seed=500 + step, scale=0.1)
-            report = sync(llm, trainer, "shm://fp8-test", pipeline=quantize_fp8())
+            report = sync(llm, trainer, endpoints[step], pipeline=quantize_fp8())
             assert report.instances["worker0.main"].missing == ()
             synced = engine_outputs(llm)
             assert synced.tokens != previous.tokens  # every sync changes what it generates

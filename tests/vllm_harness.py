@@ -82,4 +82,5 @@ def sync(llm: Any, trainer: torch.nn.Module, endpoint: str, **kwargs: Any) -> ss
 def assert_matches(got: Outputs, want: Outputs) -> None:
     """Greedy tokens equal, prompt logprobs within TOL."""
     assert got.tokens == want.tokens
-    assert got.max_logprob_diff(want) <= TOL
+    diff = got.max_logprob_diff(want)
+    assert diff <= TOL, f"max |logprob difference| {diff:.3g} > {TOL}"

@@ -78,6 +78,7 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
     layers: int = 2,
     quantization_config: dict[str, Any] | None = None,
+    init_std: float = 0.2,
 ) -> Any:
     """Build a random tiny model, save it (weights, config, tokenizer) to ``path`` and
     return the Transformers model (in ``dtype``)."""
@@ -89,7 +90,7 @@ def build_tiny_model(
     with torch.no_grad():
         for param in model.parameters():
             # Larger than the default init, so the logits of a tiny model are not flat.
-            param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05).add_(
+            param.normal_(0.0, init_std if param.dim() > 1 else 0.05).add_(
                 1.0 if param.dim() == 1 else 0
             )
     model.eval()
