@@ -82,5 +82,5 @@ def test_async_llm_multiprocess_engine(tmp_path: Path, monkeypatch: pytest.Monke
             assert_matches(got, want)
     finally:
         llm.shutdown()
-        del llm  # let its finalizer run now, not at interpreter exit
+        llm = None  # let its finalizer run now, not at interpreter exit
         gc.collect()
