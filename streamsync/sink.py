@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 
@@ -23,7 +23,11 @@ from streamsync.adapter import NamedTensor
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.report import LoadResult
 
-__all__ = ["ModuleSink", "Sink", "call_phase"]
+__all__ = ["BUFFER_MANIFEST", "ModuleSink", "Sink", "call_phase"]
+
+#: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
+#: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.
+BUFFER_MANIFEST: Final = "streamsync::buffers"
 
 
 @runtime_checkable
@@ -92,6 +96,8 @@ class ModuleSink:
     def load(self, tensors: Sequence[NamedTensor]) -> None:
         plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for name, src in tensors:
+            if name == BUFFER_MANIFEST:
+                continue  # buffers are parameters' peers here: every name is copied in place
             dst = self._targets.get(name)
             if dst is None:
                 if self.strict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_both
 
 import streamsync as ss
 from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
@@ -123,3 +124,18 @@ async def test_sync_error_carries_partial_report_and_sender_fails_too() -> None:
     assert set(report.loaded) == {"a.weight", "a.bias"}
     assert isinstance(results["tx"], ss.ReceiverFailedError)
     assert "b.weight" in str(results["tx"])
+
+
+async def test_module_sink_takes_a_stream_with_a_buffer_manifest() -> None:
+    from streamsync.adapters import split_buffers
+
+    trainer, receiver = Tiny(), Tiny()
+    trainer.stat.fill_(3.0)
+    out = await run_both(
+        rx=lambda: ss.receive("memory://manifest", ModuleSink(receiver), timeout=5),
+        tx=lambda: ss.send(
+            trainer, "memory://manifest", pipeline=split_buffers(trainer), timeout=5
+        ),
+    )
+    assert out["rx"].complete and out["rx"].missing == ()
+    assert torch.equal(receiver.stat, trainer.stat)

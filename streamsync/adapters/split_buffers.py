@@ -20,8 +20,9 @@ Which names are buffers can be decided on either side:
 
 A name found to be a buffer is copied into each instance that has a parameter or buffer of
 that name; instances without it (a drafter with fewer layers) are skipped. A receiver given
-the manifest must use the router (:class:`BufferSink` or the vLLM sink, which does); a plain
-strict :class:`~streamsync.ModuleSink` would refuse the manifest as an unknown tensor.
+the manifest uses the router (:class:`BufferSink` or the vLLM sink, which does);
+:class:`~streamsync.ModuleSink` copies buffers in place by name anyway and skips the
+manifest.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from streamsync.adapter import Adapter, NamedTensor, reading
 from streamsync.errors import ShapeMismatchError, UnknownTensorError, WireFormatError
 from streamsync.report import LoadResult
-from streamsync.sink import Sink, call_phase
+from streamsync.sink import BUFFER_MANIFEST, Sink, call_phase
 
 __all__ = [
     "MANIFEST_NAME",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 #: The name of the manifest tensor; ``::`` never occurs in a PyTorch state-dict name.
-MANIFEST_NAME: Final = "streamsync::buffers"
+MANIFEST_NAME: Final = BUFFER_MANIFEST
 
 Instances = Sequence[torch.nn.Module] | Mapping[str, torch.nn.Module]
 
