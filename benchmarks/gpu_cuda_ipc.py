@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from transports import qwen3_like
+from streamsync.bench import synthetic_model
 
 
 def _fingerprint(weights: dict[str, torch.Tensor]) -> list[int]:
@@ -48,7 +47,8 @@ class _CopySink:
 def _receiver(url: str, total: int, repeat: int, results: Any) -> None:
     import streamsync as ss
 
-    targets = {n: torch.empty_like(t, device="cuda") for n, t in qwen3_like(total).items()}
+    shapes = synthetic_model(total).shapes
+    targets = {n: torch.empty(s, dtype=d, device="cuda") for n, (s, d) in shapes.items()}
 
     async def run() -> None:
         async with ss.open_receiver(url, connect_timeout=120) as rx:
@@ -64,7 +64,7 @@ def _receiver(url: str, total: int, repeat: int, results: Any) -> None:
 def _sender(url: str, total: int, repeat: int, bucket: int, results: Any) -> None:
     import streamsync as ss
 
-    weights = {n: t.cuda() for n, t in qwen3_like(total).items()}
+    weights = {n: t.cuda() for n, t in synthetic_model(total).weights().items()}
     results.put(("expected", _fingerprint(weights)))
 
     async def run() -> None:
@@ -102,7 +102,7 @@ def main() -> None:
         print(json.dumps({"cuda": False, "skipped": "no CUDA device"}))
         return
     total = int(args.gib * (1 << 30))
-    total = sum(t.numel() * 2 for t in qwen3_like(total).values())
+    total = synthetic_model(total).nbytes
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     url = f"cuda-ipc://gpucheck{os.getpid()}"

@@ -33,8 +33,11 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     buckets: int
     seconds: float
-    #: Seconds per phase: sender ``source``/``pack``/``wait``/``end``; receiver
-    #: ``wait``/``prepare``/``load``/``finalize``.
+    #: Seconds per phase. Sender: ``source`` (the pipeline making buckets), ``send`` (the
+    #: transport taking them), split into ``wait`` (for a free slot), ``pack`` (the copy into
+    #: the slot, casts fused) and ``publish`` (announcing it) where the transport counts
+    #: them, and ``end`` (waiting for the receivers' reports). Receiver: ``wait`` (for the
+    #: next bucket), ``prepare``, ``load`` (unpacking and the sink's copies), ``finalize``.
     phases: dict[str, float] = {}
     complete: bool = True
     loaded: tuple[str, ...] = ()

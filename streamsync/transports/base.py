@@ -26,7 +26,7 @@ from streamsync.bucket import Bucket
 from streamsync.errors import EndOfStream
 from streamsync.wire import Abort, BucketHeader, Done, End, Failed
 
-__all__ = ["Incoming", "Receiver", "Sender"]
+__all__ = ["Incoming", "Receiver", "Sender", "SenderStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,18 @@ class Incoming:
 
     message: BucketHeader | End | Abort
     data: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SenderStatistics:
+    """A sender's running totals across every sync on its channel (subtract two snapshots
+    for one sync): how long it waited for free slots, packed buckets into them, and handed
+    them to the transport."""
+
+    buckets: int = 0
+    wait_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    publish_seconds: float = 0.0
 
 
 class _Resource(ABC):
@@ -81,6 +93,11 @@ class Sender(_Resource):
 
     async def wait_ready(self, *, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until every receiver is there to be sent to."""
+
+    def statistics(self) -> SenderStatistics | None:
+        """Running totals of where :meth:`send` spends its time, or ``None`` if this
+        transport does not count them."""
+        return None
 
     @abstractmethod
     async def send(
