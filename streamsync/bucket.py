@@ -278,9 +278,9 @@ class _Pending:
 class Unpacker:
     """Receiver side of the bucket format: validates untrusted headers and yields views.
 
-    One instance serves one channel across syncs and keeps one staging buffer (sized for the
-    largest chunked tensor seen) for reassembly. Views it returns are valid until the next
-    call to :meth:`feed` (the slot is reused once the sink returns).
+    One instance serves one channel across syncs and keeps one staging buffer (grown, as
+    chunks arrive, to the largest chunked tensor seen) for reassembly. Views it returns are
+    valid until the next call to :meth:`feed` (the slot is reused once the sink returns).
     """
 
     def __init__(self, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
@@ -333,6 +333,12 @@ class Unpacker:
                         f"{header.seq} does not match its checksum"
                     )
             if entry.chunks == 1:
+                if self._pending is not None:
+                    # A chunked tensor's chunks come first in each bucket until it is whole.
+                    raise WireFormatError(
+                        f"tensor {entry.name!r} arrived before chunked tensor "
+                        f"{self._pending.name!r} was complete"
+                    )
                 self._claim(entry.name)
                 out.append((entry.name, region.view(dtype).view(entry.shape)))
                 self._tensors += 1
@@ -348,6 +354,12 @@ class Unpacker:
         name = entry.name
         if any(d < 0 for d in entry.shape):
             raise WireFormatError(f"tensor {name!r} has a negative dimension: {list(entry.shape)}")
+        if any(d > self.max_tensor_bytes for d in entry.shape):
+            # Even an empty tensor (a 0 elsewhere) cannot have it: torch sizes are int64.
+            raise WireFormatError(
+                f"tensor {name!r} has a dimension above the limit of {self.max_tensor_bytes}: "
+                f"{list(entry.shape)}"
+            )
         total = math.prod(entry.shape) * itemsize
         if total > self.max_tensor_bytes:
             raise WireFormatError(
@@ -403,9 +415,6 @@ class Unpacker:
             pending = self._pending = _Pending(
                 entry.name, dtype, entry.shape, total, entry.chunks, 0, 0
             )
-            if self._staging is None or self._staging.numel() < total:
-                self._staging = None  # free the old one before allocating the new one
-                self._staging = allocate_slot(total)
         elif pending is None or pending.name != entry.name:
             raise WireFormatError(
                 f"chunk {entry.chunk} of tensor {entry.name!r} arrived out of order"
@@ -421,8 +430,8 @@ class Unpacker:
                 f"chunk {entry.chunk}/{entry.chunks} of tensor {entry.name!r} does not continue "
                 f"chunk {pending.next_chunk - 1} (expected offset {pending.next_offset})"
             )
-        assert self._staging is not None
-        self._staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(region)
+        staging = self._grow_staging(entry.tensor_offset + entry.nbytes, pending.total)
+        staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(region)
         pending.next_chunk += 1
         pending.next_offset += entry.nbytes
         if pending.next_chunk < pending.chunks:
@@ -435,8 +444,29 @@ class Unpacker:
         self._pending = None
         self._tensors += 1
         self._completed_here = True
-        view = self._staging[: pending.total].view(pending.dtype).view(pending.shape)
+        view = staging[: pending.total].view(pending.dtype).view(pending.shape)
         return (pending.name, view)
+
+    def _grow_staging(self, needed: int, total: int) -> torch.Tensor:
+        """The staging buffer, at least ``needed`` bytes long.
+
+        It grows with the bytes that actually arrived (at most doubling, never past the
+        tensor's declared ``total``), never from the declared size alone: a header claiming
+        a huge tensor allocates nothing until its bytes come. Kept across syncs, it grows in
+        the first sync only.
+        """
+        staging = self._staging
+        if staging is not None and staging.numel() >= needed:
+            return staging
+        size = max(needed, min(total, 2 * (0 if staging is None else staging.numel())))
+        kept = self._pending.next_offset if self._pending is not None else 0
+        if not kept:
+            self._staging = staging = None  # free the old one before allocating the new one
+        grown = allocate_slot(size)
+        if staging is not None and kept:
+            grown[:kept].copy_(staging[:kept])
+        self._staging = grown
+        return grown
 
     def finish(self, end: End) -> None:
         """Check the sender's counts against what arrived."""

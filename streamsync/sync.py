@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 
 from streamsync._log import log
 from streamsync.adapter import AdapterLike, Chain, reading
@@ -21,6 +22,7 @@ from streamsync.errors import (
     SenderAbortedError,
     StaleSyncError,
     StreamsyncError,
+    SyncInProgressError,
     WireFormatError,
 )
 from streamsync.report import LoadResult, SyncReport
@@ -103,6 +105,7 @@ async def _send(
 ) -> SyncReport:
     # The clock starts once every receiver is there: joining is not part of the sync.
     await sender.wait_ready(timeout=timeout)
+    before = sender.statistics()
     start = time.perf_counter()
     seq = tensors = nbytes = 0
     source_s = send_s = 0.0
@@ -125,6 +128,7 @@ async def _send(
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+            _add_send_counts(exc, seq, tensors, nbytes, start)
             raise
     log(
         "sync.send",
@@ -135,8 +139,19 @@ async def _send(
         seconds=round(send_s, 6),
         source_seconds=round(source_s, 6),
     )
+    phases = {"source": source_s, "send": send_s}
+    after = sender.statistics()
+    if before is not None and after is not None:
+        # What ``send`` was made of: waiting for a free slot, packing, handing it over.
+        phases["wait"] = after.wait_seconds - before.wait_seconds
+        phases["pack"] = after.pack_seconds - before.pack_seconds
+        phases["publish"] = after.publish_seconds - before.publish_seconds
     t2 = time.perf_counter()
-    dones = await sender.end(End(sync_id, seq, tensors, nbytes), timeout=timeout)
+    try:
+        dones = await sender.end(End(sync_id, seq, tensors, nbytes), timeout=timeout)
+    except BaseException as exc:
+        _add_send_counts(exc, seq, tensors, nbytes, start)
+        raise
     end_s = time.perf_counter() - t2
     total = time.perf_counter() - start
     log("sync.end", sync_id=sync_id, receivers=len(dones), seconds=round(end_s, 6))
@@ -152,7 +167,7 @@ async def _send(
         nbytes=nbytes,
         buckets=seq,
         seconds=total,
-        phases={"source": source_s, "send": send_s, "end": end_s},
+        phases={**phases, "end": end_s},
         loaded=tuple(loaded),
         missing=tuple(missing),
         instances=instances,
@@ -169,12 +184,28 @@ async def _send(
     return report
 
 
+def _add_send_counts(
+    exc: BaseException, buckets: int, tensors: int, nbytes: int, start: float
+) -> None:
+    """Complete the partial report a receiver's failure carries with what this side sent."""
+    report = getattr(exc, "report", None)
+    if isinstance(exc, StreamsyncError) and report is not None and report.side == "send":
+        exc.report = msgspec.structs.replace(
+            report,
+            tensors=tensors,
+            nbytes=nbytes,
+            buckets=buckets,
+            seconds=time.perf_counter() - start,
+        )
+
+
 @dataclass
 class _ReceiverState:
     unpacker: Unpacker
     last_sync_id: int | None = None
     failed_sync_id: int | None = None
     applied: list[str] = field(default_factory=list)
+    busy: bool = False
 
 
 _states: weakref.WeakKeyDictionary[Receiver, _ReceiverState] = weakref.WeakKeyDictionary()
@@ -205,7 +236,16 @@ async def receive(
     state = _states.get(receiver)
     if state is None:
         state = _states[receiver] = _ReceiverState(Unpacker(max_tensor_bytes=max_tensor_bytes))
-    return await _receive(receiver, sink, state, timeout=timeout)
+    if state.busy:
+        raise SyncInProgressError(
+            f"receive() was called on {type(receiver).__name__} while another receive() on it "
+            "is still running; one sync at a time per channel"
+        )
+    state.busy = True
+    try:
+        return await _receive(receiver, sink, state, timeout=timeout)
+    finally:
+        state.busy = False
 
 
 async def _first_message(receiver: Receiver, state: _ReceiverState, timeout: float) -> Any:
@@ -232,6 +272,9 @@ async def _receive(
     applied: list[str] = []
     nbytes = buckets = 0
     phases: dict[str, float] = {}
+    # The bucket whose slot this side holds; released even if the sync fails on it, since
+    # the sender reuses a slot only once every receiver has acked it.
+    held = incoming.message if isinstance(incoming.message, BucketHeader) else None
     try:
         if state.last_sync_id is not None and sync_id <= state.last_sync_id:
             raise StaleSyncError(
@@ -258,6 +301,7 @@ async def _receive(
                 load_s += time.perf_counter() - t0
                 nbytes += msg.nbytes
                 buckets += 1
+                held = None
                 await receiver.release(msg)
             elif isinstance(msg, End):
                 state.unpacker.finish(msg)
@@ -268,6 +312,8 @@ async def _receive(
             t0 = time.perf_counter()
             incoming = await receiver.receive(timeout=timeout)
             wait_s += time.perf_counter() - t0
+            if isinstance(incoming.message, BucketHeader):
+                held = incoming.message
         phases["load"] = load_s
         log("sync.load", sync_id=sync_id, bytes=nbytes, buckets=buckets, seconds=round(load_s, 6))
         t0 = time.perf_counter()
@@ -281,12 +327,14 @@ async def _receive(
         report = _receive_report(sync_id, applied, nbytes, buckets, start, phases, None, False)
         if isinstance(exc, StreamsyncError):
             exc.report = report
-        if not isinstance(exc, SenderAbortedError):
-            with (
-                anyio.CancelScope(shield=True),
-                anyio.move_on_after(min(timeout, 5.0)),
-                contextlib.suppress(Exception),  # the sender may be the thing that broke
-            ):
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(min(timeout, 5.0)),
+            contextlib.suppress(Exception),  # the sender may be the thing that broke
+        ):
+            if held is not None:
+                await receiver.release(held)
+            if not isinstance(exc, SenderAbortedError):
                 await receiver.reply(
                     Failed(
                         sync_id,

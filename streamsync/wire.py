@@ -163,6 +163,8 @@ class _Envelope(msgspec.Struct, array_like=True):
 
 
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+# msgspec raises UnicodeDecodeError, not DecodeError, for a union tag that is not UTF-8.
+_DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)
 
 
 class WireCodec:
@@ -190,7 +192,7 @@ class WireCodec:
         """
         try:
             env = _envelope_decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except _DECODE_ERRORS as exc:
             raise WireFormatError(f"malformed frame ({len(frame)} bytes): {exc}") from exc
         if env.version != PROTOCOL_VERSION:
             raise ProtocolVersionError(
@@ -204,7 +206,7 @@ class WireCodec:
             )
         try:
             msg: Message = _body_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except _DECODE_ERRORS as exc:
             raise WireFormatError(f"malformed message body: {exc}") from exc
         if isinstance(msg, BucketHeader):
             _check_header(msg)

@@ -25,13 +25,14 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from streamsync.errors import ConfigError
-from streamsync.transports.base import Incoming, Receiver, Sender
+from streamsync.transports.base import Incoming, Receiver, Sender, SenderStatistics
 
 __all__ = [
     "Endpoint",
     "Incoming",
     "Receiver",
     "Sender",
+    "SenderStatistics",
     "open_receiver",
     "open_sender",
     "parse_endpoint",

@@ -65,6 +65,8 @@ __all__ = ["SECRET_ENV", "LinkLost", "Peer", "ProcessReceiver", "ProcessSender",
 SECRET_ENV = "STREAMSYNC_SECRET"
 
 _NONCE_BYTES = 16
+# How long a sender whose write failed waits for what the receiver said before it went.
+_DRAIN_S = 0.2
 # Refusal reasons a receiver maps back to the sender's exception type.
 _REFUSALS: dict[str, type[StreamsyncError]] = {
     "AuthenticationError": AuthenticationError,
@@ -167,7 +169,8 @@ class ProcessSender(RingSender):
 
     def _welcome(self, frame: bytes, who: str) -> tuple[Peer, bytes]:
         """Check a newcomer's ``Hello``: the joined peer and the ``Welcome`` frame to send.
-        Raises the reason to refuse it (send ``_refusal(exc)`` back, then drop the link)."""
+        Raises the reason to refuse it (send ``_refusal(exc)`` back, then call
+        ``_refused_by`` and drop the link)."""
         msg = self._codec.decode(frame)
         if not isinstance(msg, Hello):
             raise WireFormatError(f"{self.url}: {who} sent {type(msg).__name__} before Hello")
@@ -196,13 +199,17 @@ class ProcessSender(RingSender):
         )
         return peer, self._codec.encode(welcome)
 
-    def _refusal(self, who: str, exc: StreamsyncError) -> bytes:
-        """Record why ``who`` was refused (raised by the next rendezvous) and the ``Bye``
-        frame that tells it."""
+    def _refusal(self, exc: StreamsyncError) -> bytes:
+        """The ``Bye`` frame that tells a refused newcomer why."""
+        return self._codec.encode(Bye(f"refused: {type(exc).__name__}: {exc}"))
+
+    def _refused_by(self, who: str, exc: StreamsyncError) -> None:
+        """Record why ``who`` was refused, for the next rendezvous to raise. Called once
+        the refusal is sent: raising it may close this sender, and the newcomer should
+        still learn why."""
         if len(self.peers) < self.receivers and self._refused is None:
             self._refused = type(exc)(f"{self.url}: refused {who}: {exc}")
             self._signal.notify()
-        return self._codec.encode(Bye(f"refused: {type(exc).__name__}: {exc}"))
 
     def _joined(self, peer: Peer) -> None:
         self.peers[peer.index] = peer
@@ -250,7 +257,9 @@ class ProcessSender(RingSender):
 
         def ready() -> bool:
             if self._refused is not None:
-                raise self._refused
+                # Raised once: a stray or mismatched peer must not lock out the right one.
+                refused, self._refused = self._refused, None
+                raise refused
             self._check()
             return len(self.peers) >= self.receivers
 
@@ -270,6 +279,17 @@ class ProcessSender(RingSender):
             try:
                 await self._send_frame(peer, peer.codec.encode(msg), payload)
             except PeerBrokenError as exc:
+                # What the receiver said before it went (its failure, its goodbye) may
+                # still be unread: give the reader a moment, so that the reason wins.
+                def heard(index: int = index) -> bool:
+                    return (
+                        self._failed is not None
+                        or self._broken is not None
+                        or index in self._departed
+                    )
+
+                with contextlib.suppress(SyncTimeoutError):
+                    await self._signal.wait_until(heard, timeout=_DRAIN_S, what="")
                 self.on_broken(exc)
                 self._check()
 
@@ -431,10 +451,18 @@ class ProcessReceiver(RingReceiver):
             self._terminal = item
         return item
 
+    def _link_up(self) -> bool:
+        """The sender is still there to be written to: it neither left nor vanished (a
+        frame this side could not read ends the channel, but the sender should hear why)."""
+        terminal = self._terminal
+        return terminal is None or (
+            isinstance(terminal, StreamsyncError) and not isinstance(terminal, PeerBrokenError)
+        )
+
     async def _post(self, msg: Ack | Done | Failed) -> None:
         if self._session is None:
             raise ClosedError(f"{self.url}: receiver is not open")
-        if self._terminal is not None:
+        if not self._link_up():
             # Like a socket whose peer left: the reply is dropped; the next receive says why.
             return
         with contextlib.suppress(PeerBrokenError):
@@ -445,7 +473,7 @@ class ProcessReceiver(RingReceiver):
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            if self._session is not None and self._terminal is None:
+            if self._session is not None and self._link_up():
                 with anyio.move_on_after(1.0), contextlib.suppress(StreamsyncError, OSError):
                     await self._send_frame(self._session.encode(Bye("receiver closed", self.index)))
             if self._task is not None:

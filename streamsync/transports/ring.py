@@ -27,10 +27,13 @@ from streamsync.errors import (
     SyncTimeoutError,
     WireFormatError,
 )
-from streamsync.transports.base import Incoming, Receiver, Sender
+from streamsync.report import LoadResult, SyncReport
+from streamsync.transports.base import Incoming, Receiver, Sender, SenderStatistics
 from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
 __all__ = ["RingReceiver", "RingSender", "SlotRing"]
+
+_LAST_LOOK_S = 0.05
 
 
 class _Signal:
@@ -47,10 +50,18 @@ class _Signal:
 
     async def wait_until(self, ready: Callable[[], bool], *, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
+        last_look = False
         while not ready():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise SyncTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+                if last_look:
+                    raise SyncTimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+                # One short look past the deadline: a process that was stopped or starved
+                # may hold answers its readers have not delivered yet (a receiver's
+                # failure), and they, not the timeout, say what went wrong.
+                last_look = True
+                remaining = _LAST_LOOK_S
+                deadline = time.monotonic() + remaining
             if self._event is None:
                 self._event = anyio.Event()
             with anyio.move_on_after(remaining):
@@ -91,11 +102,6 @@ class SlotRing:
             )
         self._owed[ack.slot].discard(ack.receiver)
 
-    def reset(self) -> None:
-        """Forget every outstanding ack (after a failed sync nobody will ack)."""
-        self._owed = [set() for _ in range(self.slots)]
-        self._owner = [None] * self.slots
-
     @property
     def busy(self) -> int:
         """Slots still waiting for acks."""
@@ -116,6 +122,7 @@ class RingSender(Sender):
         self._failed: Failed | None = None
         self._departed: dict[int, str] = {}
         self._closed = False
+        self._stats = SenderStatistics()
 
     # -- transport hooks ---------------------------------------------------------------
     @abstractmethod
@@ -134,6 +141,9 @@ class RingSender(Sender):
     async def wait_ready(self, *, timeout: float) -> None:
         self._check()
         await self._await_receivers(timeout)
+
+    def statistics(self) -> SenderStatistics:
+        return self._stats
 
     def on_reply(self, msg: Message) -> None:
         """Feed a message a receiver sent back (transports call this)."""
@@ -194,14 +204,24 @@ class RingSender(Sender):
                 taken.append(slot)
             return slot is not None
 
+        t0 = time.perf_counter()
         await self._signal.wait_until(
             ready, timeout=timeout, what=f"a free slot for bucket {seq} (receivers did not ack)"
         )
+        t1 = time.perf_counter()
         slot = taken[0]
         buf = self.slot(slot)
         entries = bucket.pack_into(buf, checksum=checksum)
         header = BucketHeader(sync_id, seq, slot, bucket.nbytes, tuple(entries))
+        t2 = time.perf_counter()
         await self._publish(header, buf[: bucket.nbytes])
+        stats = self._stats
+        self._stats = SenderStatistics(
+            stats.buckets + 1,
+            stats.wait_seconds + (t1 - t0),
+            stats.pack_seconds + (t2 - t1),
+            stats.publish_seconds + (time.perf_counter() - t2),
+        )
 
     def _begin(self, sync_id: int) -> None:
         if self._sync_id is not None:
@@ -237,21 +257,25 @@ class RingSender(Sender):
                 raise _receiver_failed(self._failed)
             return [r for r in self._reports.values() if isinstance(r, Done)]
         finally:
-            self._finish_sync()
+            self._finish_sync(end.sync_id)
 
     async def abort(self, abort: Abort) -> None:
+        if self._sync_id not in (None, abort.sync_id):
+            return  # that sync never started here (SyncInProgressError): leave the running one
         try:
             if not self._closed and self._broken is None:
                 with anyio.move_on_after(1.0):
                     await self._publish(abort, None)
         finally:
-            self._finish_sync()
+            self._finish_sync(abort.sync_id)
 
-    def _finish_sync(self) -> None:
+    def _finish_sync(self, sync_id: int) -> None:
         # A receiver's failure ends its sync, not the channel: the next sync starts clean.
-        self._sync_id = None
-        self._failed = None
-        self.ring.reset()
+        # Slots stay owed until acked: a receiver may still be reading one (it acks what it
+        # skips), and reusing it early would hand it another bucket's bytes.
+        if self._sync_id == sync_id:
+            self._sync_id = None
+            self._failed = None
 
 
 class RingReceiver(Receiver):
@@ -290,6 +314,19 @@ class RingReceiver(Receiver):
 
 
 def _receiver_failed(failed: Failed) -> ReceiverFailedError:
-    return ReceiverFailedError(
+    exc = ReceiverFailedError(
         f"receiver {failed.receiver} failed sync {failed.sync_id}: {failed.error}: {failed.message}"
     )
+    # What the failed receiver's model now holds (``send`` fills in its own counts).
+    exc.report = SyncReport(
+        sync_id=failed.sync_id,
+        side="send",
+        tensors=0,
+        nbytes=0,
+        buckets=0,
+        seconds=0.0,
+        complete=False,
+        loaded=failed.applied,
+        instances={f"receiver{failed.receiver}": LoadResult(loaded=failed.applied)},
+    )
+    return exc

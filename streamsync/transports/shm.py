@@ -259,7 +259,8 @@ class SharedMemorySender(ProcessSender):
                 peer, welcome = self._welcome(hello, who)
             except StreamsyncError as exc:
                 with anyio.move_on_after(1.0), contextlib.suppress(StreamsyncError):
-                    await link.send(self._refusal(who, exc))
+                    await link.send(self._refusal(exc))
+                self._refused_by(who, exc)
                 return
             except (LinkLost, TimeoutError):
                 return

@@ -48,6 +48,8 @@ __all__ = ["ZmqReceiver", "ZmqSender", "zmq_address"]
 
 # Grace for a goodbye still in the data socket when the monitor reports the drop.
 _DRAIN_S = 0.2
+# Largest message the sender accepts from a receiver (as ``shm.MAX_FRAME_BYTES``).
+_MAX_INBOUND_BYTES = 64 << 20
 
 
 def _runtime_dir() -> str:
@@ -146,6 +148,9 @@ class ZmqSender(ProcessSender):
         self._ctx = zmq.asyncio.Context(io_threads=1)
         sock = self._sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable receiver raises
+        # Anyone who can reach the port can send: a peer announcing a bigger message is
+        # dropped before ZeroMQ allocates it (receivers only send hellos, acks and reports).
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
         _tune(sock, zmq, hwm=2 * self.ring.slots + 8, heartbeat=self.heartbeat)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
@@ -223,7 +228,8 @@ class ZmqSender(ProcessSender):
             peer, welcome = self._welcome(frame, who)
         except StreamsyncError as exc:
             with contextlib.suppress(zmq.ZMQError):
-                await self._sock.send_multipart([identity, self._refusal(who, exc)])
+                await self._sock.send_multipart([identity, self._refusal(exc)])
+            self._refused_by(who, exc)
             return
         peer.handle = identity
         self._by_identity[identity] = peer

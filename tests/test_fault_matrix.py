@@ -1,0 +1,373 @@
+"""The fault matrix: every fault, over every process transport, between two processes.
+
+For each fault the sync ends in a specific exception on both sides within twice the sync
+timeout; the receiver's exception carries a partial report (``complete`` false, ``loaded``
+exactly the names its sink applied, and the model holds exactly those new values); and a
+following sync succeeds, on the same channel where the fault leaves it usable, else on a
+fresh one. The peers are forkserver children (``fault_peers.py``) run by script; this
+process kills, stops and resumes them.
+
+What the conformance suite and ``test_process_transports.py`` already cover is not repeated:
+resources left after a SIGKILL, wrong or missing secrets, refused extra receivers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import fault_peers
+import pytest
+from fault_peers import NAMES, SLOT_BYTES, TIMEOUT
+
+TRANSPORTS = ["shm", "zmq+tcp", "zmq+ipc"]
+LIMIT = 2 * TIMEOUT
+_ids = itertools.count()
+
+
+class Matrix:
+    """The peers of one case, and what they reported."""
+
+    def __init__(self, transport: str) -> None:
+        self.transport = transport
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "streamsync", "fault_peers"])
+        self.procs: dict[str, Any] = {}
+        self.controls: dict[str, Any] = {}
+        self.pipes: list[Any] = []
+        self.seen: list[dict[str, Any]] = []
+        # zmq: heartbeats slower than the sync timeout, so that a silent peer is caught by
+        # the timeout (a heartbeat would catch it as PeerBrokenError after 3 x heartbeat).
+        self.options = {"heartbeat": 5.0} if transport.startswith("zmq") else {}
+
+    def url(self) -> str:
+        tag = f"fault-{os.getpid()}-{next(_ids)}"
+        if self.transport == "zmq+tcp":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return f"zmq+tcp://127.0.0.1:{s.getsockname()[1]}"
+        return f"{self.transport}://{tag}"
+
+    def spawn(
+        self, tag: str, role: str, *sessions: tuple[str, list[dict[str, Any]]], **args: Any
+    ) -> None:
+        # A pipe each way per peer: a peer killed mid-write spoils only its own.
+        reports, report_end = self.ctx.Pipe(duplex=False)
+        control_end, control = self.ctx.Pipe(duplex=False)
+        script = {
+            "sessions": [{"url": url, "syncs": syncs} for url, syncs in sessions],
+            "options": self.options,
+            **args,
+        }
+        proc = self.ctx.Process(
+            target=fault_peers.peer_main, args=(tag, role, script, report_end, control_end)
+        )
+        proc.start()
+        report_end.close()
+        control_end.close()
+        self.procs[tag] = proc
+        self.controls[tag] = control
+        self.pipes.append(reports)
+
+    def _pull(self, match: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for item in self.seen:
+                if match(item):
+                    self.seen.remove(item)
+                    return item
+            left = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(self.pipes, max(0.0, left))
+            if not ready and left <= 0:
+                raise AssertionError(f"no such report within {timeout:g} s; got {self.seen}")
+            for pipe in ready:
+                assert isinstance(pipe, multiprocessing.connection.Connection)
+                try:
+                    item = pipe.recv()
+                except (EOFError, OSError):  # that peer exited (or was killed)
+                    self.pipes.remove(pipe)
+                    continue
+                if "crash" in item:
+                    raise AssertionError(f"peer {item['tag']} crashed: {item['crash']}")
+                self.seen.append(item)
+
+    def event(self, tag: str, name: str, timeout: float = 60) -> float:
+        """Wait for peer ``tag``'s event; the time it was noticed here."""
+        self._pull(lambda i: i.get("tag") == tag and i.get("event") == name, timeout)
+        return time.monotonic()
+
+    def outcome(self, tag: str, session: int = 0, sync: int = 0) -> dict[str, Any]:
+        """Peer ``tag``'s report of one sync."""
+        return self._pull(
+            lambda i: (
+                i.get("tag") == tag and "ok" in i and (i["session"], i["sync"]) == (session, sync)
+            ),
+            60,
+        )
+
+    def signal(self, tag: str, signum: int) -> float:
+        os.kill(self.procs[tag].pid, signum)
+        return time.monotonic()
+
+    def go(self, tag: str) -> None:
+        self.controls[tag].send("go")
+
+    def close(self, *, kill: bool = False) -> None:
+        """Wait for the peers to finish their scripts (``kill``: do not wait)."""
+        deadline = time.monotonic() + (0 if kill else 30)
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in [*self.pipes, *self.controls.values()]:
+            conn.close()
+
+
+# -- what a fault must produce ---------------------------------------------------------------
+def failed(out: dict[str, Any], error: str, *, since: float | None = None) -> dict[str, Any]:
+    """``out`` is the sync failing with ``error`` within twice the timeout (of ``since``, or
+    of the sync's start)."""
+    assert not out["ok"] and out["error"] == error, repr(out)
+    took = out["t"] - since if since is not None else out["elapsed"]
+    assert took < LIMIT, f"{error} took {took:.2f} s; the limit is {LIMIT:g} s: {out}"
+    return out
+
+
+def partial(out: dict[str, Any], loaded: list[str] | None = None) -> None:
+    """The receiver's exception reports exactly what its model now holds, never success."""
+    report = out["report"]
+    assert report is not None and report["complete"] is False, repr(out)
+    assert report["loaded"] == out["applied"], repr(out)
+    if loaded is not None:
+        assert report["loaded"] == loaded, repr(out)
+    assert out["consistent"], f"the model does not hold what the report says: {out}"
+
+
+def prefix(out: dict[str, Any], at_least: int) -> None:
+    """What a receiver applied before the fault: the first buckets, in order."""
+    loaded = out["report"]["loaded"]
+    assert loaded == NAMES[: len(loaded)] and len(loaded) >= at_least, repr(out)
+
+
+def succeeded(out: dict[str, Any]) -> None:
+    assert out["ok"] and out["report"]["complete"], repr(out)
+    if "consistent" in out:  # a receiver: every name applied
+        assert out["consistent"] and sorted(out["report"]["loaded"]) == NAMES, repr(out)
+
+
+def sender_heard(tx: dict[str, Any], rx: dict[str, Any], *, since: float | None = None) -> None:
+    """The sender's ReceiverFailedError names the receiver's error and what it applied."""
+    failed(tx, "ReceiverFailedError", since=since)
+    assert rx["error"] in tx["message"], repr((tx, rx))
+    assert tx["report"] is not None and tx["report"]["complete"] is False, repr(tx)
+    assert tx["report"]["loaded"] == rx["report"]["loaded"], repr((tx, rx))
+
+
+# -- faults ------------------------------------------------------------------------------------
+def kill_sender(m: Matrix) -> None:
+    url, fresh = m.url(), m.url()
+    m.spawn("rx", "receiver", (url, [{}]), (fresh, [{"seed": 1}]))
+    m.spawn("tx", "sender", (url, [{"stall_at": 4}]))
+    m.event("tx", "stalled")
+    time.sleep(0.2)  # buckets 0-2 are on their way; bucket 3 is half full
+    killed = m.signal("tx", signal.SIGKILL)
+    rx = failed(m.outcome("rx"), "PeerBrokenError", since=killed)
+    partial(rx, NAMES[:3])
+    m.spawn("tx2", "sender", (fresh, [{"seed": 1}]))
+    succeeded(m.outcome("rx", 1))
+    succeeded(m.outcome("tx2"))
+
+
+def kill_receiver(m: Matrix) -> None:
+    url, fresh = m.url(), m.url()
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 3600}]))
+    m.spawn("tx", "sender", (url, [{}]), (fresh, [{"seed": 1}]))
+    m.event("rx", "loading")
+    killed = m.signal("rx", signal.SIGKILL)
+    tx = failed(m.outcome("tx"), "PeerBrokenError", since=killed)
+    assert tx["report"] is None, repr(tx)  # nobody is left to say what the dead receiver applied
+    m.spawn("rx2", "receiver", (fresh, [{"seed": 1}]))
+    succeeded(m.outcome("rx2"))
+    succeeded(m.outcome("tx", 1))
+
+
+def silent_sender(m: Matrix) -> None:
+    url = m.url()
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}, {"seed": 1}]))
+    m.spawn("tx", "sender", (url, [{}, {"seed": 1}]))
+    m.event("rx", "loading")
+    stopped = m.signal("tx", signal.SIGSTOP)
+    rx = failed(m.outcome("rx"), "SyncTimeoutError", since=stopped)
+    partial(rx)
+    prefix(rx, 3)
+    resumed = m.signal("tx", signal.SIGCONT)
+    sender_heard(m.outcome("tx"), rx, since=resumed)
+    succeeded(m.outcome("rx", 0, 1))
+    succeeded(m.outcome("tx", 0, 1))
+
+
+def silent_receiver(m: Matrix) -> None:
+    url = m.url()
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}, {"seed": 1}]))
+    m.spawn("tx", "sender", (url, [{}, {"seed": 1, "wait_go": True}]))
+    m.event("rx", "loading")
+    stopped = m.signal("rx", signal.SIGSTOP)
+    tx = failed(m.outcome("tx"), "SyncTimeoutError", since=stopped)
+    assert "free slot" in tx["message"], repr(tx)
+    resumed = m.signal("rx", signal.SIGCONT)
+    rx = failed(m.outcome("rx"), "SenderAbortedError", since=resumed)
+    assert "SyncTimeoutError" in rx["message"], repr(rx)
+    partial(rx)
+    prefix(rx, 3)
+    m.go("tx")
+    succeeded(m.outcome("rx", 0, 1))
+    succeeded(m.outcome("tx", 0, 1))
+
+
+def bad_bucket(
+    rx_error: str,
+    sender: dict[str, Any],
+    *,
+    fresh_channel: bool = False,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> Callable[[Matrix], None]:
+    """A fault in bucket 3 that the receiver detects: ``w0``..``w2`` stay applied."""
+
+    def run(m: Matrix) -> None:
+        url = m.url()
+        if fresh_channel:  # the fault ends the channel: both sides open another
+            fresh = m.url()
+            m.spawn("rx", "receiver", (url, [{}]), (fresh, [{"seed": 1}]))
+            m.spawn("tx", "sender", (url, [sender]), (fresh, [{"seed": 1}]))
+            then = (1, 0)
+        else:
+            m.spawn("rx", "receiver", (url, [{}, {"seed": 1}]))
+            m.spawn("tx", "sender", (url, [sender, {"seed": 1}]))
+            then = (0, 1)
+        rx = failed(m.outcome("rx"), rx_error)
+        partial(rx, NAMES[:3])
+        sender_heard(m.outcome("tx"), rx)
+        if check is not None:
+            check(rx)
+        succeeded(m.outcome("rx", *then))
+        succeeded(m.outcome("tx", *then))
+
+    return run
+
+
+def allocated_at_most_a_slot(rx: dict[str, Any]) -> None:
+    assert rx["largest_allocation"] <= SLOT_BYTES, repr(rx)
+
+
+def second_sync_while_one_runs(m: Matrix) -> None:
+    url = m.url()
+    m.spawn("rx", "receiver", (url, [{"concurrent": True, "slow": 0.05}, {"seed": 1}]))
+    m.spawn("tx", "sender", (url, [{"concurrent": True}, {"seed": 1}]))
+    for tag in ("rx", "tx"):
+        out = m.outcome(tag)
+        succeeded(out)  # the running sync is not disturbed...
+        second = out["second"]  # ...and the second one is refused at once
+        failed(second, "SyncInProgressError")
+        assert second["elapsed"] < 0.5, repr(second)
+    succeeded(m.outcome("rx", 0, 1))
+    succeeded(m.outcome("tx", 0, 1))
+
+
+def stale_sync(m: Matrix) -> None:
+    url = m.url()
+    m.spawn("rx", "receiver", (url, [{}, {"seed": 1}, {"seed": 2}]))
+    m.spawn("tx", "sender", (url, [{}, {"seed": 1, "sync_id": 1}, {"seed": 2}]))
+    succeeded(m.outcome("rx"))
+    succeeded(m.outcome("tx"))
+    rx = failed(m.outcome("rx", 0, 1), "StaleSyncError")
+    partial(rx, [])  # refused before anything was applied
+    sender_heard(m.outcome("tx", 0, 1), rx)
+    succeeded(m.outcome("rx", 0, 2))
+    succeeded(m.outcome("tx", 0, 2))
+
+
+def receiver_speaks_another_version(m: Matrix) -> None:
+    url = m.url()
+    m.spawn("tx", "sender", (url, [{}, {"seed": 1}]))
+    m.spawn("rx", "receiver", (url, [{}]), version=2)
+    rx = failed(m.outcome("rx"), "ProtocolVersionError")
+    assert rx["stage"] == "open" and rx["report"] is None, repr(rx)  # no sync started
+    tx = failed(m.outcome("tx"), "ProtocolVersionError", since=rx["t"])
+    assert "version 2" in tx["message"], repr(tx)
+    # The sender stays open and serves a receiver that speaks its version.
+    m.spawn("rx2", "receiver", (url, [{"seed": 1}]))
+    succeeded(m.outcome("rx2"))
+    succeeded(m.outcome("tx", 0, 1))
+
+
+def sender_speaks_another_version(m: Matrix) -> None:
+    url, fresh = m.url(), m.url()
+    m.spawn("tx", "sender", (url, [{}]), version=2)
+    m.spawn("rx", "receiver", (url, [{}]), (fresh, [{"seed": 1}]))
+    rx = failed(m.outcome("rx"), "ProtocolVersionError")
+    assert rx["stage"] == "open" and rx["report"] is None, repr(rx)
+    failed(m.outcome("tx"), "ProtocolVersionError", since=rx["t"])
+    m.spawn("tx2", "sender", (fresh, [{"seed": 1}]))
+    succeeded(m.outcome("rx", 1))
+    succeeded(m.outcome("tx2"))
+
+
+FAULTS: dict[str, Callable[[Matrix], None]] = {
+    "sender-sigkill-mid-bucket": kill_sender,
+    "receiver-sigkill-mid-bucket": kill_receiver,
+    "silent-sender": silent_sender,
+    "silent-receiver": silent_receiver,
+    "checksum-mismatch": bad_bucket("ChecksumError", {"checksum": True, "tamper": ("flip", 3)}),
+    "truncated-frame": bad_bucket(
+        "WireFormatError", {"tamper": ("truncate-frame", 3)}, fresh_channel=True
+    ),
+    "truncated-payload": bad_bucket(
+        "WireFormatError", {"tamper": ("truncate-payload", 3)}, fresh_channel=True
+    ),
+    "absurd-length": bad_bucket(
+        "WireFormatError", {"tamper": ("absurd-length", 3)}, fresh_channel=True
+    ),
+    "absurd-shape": bad_bucket("WireFormatError", {"tamper": ("absurd-shape", 3)}),
+    "absurd-dtype": bad_bucket("WireFormatError", {"tamper": ("absurd-dtype", 3)}),
+    "absurd-chunked-size": bad_bucket(
+        "WireFormatError", {"tamper": ("absurd-chunked", 3)}, check=allocated_at_most_a_slot
+    ),
+    "unknown-name": bad_bucket("UnknownTensorError", {"bad": "unknown"}),
+    "shape-mismatch": bad_bucket("ShapeMismatchError", {"bad": "shape"}),
+    "dtype-mismatch": bad_bucket("DtypeMismatchError", {"bad": "dtype"}),
+    "duplicate-name": bad_bucket("DuplicateTensorError", {"bad": "duplicate"}),
+    "second-sync-while-one-runs": second_sync_while_one_runs,
+    "stale-sync-id": stale_sync,
+    "receiver-speaks-another-version": receiver_speaks_another_version,
+    "sender-speaks-another-version": sender_speaks_another_version,
+}
+# shm has no payload frame: its bytes are in the shared slot.
+_NOT_APPLICABLE = {("shm", "truncated-payload")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("transport", "fault"),
+    [
+        pytest.param(t, f, id=f"{t}-{f}")
+        for f in FAULTS
+        for t in TRANSPORTS
+        if (t, f) not in _NOT_APPLICABLE
+    ],
+)
+def test_fault(transport: str, fault: str) -> None:
+    m = Matrix(transport)
+    passed = False
+    try:
+        FAULTS[fault](m)
+        passed = True
+    finally:
+        m.close(kill=not passed)
