@@ -502,6 +502,8 @@ def _ru_maxrss() -> int:
 def _child(role: str, job: dict[str, Any], results: Any, barrier: Any = None) -> None:
     """Entry point of a child: run ``role`` and put one plain dict on ``results``."""
     try:
+        if job.get("threads"):
+            torch.set_num_threads(int(job["threads"]))
         out = asyncio.run(_ROLES[role](job, barrier))
         results.put({"role": role, "ok": True, **out})
     except BaseException as exc:
@@ -798,6 +800,9 @@ class BenchConfig:
     bucket_bytes: int = 64 * MiB
     slots: int = 2
     timeout: float = 120.0
+    #: torch threads in each process of a two-process path (sender, receiver, the two
+    #: parallel copiers): two processes share this machine's two cores.
+    threads: int = 1
 
     def selected(self) -> tuple[str, ...]:
         """The transports to run: those asked for, else every one that runs here."""
@@ -824,7 +829,8 @@ def _bound_seconds(config: BenchConfig, key: str) -> list[float]:
         (one,) = _run_children([("memcpy", job)], timeout=limit)
         return [t1 - t0 for t0, t1 in one["spans"][1:]] if one["ok"] else []
     if key == "two_copy_parallel":
-        pair = _run_children([("memcpy", job), ("memcpy", job)], timeout=limit, barrier=True)
+        pjob = {**job, "threads": config.threads}
+        pair = _run_children([("memcpy", pjob), ("memcpy", pjob)], timeout=limit, barrier=True)
         if not all(p["ok"] for p in pair):
             return []
         spans = zip(pair[0]["spans"][1:], pair[1]["spans"][1:], strict=True)
@@ -889,6 +895,8 @@ def _measure(
         "timeout": config.timeout,
     }
     limit = config.timeout * (config.runs + 2)
+    if not spec.in_process:
+        job["threads"] = config.threads
     if spec.in_process:
         (both,) = _run_children([("both", job)], timeout=limit)
         tx, rx = both, both
@@ -1068,6 +1076,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
             "runs": config.runs,
             "bucket_bytes": config.bucket_bytes,
             "slots": config.slots,
+            "threads": config.threads,
             "timeout": config.timeout,
         },
         "models": models,
@@ -1087,7 +1096,8 @@ def format_table(data: dict[str, Any]) -> str:
     cfg = data["config"]
     lines = [
         f"{_human(cfg['size'])} requested, buckets of {_human(cfg['bucket_bytes'])} x "
-        f"{cfg['slots']} slots, median of {cfg['runs']} runs after a warm-up; "
+        f"{cfg['slots']} slots, {cfg.get('threads', 1)} torch thread(s) per process on "
+        f"two-process paths, median of {cfg['runs']} runs after a warm-up; "
         f"{data['machine']['cpus']} CPUs, torch {data['machine']['torch']}",
         "",
         "| transport | scenario | GB/s | pack | transfer | load | bound | x bound "
@@ -1190,6 +1200,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed syncs after a warm-up (3)")
     parser.add_argument("--bucket-bytes", type=parse_size, default=64 * MiB, help="(64MiB)")
     parser.add_argument("--slots", type=int, default=2, help="ring slots (2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process on two-process paths and their bound (1)",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per wait")
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
     parser.add_argument("--plot", metavar="PATH.png", help="draw GB/s against the bounds")
@@ -1214,6 +1230,7 @@ def _command(args: argparse.Namespace) -> int:
         runs=args.runs,
         bucket_bytes=args.bucket_bytes,
         slots=args.slots,
+        threads=args.threads,
         timeout=args.timeout,
     )
     with tqdm(total=config.steps(), file=sys.stderr, disable=None, unit="step") as bar:
