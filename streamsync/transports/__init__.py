@@ -49,6 +49,17 @@ class Endpoint:
     target: str
     options: dict[str, str]
 
+    def sender_options(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The ring options every sender takes, from the URL's query (``receivers``, default
+        1; ``slots``, default 2; ``slot_bytes``, default 64 MiB); keyword arguments win."""
+        options: dict[str, Any] = {
+            "receivers": self.int_option("receivers", 1),
+            "slots": self.int_option("slots", 2),
+            "slot_bytes": self.int_option("slot_bytes", 64 << 20),
+        }
+        options.update(overrides)
+        return options
+
     def int_option(self, key: str, default: int) -> int:
         raw = self.options.get(key)
         if raw is None:

@@ -203,13 +203,7 @@ class MemoryReceiver(RingReceiver):
 
 def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> MemorySender:
     """``memory://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override."""
-    opts: dict[str, Any] = {
-        "receivers": endpoint.int_option("receivers", 1),
-        "slots": endpoint.int_option("slots", 2),
-        "slot_bytes": endpoint.int_option("slot_bytes", 64 << 20),
-    }
-    opts.update(kwargs)
-    return MemorySender(endpoint.target, **opts)
+    return MemorySender(endpoint.target, **endpoint.sender_options(kwargs))
 
 
 def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> MemoryReceiver:

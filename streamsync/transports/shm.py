@@ -388,13 +388,7 @@ class SharedMemoryReceiver(ProcessReceiver):
 
 def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> SharedMemorySender:
     """``shm://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override."""
-    opts: dict[str, Any] = {
-        "receivers": endpoint.int_option("receivers", 1),
-        "slots": endpoint.int_option("slots", 2),
-        "slot_bytes": endpoint.int_option("slot_bytes", 64 << 20),
-    }
-    opts.update(kwargs)
-    return SharedMemorySender(endpoint.target, **opts)
+    return SharedMemorySender(endpoint.target, **endpoint.sender_options(kwargs))
 
 
 def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> SharedMemoryReceiver:

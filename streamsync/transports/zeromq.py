@@ -360,13 +360,7 @@ class ZmqReceiver(ProcessReceiver):
 
 def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> ZmqSender:
     """``zmq+tcp://HOST:PORT?receivers=&slots=&slot_bytes=`` or ``zmq+ipc://PATH?...``."""
-    opts: dict[str, Any] = {
-        "receivers": endpoint.int_option("receivers", 1),
-        "slots": endpoint.int_option("slots", 2),
-        "slot_bytes": endpoint.int_option("slot_bytes", 64 << 20),
-    }
-    opts.update(kwargs)
-    return ZmqSender(f"{endpoint.scheme}://{endpoint.target}", **opts)
+    return ZmqSender(f"{endpoint.scheme}://{endpoint.target}", **endpoint.sender_options(kwargs))
 
 
 def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> ZmqReceiver:
