@@ -36,6 +36,7 @@ __all__ = [
     "Bucket",
     "BucketBuilder",
     "PackedBucket",
+    "TargetFn",
     "Unpacker",
     "align_up",
     "allocate_slot",
@@ -273,14 +274,25 @@ class _Pending:
     chunks: int
     next_chunk: int
     next_offset: int
+    #: The sink's own tensor, as bytes, when the chunks go straight into it.
+    target: torch.Tensor | None = None
+    #: The sink's tensor itself (what is handed back when the tensor is complete).
+    owner: torch.Tensor | None = None
+
+
+#: A sink's ``target(name, dtype, shape)``: the tensor it will keep this tensor in, so the
+#: chunks of a large tensor are written straight into it, or ``None`` for the staging buffer.
+TargetFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
 
 
 class Unpacker:
     """Receiver side of the bucket format: validates untrusted headers and yields views.
 
     One instance serves one channel across syncs and keeps one staging buffer (grown, as
-    chunks arrive, to the largest chunked tensor seen) for reassembly. Views it returns are
-    valid until the next call to :meth:`feed` (the slot is reused once the sink returns).
+    chunks arrive, to the largest chunked tensor seen) for reassembly, unless the sink
+    offers its own tensor (``target``): then the chunks are copied straight into it, saving
+    a copy and the staging memory. Views it returns are valid until the next call to
+    :meth:`feed` (the slot is reused once the sink returns).
     """
 
     def __init__(self, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
@@ -293,9 +305,12 @@ class Unpacker:
         self._tensors = 0
         self._nbytes = 0
         self._completed_here = False
+        #: Names whose bytes went straight into a sink's tensor during this sync.
+        self.touched: list[str] = []
 
     def begin(self, sync_id: int) -> None:
         """Start a new sync: forget what the previous one received."""
+        self.touched = []
         self._pending = None
         self._names = set()
         self._sync_id = sync_id
@@ -303,9 +318,12 @@ class Unpacker:
         self._tensors = 0
         self._nbytes = 0
 
-    def feed(self, header: BucketHeader, data: torch.Tensor) -> list[NamedTensor]:
+    def feed(
+        self, header: BucketHeader, data: torch.Tensor, *, target: TargetFn | None = None
+    ) -> list[NamedTensor]:
         """Validate ``header`` against the bucket bytes ``data`` (uint8) and return the
-        complete tensors of this bucket, as views into ``data`` or into the staging buffer."""
+        complete tensors of this bucket, as views into ``data``, into the staging buffer, or
+        (for a chunked tensor whose destination ``target`` gave) the sink's own tensor."""
         if header.sync_id != self._sync_id:
             raise WireFormatError(
                 f"bucket of sync {header.sync_id} arrived during sync {self._sync_id}"
@@ -343,7 +361,7 @@ class Unpacker:
                 out.append((entry.name, region.view(dtype).view(entry.shape)))
                 self._tensors += 1
                 continue
-            done = self._feed_chunk(entry, dtype, itemsize, region)
+            done = self._feed_chunk(entry, dtype, itemsize, region, target)
             if done is not None:
                 out.append(done)
         return out
@@ -396,7 +414,12 @@ class Unpacker:
         self._names.add(name)
 
     def _feed_chunk(
-        self, entry: Entry, dtype: torch.dtype, itemsize: int, region: torch.Tensor
+        self,
+        entry: Entry,
+        dtype: torch.dtype,
+        itemsize: int,
+        region: torch.Tensor,
+        target: TargetFn | None = None,
     ) -> NamedTensor | None:
         pending = self._pending
         if entry.chunk == 0:
@@ -415,6 +438,16 @@ class Unpacker:
             pending = self._pending = _Pending(
                 entry.name, dtype, entry.shape, total, entry.chunks, 0, 0
             )
+            owner = target(entry.name, dtype, entry.shape) if target is not None else None
+            if (
+                owner is not None
+                and owner.dtype == dtype
+                and tuple(owner.shape) == entry.shape
+                and owner.device.type == "cpu"
+                and owner.is_contiguous()
+            ):
+                pending.owner = owner
+                pending.target = owner.reshape(-1).view(torch.uint8)
         elif pending is None or pending.name != entry.name:
             raise WireFormatError(
                 f"chunk {entry.chunk} of tensor {entry.name!r} arrived out of order"
@@ -430,7 +463,12 @@ class Unpacker:
                 f"chunk {entry.chunk}/{entry.chunks} of tensor {entry.name!r} does not continue "
                 f"chunk {pending.next_chunk - 1} (expected offset {pending.next_offset})"
             )
-        staging = self._grow_staging(entry.tensor_offset + entry.nbytes, pending.total)
+        if pending.target is not None:
+            if entry.chunk == 0:
+                self.touched.append(entry.name)
+            staging = pending.target
+        else:
+            staging = self._grow_staging(entry.tensor_offset + entry.nbytes, pending.total)
         staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(region)
         pending.next_chunk += 1
         pending.next_offset += entry.nbytes
@@ -443,6 +481,8 @@ class Unpacker:
             )
         self._pending = None
         self._tensors += 1
+        if pending.owner is not None:
+            return (pending.name, pending.owner)
         self._completed_here = True
         view = staging[: pending.total].view(pending.dtype).view(pending.shape)
         return (pending.name, view)

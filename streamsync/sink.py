@@ -8,6 +8,12 @@ a plain or an ``async`` function.
 **The tensors handed to ``load`` are views into a transport slot that is reused as soon as
 ``load`` returns.** A sink must copy what it keeps; keeping a view is how an engine ends up
 with another bucket's bytes in its weights.
+
+A sink may also offer ``target(name, dtype, shape)``: the (contiguous, CPU) tensor it will
+hold that tensor in. The chunks of a tensor larger than a bucket are then written straight
+into it instead of a staging buffer, and ``load`` receives that same tensor. Its content is
+undefined if the sync fails before the tensor is complete; the partial report then lists
+the name among those applied.
 """
 
 from __future__ import annotations
@@ -86,6 +92,27 @@ class ModuleSink:
         self._loaded = set()
         self._unexpected = []
 
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The module's own tensor for ``name``, for chunks to be written straight into it;
+        checked as ``load`` would (errors are raised before any byte is written)."""
+        dst = self._targets.get(name)
+        if dst is None:
+            if self.strict:
+                raise self._unknown(name)
+            return None
+        if tuple(dst.shape) != tuple(shape):
+            raise ShapeMismatchError(
+                f"tensor {name!r}: received shape {list(shape)}, "
+                f"the module's is {_shape(dst.shape)}"
+            )
+        if dst.dtype != dtype:
+            if self.strict:
+                raise DtypeMismatchError(
+                    f"tensor {name!r}: received dtype {dtype}, the module's is {dst.dtype}"
+                )
+            return None  # converted by load from the staging buffer
+        return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
+
     def _unknown(self, name: str) -> UnknownTensorError:
         close = difflib.get_close_matches(name, self._targets, n=3)
         hint = f"; close matches: {', '.join(close)}" if close else ""
@@ -117,7 +144,8 @@ class ModuleSink:
         # Everything checked: now apply the whole bucket.
         with torch.no_grad():
             for name, dst, src in plan:
-                dst.copy_(src)
+                if src is not dst:  # a chunked tensor may already be in place (``target``)
+                    dst.copy_(src)
                 self._loaded.add(name)
 
     def finalize(self) -> LoadResult:

@@ -295,7 +295,9 @@ async def _receive(
             if isinstance(msg, BucketHeader):
                 assert incoming.data is not None
                 t0 = time.perf_counter()
-                batch = state.unpacker.feed(msg, incoming.data)
+                batch = state.unpacker.feed(
+                    msg, incoming.data, target=getattr(sink, "target", None)
+                )
                 await call_phase(sink.load, batch)
                 applied.extend(name for name, _ in batch)
                 load_s += time.perf_counter() - t0
@@ -324,6 +326,8 @@ async def _receive(
         state.failed_sync_id = sync_id
         phases["load"] = load_s
         phases["wait"] = wait_s
+        # Chunks written straight into the sink's tensors changed them too.
+        applied.extend(n for n in state.unpacker.touched if n not in set(applied))
         report = _receive_report(sync_id, applied, nbytes, buckets, start, phases, None, False)
         if isinstance(exc, StreamsyncError):
             exc.report = report

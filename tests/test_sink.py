@@ -95,35 +95,30 @@ def test_tied_weights_count_as_loaded_through_either_name() -> None:
     assert sink.finalize().missing == ()
 
 
+class Three(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4))
+        self.big = torch.nn.Parameter(torch.zeros(3000))  # 12000 bytes: chunked in 4 KiB
+        self.c = torch.nn.Parameter(torch.zeros(4))
+
+
 async def test_sync_error_carries_partial_report_and_sender_fails_too() -> None:
-    import anyio
-
-    model = Tiny()
-    weights = {"a.weight": torch.ones(3, 4), "a.bias": torch.ones(3), "b.weight": torch.ones(300)}
-    results: dict[str, BaseException] = {}
-
-    async def rx() -> None:
-        try:
-            await ss.receive("memory://partial", ModuleSink(model), timeout=5)
-        except ss.StreamsyncError as exc:
-            results["rx"] = exc
-
-    async def tx() -> None:
-        try:
-            await ss.send(weights, "memory://partial", bucket_bytes=1024, timeout=5)
-        except ss.StreamsyncError as exc:
-            results["tx"] = exc
-
-    # 1 KiB buckets: the 1200-byte "b.weight" completes in a later bucket than "a.*".
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(rx)
-        tg.start_soon(tx)
-    assert isinstance(results["rx"], ShapeMismatchError)
-    report = results["rx"].report
+    model = Three()
+    # "a" is applied with bucket 0; "c", wrong, comes in the last bucket, with the end of
+    # "big" (written into the model in place as its chunks arrived).
+    weights = {"a": torch.ones(4), "big": torch.arange(3000.0), "c": torch.ones(5)}
+    out = await run_both(
+        rx=lambda: ss.receive("memory://partial", ModuleSink(model), timeout=5),
+        tx=lambda: ss.send(weights, "memory://partial?slots=4", bucket_bytes=4096, timeout=5),
+    )
+    assert isinstance(out["rx"], ShapeMismatchError) and "'c'" in str(out["rx"])
+    report = out["rx"].report
     assert report is not None and not report.complete
-    assert set(report.loaded) == {"a.weight", "a.bias"}
-    assert isinstance(results["tx"], ss.ReceiverFailedError)
-    assert "b.weight" in str(results["tx"])
+    assert set(report.loaded) == {"a", "big"}
+    assert torch.equal(model.a, torch.ones(4)) and torch.equal(model.c, torch.zeros(4))
+    assert isinstance(out["tx"], ss.ReceiverFailedError)
+    assert "'c'" in str(out["tx"])
 
 
 async def test_module_sink_takes_a_stream_with_a_buffer_manifest() -> None:
@@ -139,3 +134,59 @@ async def test_module_sink_takes_a_stream_with_a_buffer_manifest() -> None:
     )
     assert out["rx"].complete and out["rx"].missing == ()
     assert torch.equal(receiver.stat, trainer.stat)
+
+
+class Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = torch.nn.Parameter(torch.zeros(4))
+        self.big = torch.nn.Parameter(torch.zeros(3000))  # 12000 bytes: chunked in 4 KiB
+
+
+async def test_chunks_go_straight_into_the_module_tensor() -> None:
+    from streamsync.sync import _states
+
+    receiver = Wide()
+    trainer = {"small": torch.ones(4), "big": torch.arange(3000.0)}
+    sender_side = ss.open_sender("memory://direct", slot_bytes=4096)
+    receiving = ss.open_receiver("memory://direct")
+    async with sender_side as tx, receiving as rx:
+        out = await run_both(
+            rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
+            tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
+        )
+        assert out["rx"].complete and out["rx"].missing == ()
+        assert torch.equal(receiver.big, trainer["big"])
+        assert torch.equal(receiver.small, trainer["small"])
+        # No staging buffer: the chunks were written into receiver.big itself.
+        assert _states[rx].unpacker._staging is None
+
+
+async def test_chunked_shape_mismatch_raises_before_a_byte_is_written() -> None:
+    receiver = Wide()
+    out = await run_both(
+        rx=lambda: ss.receive("memory://direct-bad", ModuleSink(receiver), timeout=5),
+        tx=lambda: ss.send(
+            {"big": torch.ones(3001)}, "memory://direct-bad", bucket_bytes=4096, timeout=5
+        ),
+    )
+    assert isinstance(out["rx"], ShapeMismatchError) and "'big'" in str(out["rx"])
+    assert torch.equal(receiver.big, torch.zeros(3000))
+    assert out["rx"].report.loaded == ()
+
+
+async def test_a_tensor_written_in_place_is_reported_as_applied() -> None:
+    receiver = Wide()
+    trainer = {"big": torch.arange(3000.0), "small": torch.ones(5)}  # "small" has the wrong shape
+    sender_side = ss.open_sender("memory://direct-half", slot_bytes=4096)
+    receiving = ss.open_receiver("memory://direct-half")
+    async with sender_side as tx, receiving as rx:
+        out = await run_both(
+            rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
+            tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
+        )
+    # "big" completed in the bucket that failed: its bytes are in the module already, so the
+    # partial report must say so.
+    assert isinstance(out["rx"], ShapeMismatchError)
+    assert out["rx"].report.loaded == ("big",) and not out["rx"].report.complete
+    assert torch.equal(receiver.big, trainer["big"])
