@@ -249,3 +249,32 @@ def test_manifest_lasts_one_sync() -> None:
     assert router.is_buffer("x")
     router.begin()
     assert not router.is_buffer("x")
+
+
+async def test_buffer_sink_lets_large_parameters_go_straight_into_the_model() -> None:
+    import anyio
+
+    import streamsync as ss
+    from streamsync.adapters import BufferSink
+    from streamsync.sync import _states
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = torch.nn.Parameter(torch.zeros(3000))  # chunked in 4 KiB buckets
+            self.register_buffer("bias", torch.zeros(2))
+
+    trainer, receiver = Model(), Model()
+    with torch.no_grad():
+        trainer.big.copy_(torch.arange(3000.0))
+        trainer.bias.fill_(5.0)
+    sink = BufferSink(ss.ModuleSink(receiver), [receiver])
+    async with (
+        ss.open_sender("memory://bufsink-direct", slot_bytes=4096) as tx,
+        ss.open_receiver("memory://bufsink-direct") as rx,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(lambda: ss.receive(rx, sink, timeout=5))
+        await ss.send(trainer, tx, pipeline=split_buffers(trainer), timeout=5)
+    assert _states[rx].unpacker._staging is None  # no staging copy for "big"
+    assert torch.equal(receiver.big, trainer.big) and torch.equal(receiver.bias, trainer.bias)

@@ -257,6 +257,15 @@ class BufferSink:
         self.router.begin()
         await call_phase(self.sink.prepare)
 
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The wrapped sink's tensor for a large parameter (see :class:`~streamsync.Sink`);
+        buffers are small and go through the router."""
+        inner = getattr(self.sink, "target", None)
+        if inner is None or name == MANIFEST_NAME or self.router.is_buffer(name):
+            return None
+        result: torch.Tensor | None = inner(name, dtype, shape)
+        return result
+
     async def load(self, tensors: Sequence[NamedTensor]) -> None:
         rest, _ = self.router.split(tensors)
         if rest:
