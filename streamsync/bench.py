@@ -1245,7 +1245,7 @@ def _command(args: argparse.Namespace) -> int:
         data = run_bench(config, progress)
         bar.update()
     data["command"] = _command_line(args)
-    print(format_table(data))  # noqa: T201 - the command's output
+    sys.stdout.write(format_table(data) + "\n")  # the command's output
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:

@@ -249,16 +249,8 @@ class ZmqSender(ProcessSender):
             raise PeerBrokenError(f"{self.url}: {peer.describe} is unreachable: {exc}") from exc
 
     async def _stop(self) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(Exception):
-                self._sock.disable_monitor()
-            if self._monitor is not None:
-                self._monitor.close(linger=0)
-            self._sock.close()  # lingers up to 1 s for a goodbye still queued
-            self._sock = None
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            await anyio.to_thread.run_sync(ctx.term)
+        await _close(self._sock, self._monitor, self._ctx)
+        self._sock = self._monitor = self._ctx = None
         self._on_all_joined()  # the socket file, if it is still there
         self._slots = []
 
@@ -346,16 +338,20 @@ class ZmqReceiver(ProcessReceiver):
             raise PeerBrokenError(f"{self.url}: cannot reach the sender: {exc}") from exc
 
     async def _stop(self) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(Exception):
-                self._sock.disable_monitor()
-            if self._monitor is not None:
-                self._monitor.close(linger=0)
-            self._sock.close()
-            self._sock = None
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            await anyio.to_thread.run_sync(ctx.term)
+        await _close(self._sock, self._monitor, self._ctx)
+        self._sock = self._monitor = self._ctx = None
+
+
+async def _close(sock: Any, monitor: Any, ctx: Any) -> None:
+    """Close a socket, its disconnect monitor and their context (either side's)."""
+    if sock is not None:
+        with contextlib.suppress(Exception):
+            sock.disable_monitor()
+        if monitor is not None:
+            monitor.close(linger=0)
+        sock.close()  # lingers up to 1 s for a goodbye still queued
+    if ctx is not None:
+        await anyio.to_thread.run_sync(ctx.term)
 
 
 def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> ZmqSender:
