@@ -104,9 +104,10 @@ class WeightSync:
             )
         )
 
-    async def update(self, weights: Any) -> SyncReport:
+    async def update(self, weights: Any, *, pipeline: AdapterLike | None = None) -> SyncReport:
         """Stream ``weights`` into every worker; returns the sender's report with one
-        :class:`LoadResult` per worker and model instance in ``instances``."""
+        :class:`LoadResult` per worker and model instance in ``instances``. ``pipeline``
+        overrides the channel's for this sync."""
         sender = await self._ensure_sender()
         results: list[Any] = []
         send_error: BaseException | None = None
@@ -122,7 +123,7 @@ class WeightSync:
                 report = await send(
                     weights,
                     sender,
-                    pipeline=self.pipeline,
+                    pipeline=pipeline if pipeline is not None else self.pipeline,
                     bucket_bytes=self.bucket_bytes,
                     timeout=self.timeout,
                     checksum=self.checksum,
@@ -177,7 +178,8 @@ class _Cached:
     loop: weakref.ReferenceType[asyncio.AbstractEventLoop]
 
 
-_channels: dict[tuple[int, str], _Cached] = {}
+# Per engine (dropped with it), per endpoint.
+_channels: weakref.WeakKeyDictionary[Any, dict[str, _Cached]] = weakref.WeakKeyDictionary()
 
 
 async def update_weights(
@@ -198,8 +200,8 @@ async def update_weights(
     """
     worker_options = dict(options.pop("worker_options", None) or {})
     loop = asyncio.get_running_loop()
-    key = (id(llm), endpoint)
-    cached = _channels.get(key)
+    per_engine = _channels.setdefault(llm, {})
+    cached = per_engine.get(endpoint)
     if cached is not None and cached.loop() is not loop:
         # Its sockets belong to another event loop (a caller that runs each step in a fresh
         # loop): they cannot be closed or used from here.
@@ -209,16 +211,12 @@ async def update_weights(
             "'async with WeightSync(llm, endpoint) as sync: await sync.update(weights)' "
             "inside each loop (it closes the channel; workers reconnect)."
         )
-    if cached is not None and (
-        cached.channel.pipeline is not pipeline or cached.channel.bucket_bytes != bucket_bytes
-    ):
-        await cached.channel.aclose()
+    if cached is not None and cached.channel.bucket_bytes != bucket_bytes:
+        await cached.channel.aclose()  # its slots have another size
         cached = None
     if cached is None:
-        channel = WeightSync(
-            llm, endpoint, pipeline=pipeline, bucket_bytes=bucket_bytes, timeout=timeout, **options
-        )
-        cached = _channels[key] = _Cached(channel, weakref.ref(loop))
+        channel = WeightSync(llm, endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options)
+        cached = per_engine[endpoint] = _Cached(channel, weakref.ref(loop))
     cached.channel.timeout = timeout
     cached.channel.worker_options = worker_options
-    return await cached.channel.update(weights)
+    return await cached.channel.update(weights, pipeline=pipeline)
