@@ -1,96 +1,11 @@
-"""The ``streamsync`` command: ``demo`` runs sync steps and verifies each one."""
+"""The ``streamsync`` command: ``demo`` (the main job) and ``bench``, each in its own module."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from collections.abc import Sequence
-from typing import Any
-
-import anyio
-import torch
-
-import streamsync as ss
-from streamsync.adapters import cast, select
-from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink, fake_state_dict
-
-
-def demo_fake(args: argparse.Namespace) -> int:
-    """``demo --engine fake``: trainer and a vLLM-style fake model in one process, over
-    ``memory://`` (no vLLM needed)."""
-    cfg = FakeConfig(hidden_size=256, num_hidden_layers=4, intermediate_size=512, vocab_size=2048)
-    trainer = fake_state_dict(cfg, seed=0)
-    engine = FakeVllmModel(cfg, dtype=torch.bfloat16)
-    pipeline = select(lambda name: "rotary" not in name) | cast(torch.bfloat16)
-    url = args.transport or "memory://demo"
-    reports: list[dict[str, Any]] = []
-    failed = False
-
-    async def step(index: int) -> tuple[ss.SyncReport, bool]:
-        gen = torch.Generator().manual_seed(index + 1)
-        for tensor in trainer.values():  # a "training step"
-            tensor.add_(torch.randn(tensor.shape, generator=gen) * 0.01)
-        out: dict[str, ss.SyncReport] = {}
-
-        async def rx() -> None:
-            out["rx"] = await ss.receive(url, LoadWeightsSink(engine), timeout=args.timeout)
-
-        async def tx() -> None:
-            out["tx"] = await ss.send(
-                trainer,
-                url,
-                pipeline=pipeline,
-                bucket_bytes=args.bucket_bytes,
-                timeout=args.timeout,
-            )
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rx)
-            tg.start_soon(tx)
-        return out["tx"], _verify(trainer, engine) and not out["rx"].missing
-
-    for index in range(args.steps):
-        report, ok = anyio.run(step, index)
-        failed |= not ok
-        line = (
-            f"step {index + 1}/{args.steps}: {report.nbytes / 2**20:.2f} MiB, "
-            f"{report.seconds * 1e3:.1f} ms, {report.gbps:.2f} GB/s, "
-            f"verified={'yes' if ok else 'NO'}"
-        )
-        print(line, flush=True)
-        reports.append({"step": index + 1, "verified": ok, **_as_dict(report)})
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(reports, fh, indent=2)
-    return 1 if failed else 0
-
-
-def _verify(trainer: dict[str, torch.Tensor], engine: FakeVllmModel) -> bool:
-    """Every engine parameter equals the trainer's tensors, stacked and cast as vLLM does."""
-    params = engine.named_weights()
-    for name, param in params.items():
-        if ".qkv_proj." in name:
-            parts = [trainer[name.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
-            want = torch.cat(parts)
-        elif ".gate_up_proj." in name:
-            parts = [trainer[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj")]
-            want = torch.cat(parts)
-        else:
-            want = trainer[name]
-        if not torch.equal(param, want.to(param.dtype)):
-            return False
-    return True
-
-
-def _as_dict(report: ss.SyncReport) -> dict[str, Any]:
-    import msgspec
-
-    data: dict[str, Any] = msgspec.to_builtins(report)
-    data.pop("loaded", None)
-    data["gbps"] = report.gbps
-    return data
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,7 +61,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit status 1 if any step fails verification."""
     if args.engine == "fake":
-        from streamsync.cli import demo_fake
+        from streamsync.demo_fake import demo_fake
 
         return demo_fake(args)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: starts fast

@@ -92,54 +92,47 @@ class ModuleSink:
         self._loaded = set()
         self._unexpected = []
 
-    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """The module's own tensor for ``name``, for chunks to be written straight into it;
-        checked as ``load`` would (errors are raised before any byte is written)."""
+    def _check(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor | None:
+        """The module's tensor for ``name`` after the strict checks, or ``None`` for a name
+        a non-strict sink skips."""
         dst = self._targets.get(name)
         if dst is None:
             if self.strict:
-                raise self._unknown(name)
+                close = difflib.get_close_matches(name, self._targets, n=3)
+                hint = f"; close matches: {', '.join(close)}" if close else ""
+                raise UnknownTensorError(
+                    f"tensor {name!r} is not a parameter or buffer of "
+                    f"{type(self.module).__name__}{hint}"
+                )
             return None
         if tuple(dst.shape) != tuple(shape):
             raise ShapeMismatchError(
                 f"tensor {name!r}: received shape {list(shape)}, "
                 f"the module's is {_shape(dst.shape)}"
             )
-        if dst.dtype != dtype:
-            if self.strict:
-                raise DtypeMismatchError(
-                    f"tensor {name!r}: received dtype {dtype}, the module's is {dst.dtype}"
-                )
-            return None  # converted by load from the staging buffer
-        return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
+        if dst.dtype != dtype and self.strict:
+            raise DtypeMismatchError(
+                f"tensor {name!r}: received dtype {dtype}, the module's is {dst.dtype}"
+            )
+        return dst
 
-    def _unknown(self, name: str) -> UnknownTensorError:
-        close = difflib.get_close_matches(name, self._targets, n=3)
-        hint = f"; close matches: {', '.join(close)}" if close else ""
-        return UnknownTensorError(
-            f"tensor {name!r} is not a parameter or buffer of {type(self.module).__name__}{hint}"
-        )
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The module's own tensor for ``name``, for chunks to be written straight into it;
+        checked as ``load`` would (errors are raised before any byte is written)."""
+        dst = self._check(name, dtype, shape)
+        if dst is None or dst.dtype != dtype:
+            return None  # skipped, or converted by load from the staging buffer
+        return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
         plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for name, src in tensors:
             if name == BUFFER_MANIFEST:
                 continue  # buffers are parameters' peers here: every name is copied in place
-            dst = self._targets.get(name)
+            dst = self._check(name, src.dtype, src.shape)
             if dst is None:
-                if self.strict:
-                    raise self._unknown(name)
                 self._unexpected.append(name)
                 continue
-            if dst.shape != src.shape:
-                raise ShapeMismatchError(
-                    f"tensor {name!r}: received shape {_shape(src.shape)}, "
-                    f"the module's is {_shape(dst.shape)}"
-                )
-            if dst.dtype != src.dtype and self.strict:
-                raise DtypeMismatchError(
-                    f"tensor {name!r}: received dtype {src.dtype}, the module's is {dst.dtype}"
-                )
             plan.append((name, dst, src))
         # Everything checked: now apply the whole bucket.
         with torch.no_grad():

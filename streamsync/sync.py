@@ -327,7 +327,8 @@ async def _receive(
         phases["load"] = load_s
         phases["wait"] = wait_s
         # Chunks written straight into the sink's tensors changed them too.
-        applied.extend(n for n in state.unpacker.touched if n not in set(applied))
+        seen = set(applied)
+        applied.extend(n for n in state.unpacker.touched if n not in seen)
         report = _receive_report(sync_id, applied, nbytes, buckets, start, phases, None, False)
         if isinstance(exc, StreamsyncError):
             exc.report = report
