@@ -137,6 +137,9 @@ class ProcessSender(RingSender):
         self._secret = resolve_secret(secret)
         self._codec = WireCodec(self._secret)
         self.peers: dict[int, Peer] = {}
+        # Indices handed out in a Welcome whose receiver has not joined yet: two receivers
+        # shaking hands at once must not get the same index.
+        self._joining: set[int] = set()
         self._refused: StreamsyncError | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -174,7 +177,7 @@ class ProcessSender(RingSender):
         msg = self._codec.decode(frame)
         if not isinstance(msg, Hello):
             raise WireFormatError(f"{self.url}: {who} sent {type(msg).__name__} before Hello")
-        free = [i for i in range(self.receivers) if i not in self.peers]
+        free = [i for i in range(self.receivers) if i not in self.peers and i not in self._joining]
         if not free or self._closed:
             raise ConfigError(
                 f"{self.url}: {msg.receiver} (pid {msg.pid}) tried to join, but all "
@@ -192,6 +195,7 @@ class ProcessSender(RingSender):
             echo=msg.nonce,
             layout=layout,
         )
+        self._joining.add(free[0])
         peer = Peer(
             free[0],
             _session_codec(self._secret, msg.nonce, nonce),
@@ -212,6 +216,7 @@ class ProcessSender(RingSender):
             self._signal.notify()
 
     def _joined(self, peer: Peer) -> None:
+        self._joining.discard(peer.index)
         self.peers[peer.index] = peer
         if len(self.peers) >= self.receivers:
             self._on_all_joined()

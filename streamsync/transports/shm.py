@@ -268,6 +268,7 @@ class SharedMemorySender(ProcessSender):
             try:
                 await link.send(welcome, self._handshake_fds())
             except PeerBrokenError:
+                self._joining.discard(peer.index)
                 return
             self._joined(peer)
             try:
