@@ -6,7 +6,7 @@ import torch
 
 from streamsync.errors import WireFormatError
 
-__all__ = ["DTYPES", "dtype_from_name", "dtype_name"]
+__all__ = ["CASTABLE", "DTYPES", "dtype_from_name", "dtype_name"]
 
 _CANDIDATES = [
     "float64",
@@ -38,6 +38,12 @@ DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+#: Floating-point dtypes that may be converted into one another on the way. Casting fp8 or
+#: integer tensors would destroy quantized weights and indices.
+CASTABLE: frozenset[torch.dtype] = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16}
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "EndOfStream",
     "SenderAbortedError",
     "ReceiverFailedError",
+    "error_class",
 ]
 
 
@@ -116,3 +117,12 @@ class SenderAbortedError(StreamsyncError):
 class ReceiverFailedError(StreamsyncError):
     """A receiver reported that it could not apply the sync; the message names the receiver
     and holds its reason."""
+
+
+def error_class(name: str, default: type[StreamsyncError] | None = None) -> type[StreamsyncError]:
+    """The streamsync exception class called ``name`` (as a peer reports it by name across a
+    process boundary); ``default`` (or :class:`StreamsyncError`) for any other name."""
+    cls = globals().get(name) if name in __all__ else None
+    if isinstance(cls, type) and issubclass(cls, StreamsyncError):
+        return cls
+    return default if default is not None else StreamsyncError

@@ -1,0 +1,108 @@
+"""The multi-process peer harness shared by the conformance suite, the benchmark and the
+fault tests: how children start, how they report, and a free TCP port.
+
+A child is a fresh interpreter started by a *forkserver* that has torch and streamsync
+preloaded (so each one starts in a fraction of a second), running a plain function that
+puts plain dicts on a queue: tensors and exceptions never cross, only their names,
+messages and digests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Peers", "context", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def context(*preload: str, start_method: str = "forkserver") -> Any:
+    """A multiprocessing context whose children are fresh interpreters; with the forkserver
+    (the default), torch, streamsync and the modules in ``preload`` are imported once."""
+    if start_method == "forkserver":
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "streamsync", *filter(None, preload)])
+        return ctx
+    return multiprocessing.get_context(start_method)
+
+
+class Peers:
+    """Child processes that report plain dicts on one queue; closing joins or kills them.
+
+    ``spawn(target, *args)`` starts ``target(*args, results)``; ``get(match, timeout)``
+    returns the first reported dict ``match`` accepts (others are kept for later calls) and
+    raises ``AssertionError`` on timeout, naming what it waited for.
+    """
+
+    def __init__(self, *preload: str, start_method: str = "forkserver") -> None:
+        self.ctx = context(*preload, start_method=start_method)
+        self.results = self.ctx.Queue()
+        self.procs: list[Any] = []
+        self._seen: list[dict[str, Any]] = []
+
+    def spawn(self, target: Callable[..., None], *args: Any, daemon: bool = True) -> Any:
+        proc = self.ctx.Process(target=target, args=(*args, self.results), daemon=daemon)
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def get(
+        self, match: Callable[[dict[str, Any]], bool], timeout: float, what: str = "a report"
+    ) -> dict[str, Any]:
+        for i, item in enumerate(self._seen):
+            if match(item):
+                return self._seen.pop(i)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no {what} within {timeout:g} s; got {self._seen}")
+            try:
+                item = self.results.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if match(item):
+                return item
+            self._seen.append(item)
+
+    def collect(self, count: int, timeout: float) -> list[dict[str, Any]]:
+        """The next ``count`` reports in arrival order (fewer if the time runs out)."""
+        got: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < count:
+            if self._seen:
+                got.append(self._seen.pop(0))
+                continue
+            try:
+                got.append(self.results.get(timeout=max(0.05, deadline - time.monotonic())))
+            except queue.Empty:
+                break
+        return got
+
+    def close(self, *, grace: float = 30.0, kill: bool = False) -> None:
+        """Join every child (``grace`` seconds each), killing those still alive."""
+        for proc in self.procs:
+            if kill and proc.is_alive():
+                proc.kill()
+            proc.join(grace if not kill else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self.procs = []
+
+    def __enter__(self) -> Peers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(kill=exc[0] is not None)
+
