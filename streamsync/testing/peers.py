@@ -68,7 +68,7 @@ class Peers:
             if remaining <= 0:
                 raise AssertionError(f"no {what} within {timeout:g} s; got {self._seen}")
             try:
-                item = self.results.get(timeout=remaining)
+                item: dict[str, Any] = self.results.get(timeout=remaining)
             except queue.Empty:
                 continue
             if match(item):
@@ -105,4 +105,3 @@ class Peers:
 
     def __exit__(self, *exc: object) -> None:
         self.close(kill=exc[0] is not None)
-
