@@ -1,27 +1,31 @@
-"""The ``streamsync`` command: ``demo`` (the main job) and ``bench``, each in its own module."""
+"""The ``streamsync`` command: builds the parser from the subcommand modules and runs the
+chosen one; each subcommand's options and work live in its own module."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
+from streamsync import demo
+from streamsync.bench import command as bench
+
+__all__ = ["main"]
+
+#: The modules whose ``add_parser(subparsers)`` registers a subcommand that sets ``run``.
+SUBCOMMANDS = (demo, bench)
+
+DESCRIPTION = "Stream model weights from an RL trainer into inference engines."
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="streamsync", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("demo", "bench"):
-        try:
-            module = importlib.import_module(f"streamsync.{name}")
-        except ModuleNotFoundError as exc:  # a subcommand still being written
-            if exc.name != f"streamsync.{name}":
-                raise
-            continue
-        module.add_parser(sub)
+    """Parse ``argv`` (default: the command line) and run the subcommand; its exit status."""
+    parser = argparse.ArgumentParser(prog="streamsync", description=DESCRIPTION)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
     args = parser.parse_args(argv)
-    result: int = args.run(args)
-    return result
+    return int(args.run(args))
 
 
 if __name__ == "__main__":

@@ -28,32 +28,59 @@ __all__ = ["add_parser", "run"]
 LOGPROB_TOL = 1e-4
 
 
+DESCRIPTION = """\
+Sync a trainer into a real vLLM engine on this CPU machine, step after step,
+and verify every step.
+
+Builds a tiny random-weight model (or loads --model DIR) and starts vLLM on
+it. Each step perturbs the trainer's weights (a stand-in for a training step),
+streams them through the default adapter chain over --transport, and checks
+that the engine's greedy tokens equal the trainer's and that its prompt
+logprobs match. With --engine fake, a vLLM-style fake model in this process
+takes the engine's place, over memory:// (no vLLM needed)."""
+
+
 def add_parser(sub: Any) -> None:
     """Register the ``demo`` subcommand."""
     demo = sub.add_parser(
         "demo",
         help="sync a trainer into a real vLLM engine on CPU, several steps, verify each",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--steps", type=int, default=3, help="sync steps (default 3)")
-    demo.add_argument("--model", help="a Transformers model directory (default: build a tiny one)")
     demo.add_argument(
-        "--kind", choices=["dense", "moe"], default="dense", help="tiny model to build"
+        "--model", metavar="DIR", help="a Transformers model directory (default: build a tiny one)"
+    )
+    demo.add_argument(
+        "--kind",
+        choices=["dense", "moe"],
+        default="dense",
+        help="the tiny model to build (default dense)",
     )
     demo.add_argument(
         "--transport",
+        metavar="URL",
         default=None,
-        help="transport URL (default shm://streamsync-demo-<pid>; e.g. zmq+tcp://127.0.0.1:5555)",
+        help="transport URL, e.g. zmq+tcp://127.0.0.1:5555 (default: shm://streamsync-demo-<pid>;"
+        " memory://demo with --engine fake)",
     )
-    demo.add_argument("--bucket-bytes", type=int, default=1 << 20)
-    demo.add_argument("--timeout", type=float, default=60.0)
-    demo.add_argument("--json", help="write the per-step reports to this file")
+    demo.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=1 << 20,
+        metavar="BYTES",
+        help="bucket size in bytes (default 1 MiB)",
+    )
+    demo.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait on each sync (default 60)"
+    )
+    demo.add_argument("--json", metavar="PATH", help="write the per-step reports to PATH")
     demo.add_argument(
         "--engine",
         choices=["vllm", "fake"],
         default="vllm",
-        help="'fake': an in-process vLLM-style model over memory://, without vLLM",
+        help="vllm (default), or fake: a vLLM-style model in this process, no vLLM needed",
     )
     demo.set_defaults(run=run)
 

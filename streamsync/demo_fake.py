@@ -14,13 +14,13 @@ import torch
 import streamsync as ss
 from streamsync.adapters import cast, select
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink, fake_state_dict
+from streamsync.testing.shapes import VLLM_STACKED
 
 __all__ = ["demo_fake"]
 
 
 def demo_fake(args: argparse.Namespace) -> int:
-    """``demo --engine fake``: trainer and a vLLM-style fake model in one process, over
-    ``memory://`` (no vLLM needed)."""
+    """Run ``streamsync demo --engine fake``; exit status 1 if any step fails verification."""
     cfg = FakeConfig(hidden_size=256, num_hidden_layers=4, intermediate_size=512, vocab_size=2048)
     trainer = fake_state_dict(cfg, seed=0)
     engine = FakeVllmModel(cfg, dtype=torch.bfloat16)
@@ -70,16 +70,13 @@ def demo_fake(args: argparse.Namespace) -> int:
 
 def _verify(trainer: dict[str, torch.Tensor], engine: FakeVllmModel) -> bool:
     """Every engine parameter equals the trainer's tensors, stacked and cast as vLLM does."""
-    params = engine.named_weights()
-    for name, param in params.items():
-        if ".qkv_proj." in name:
-            parts = [trainer[name.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
-            want = torch.cat(parts)
-        elif ".gate_up_proj." in name:
-            parts = [trainer[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj")]
-            want = torch.cat(parts)
-        else:
-            want = trainer[name]
+    for name, param in engine.named_weights().items():
+        stacked = [
+            trainer[name.replace(fused, shard)]
+            for fused, shard, _ in VLLM_STACKED
+            if f".{fused}." in name
+        ]
+        want = torch.cat(stacked) if stacked else trainer[name]
         if not torch.equal(param, want.to(param.dtype)):
             return False
     return True

@@ -20,6 +20,32 @@ def test_demo_runs_verifies_and_writes_json(tmp_path: Path, capsys) -> None:  # 
     assert all(r["verified"] and r["nbytes"] > 0 for r in reports)
 
 
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_help_reads_as_help(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps option help to the terminal
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text and ":class:" not in text
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "--timeout" in text and "--json" in text
+
+
+def test_bench_help_lists_every_scenario_and_transport(capsys: pytest.CaptureFixture[str]) -> None:
+    from streamsync.bench import SCENARIOS, TRANSPORTS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    for name, scenario in SCENARIOS.items():
+        assert f"  {name} " in text and scenario.description in text
+    for name in TRANSPORTS:
+        assert f"  {name} " in text
+
+
 @pytest.mark.vllm
 def test_demo_with_real_vllm_engine(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm")

@@ -10,6 +10,7 @@ import torch
 from streamsync.adapter import NamedTensor
 from streamsync.errors import UnknownTensorError
 from streamsync.report import LoadResult
+from streamsync.testing.shapes import VLLM_STACKED, qwen3_shapes
 
 __all__ = [
     "FakeConfig",
@@ -37,31 +38,18 @@ class FakeConfig:
 
 
 def _shapes(cfg: FakeConfig) -> Iterable[tuple[str, tuple[int, ...]]]:
-    h, hd = cfg.hidden_size, cfg.head_dim
-    yield "model.embed_tokens.weight", (cfg.vocab_size, h)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        yield f"{p}.self_attn.q_proj.weight", (cfg.num_attention_heads * hd, h)
-        yield f"{p}.self_attn.k_proj.weight", (cfg.num_key_value_heads * hd, h)
-        yield f"{p}.self_attn.v_proj.weight", (cfg.num_key_value_heads * hd, h)
-        yield f"{p}.self_attn.o_proj.weight", (h, cfg.num_attention_heads * hd)
-        yield f"{p}.self_attn.q_norm.weight", (hd,)
-        yield f"{p}.self_attn.k_norm.weight", (hd,)
-        if cfg.num_experts:
-            e, i_ = cfg.num_experts, cfg.moe_intermediate_size
-            yield f"{p}.mlp.gate.weight", (e, h)
-            # Transformers >= 5 keeps experts packed, without a ".weight" suffix.
-            yield f"{p}.mlp.experts.gate_up_proj", (e, 2 * i_, h)
-            yield f"{p}.mlp.experts.down_proj", (e, h, i_)
-        else:
-            yield f"{p}.mlp.gate_proj.weight", (cfg.intermediate_size, h)
-            yield f"{p}.mlp.up_proj.weight", (cfg.intermediate_size, h)
-            yield f"{p}.mlp.down_proj.weight", (h, cfg.intermediate_size)
-        yield f"{p}.input_layernorm.weight", (h,)
-        yield f"{p}.post_attention_layernorm.weight", (h,)
-    yield "model.norm.weight", (h,)
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", (cfg.vocab_size, h)
+    return qwen3_shapes(
+        vocab=cfg.vocab_size,
+        layers=cfg.num_hidden_layers,
+        hidden=cfg.hidden_size,
+        q_dim=cfg.num_attention_heads * cfg.head_dim,
+        kv_dim=cfg.num_key_value_heads * cfg.head_dim,
+        head_dim=cfg.head_dim,
+        intermediate=cfg.intermediate_size,
+        experts=cfg.num_experts,
+        moe_intermediate=cfg.moe_intermediate_size,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
 
 
 def fake_state_dict(
@@ -86,16 +74,6 @@ async def fake_named_tensors(
         yield name, torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
 
 
-# (fused parameter, checkpoint shard, shard id): the mapping vLLM's Qwen3 uses.
-_STACKED = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
-
-
 class FakeVllmModel(torch.nn.Module):
     """A dense Qwen3-shaped model with vLLM's fused ``qkv_proj`` and ``gate_up_proj``
     parameters; :meth:`load_weights` takes checkpoint names, as vLLM models do."""
@@ -113,7 +91,7 @@ class FakeVllmModel(torch.nn.Module):
         self._shards = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
         shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in _shapes(cfg):
-            for fused, shard, _ in _STACKED:
+            for fused, shard, _ in VLLM_STACKED:
                 if f".{shard}." in name:
                     name = name.replace(shard, fused)
                     rows = q + 2 * kv if fused == "qkv_proj" else 2 * cfg.intermediate_size
@@ -140,7 +118,7 @@ class FakeVllmModel(torch.nn.Module):
         inter = self.cfg.intermediate_size
         with torch.no_grad():
             for name, tensor in weights:
-                for fused, shard, shard_id in _STACKED:
+                for fused, shard, shard_id in VLLM_STACKED:
                     if f".{shard}." not in name:
                         continue
                     target = name.replace(shard, fused)

@@ -1,0 +1,76 @@
+"""``streamsync bench``: end-to-end throughput of every transport against the machine's bounds.
+
+A synthetic model of ``--size`` bytes shaped like a Qwen3 layer stack (embeddings, q/k/v/o,
+gate/up/down, norms; the MoE variant with packed experts and a router buffer) goes through
+each selected transport in each scenario, a few times after a warm-up sync on the same
+channel, and the median is reported:
+
+==================  =====================================================================
+``dense``           bf16 weights, no adapters
+``dense-fp32-cast`` fp32 master weights, ``pipeline=cast(bf16)`` (fused into the packing
+                    copy): the same bytes on the wire as ``dense``
+``moe``             bf16 MoE weights with packed experts, no adapters
+``moe-chain``       the same through ``expand_moe(when="always") | split_buffers(...) |
+                    cast(bf16)``, into a receiver holding per-expert tensors
+==================  =====================================================================
+
+Process transports run sender and receiver in two processes (forkserver children); the
+receiver copies into its own preallocated model through :class:`~streamsync.ModuleSink`
+(behind a :class:`~streamsync.adapters.BufferSink` for the chain). ``memory://`` runs both
+sides in one process. Measured in the same run: a plain memcpy of the same tensors, two such
+memcpys in two processes at once (what the two copies of a two-process shared-memory path
+can reach together), and raw pyzmq PUSH/PULL moving the same bytes in bucket-sized messages
+(the bound of the zmq transports). Each bound is measured at the start and again right
+before its transport runs; the best is kept (a bound measured while other work loads the
+machine would flatter the ratios).
+
+Per run: end-to-end seconds (the sender's report: first bucket to the last receiver's
+report), the phases of both sides' :class:`~streamsync.SyncReport` (sender ``pack``: copies
+into slots; receiver ``load``: unpacking and the sink's copies) and ``transfer``: for each
+bucket, the time the receiver sat idle waiting for a bucket the sender had already handed to
+the transport (cross-process ``time.monotonic`` stamps). Peak RSS of each side during each
+sync (``VmHWM``, reset before the sync) over its baseline with its model allocated, before the
+channel opened: the ring counts as extra.
+
+The package, by concern:
+
+=====================  ====================================================================
+``models``             sizes, and the synthetic models (from the Qwen3 shape table in
+                       :mod:`streamsync.testing.shapes`)
+``scenarios``          the scenarios, the transports and their bounds: what runs
+``stamped``            the sender/receiver wrappers that time each bucket
+``roles``              what each child process runs (started through
+                       :mod:`streamsync.testing.peers`)
+``harness``            :func:`run_bench`: measures and returns plain data
+``targets``            the targets, a table evaluated by one function
+``report``, ``plot``   the Markdown table, the chart
+``command``            ``streamsync bench``: options, table on stdout, ``--json``, ``--plot``
+=====================  ====================================================================
+"""
+
+from streamsync.bench.command import add_parser
+from streamsync.bench.harness import SCHEMA, BenchConfig, run_bench
+from streamsync.bench.models import SyntheticModel, parse_size, synthetic_model
+from streamsync.bench.plot import plot
+from streamsync.bench.report import format_table
+from streamsync.bench.scenarios import SCENARIOS, TRANSPORTS, Scenario, TransportSpec
+from streamsync.bench.targets import TARGETS, Target, evaluate_targets
+
+__all__ = [
+    "SCENARIOS",
+    "SCHEMA",
+    "TARGETS",
+    "TRANSPORTS",
+    "BenchConfig",
+    "Scenario",
+    "SyntheticModel",
+    "Target",
+    "TransportSpec",
+    "add_parser",
+    "evaluate_targets",
+    "format_table",
+    "parse_size",
+    "plot",
+    "run_bench",
+    "synthetic_model",
+]

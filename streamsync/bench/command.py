@@ -1,0 +1,147 @@
+"""``streamsync bench``: its options, and the command that runs the bench and writes the
+table (stdout), ``--json`` and ``--plot``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from streamsync.bench.harness import BenchConfig, run_bench
+from streamsync.bench.models import GiB, MiB, human, parse_size
+from streamsync.bench.plot import plot
+from streamsync.bench.report import format_table
+from streamsync.bench.scenarios import SCENARIOS, TRANSPORTS
+
+__all__ = ["add_parser", "run"]
+
+DESCRIPTION = """\
+Measure each transport's end-to-end throughput against this machine's bounds.
+
+A synthetic Qwen3-shaped model of --size bytes goes through each transport in
+each scenario: a warm-up sync, then --runs timed syncs. The table gives the
+medians, the phases of each side, peak memory, each transport's bound (memcpy,
+two memcpys at once, raw pyzmq) measured in the same run, and whether the
+targets are met."""
+
+
+def _epilog() -> str:
+    width = max(map(len, SCENARIOS)) + 2
+    lines = ["scenarios:"]
+    lines += [f"  {name:{width}}{s.description}" for name, s in SCENARIOS.items()]
+    lines += ["", "transports (bound):"]
+    lines += [f"  {name:{width}}{t.bound}" for name, t in TRANSPORTS.items()]
+    return "\n".join(lines)
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``streamsync bench``."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure every transport against memcpy and raw pyzmq",
+        description=DESCRIPTION,
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--size", type=parse_size, default=GiB, help="model size, e.g. 16MiB (default 1GiB)"
+    )
+    parser.add_argument(
+        "--transport",
+        action="append",
+        choices=list(TRANSPORTS),
+        help="a transport to run; repeatable (default: every one that runs here)",
+    )
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        choices=list(SCENARIOS),
+        help="a scenario to run; repeatable (default: all)",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=3, help="timed syncs after the warm-up (default 3)"
+    )
+    parser.add_argument(
+        "--bucket-bytes",
+        type=parse_size,
+        default=64 * MiB,
+        metavar="SIZE",
+        help="bucket size, also each ring slot's (default 64MiB)",
+    )
+    parser.add_argument("--slots", type=int, default=2, help="ring slots (default 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process on two-process paths and their bound (default 1)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for a peer or a bucket (default 120)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every figure to PATH as JSON")
+    parser.add_argument("--plot", metavar="PATH.png", help="draw GB/s against the bounds")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench; exit status 1 if any transport failed or moved the model wrong,
+    2 for options that cannot run here."""
+    from tqdm import tqdm
+
+    for name in args.transport or ():
+        reason = TRANSPORTS[name].unavailable()
+        if reason is not None:
+            sys.stderr.write(f"streamsync bench: {reason}\n")
+            return 2
+    if args.runs < 1:
+        sys.stderr.write("streamsync bench: --runs must be at least 1\n")
+        return 2
+    config = BenchConfig(
+        size=args.size,
+        transports=tuple(dict.fromkeys(args.transport or ())),
+        scenarios=tuple(dict.fromkeys(args.scenario or SCENARIOS)),
+        runs=args.runs,
+        bucket_bytes=args.bucket_bytes,
+        slots=args.slots,
+        threads=args.threads,
+        timeout=args.timeout,
+    )
+    with tqdm(total=config.steps(), file=sys.stderr, disable=None, unit="step") as bar:
+        last: list[str] = []
+
+        def progress(label: str) -> None:
+            if last:
+                bar.update()
+            last[:] = [label]
+            bar.set_description(label)
+
+        data = run_bench(config, progress)
+        bar.update()
+    data["command"] = _command_line(args)
+    sys.stdout.write(format_table(data) + "\n")  # the command's output
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=2)
+    if args.plot:
+        plot(data, args.plot)
+    ok = all(
+        r["ok"] and r["verified"] and r["received_bytes"] == r["model_bytes"]
+        for r in data["results"]
+    )
+    return 0 if ok else 1
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    parts = ["streamsync bench", f"--size {human(args.size).replace(' ', '')}"]
+    parts += [f"--transport {t}" for t in args.transport or ()]
+    parts += [f"--scenario {s}" for s in args.scenario or ()]
+    parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}", f"--slots {args.slots}"]
+    parts += [f"--json {args.json}"] if args.json else []
+    parts += [f"--plot {args.plot}"] if args.plot else []
+    return " ".join(parts)

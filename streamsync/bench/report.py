@@ -1,0 +1,52 @@
+"""The bench's results as Markdown: the results table, the bounds and the targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamsync.bench.models import MiB, human
+
+__all__ = ["format_table"]
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(data: dict[str, Any]) -> str:
+    """The results as a Markdown table, bounds and targets below it."""
+    cfg = data["config"]
+    lines = [
+        f"{human(cfg['size'])} requested, buckets of {human(cfg['bucket_bytes'])} x "
+        f"{cfg['slots']} slots, {cfg.get('threads', 1)} torch thread(s) per process on "
+        f"two-process paths, median of {cfg['runs']} runs after a warm-up; "
+        f"{data['machine']['cpus']} CPUs, torch {data['machine']['torch']}",
+        "",
+        "| transport | scenario | GB/s | pack | transfer | load | bound | x bound "
+        "| extra RSS tx / rx (budget) | ok |",
+        "|---|---|---:|---:|---:|---:|---|---:|---|---|",
+    ]
+    for r in data["results"]:
+        if not r["ok"]:
+            lines.append(f"| {r['transport']} | {r['scenario']} | FAILED: {r['error']} |")
+            continue
+        ph, mem = r["phases_gbps"], r["memory"]
+        lines.append(
+            f"| {r['transport']} | {r['scenario']} | {r['gbps']:.2f} | {_fmt(ph['pack'])} "
+            f"| {_fmt(ph['transfer'])} | {_fmt(ph['load'])} | {r['bound']} "
+            f"{_fmt(r['bound_gbps'])} | {_fmt(r['vs_bound'])} "
+            f"| {mem['sender']['extra_bytes'] / MiB:.0f} / "
+            f"{mem['receiver']['extra_bytes'] / MiB:.0f} MiB "
+            f"({mem['budget_bytes'] / MiB:.0f}) "
+            f"| {'yes' if r['verified'] and r['received_bytes'] == r['model_bytes'] else 'NO'} |"
+        )
+    lines += ["", "| bound | GB/s | what |", "|---|---:|---|"]
+    for name, b in data["bounds"].items():
+        lines.append(f"| {name} | {b['gbps']:.2f} | {b['what']} |")
+    lines += ["", "| target | value | want | met |", "|---|---:|---:|---|"]
+    for t in data["targets"]:
+        lines.append(
+            f"| {t['target']} ({t['detail']}) | {t['value']:.2f} | {t['want']} "
+            f"| {'yes' if t['met'] else 'NO'} |"
+        )
+    return "\n".join(lines)
