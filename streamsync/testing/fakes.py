@@ -9,6 +9,7 @@ import torch
 
 from streamsync.adapter import NamedTensor
 from streamsync.errors import UnknownTensorError
+from streamsync.moe_names import packed_name, router_name
 from streamsync.report import LoadResult
 
 __all__ = [
@@ -49,10 +50,10 @@ def _shapes(cfg: FakeConfig) -> Iterable[tuple[str, tuple[int, ...]]]:
         yield f"{p}.self_attn.k_norm.weight", (hd,)
         if cfg.num_experts:
             e, i_ = cfg.num_experts, cfg.moe_intermediate_size
-            yield f"{p}.mlp.gate.weight", (e, h)
+            yield router_name(f"{p}.mlp"), (e, h)
             # Transformers >= 5 keeps experts packed, without a ".weight" suffix.
-            yield f"{p}.mlp.experts.gate_up_proj", (e, 2 * i_, h)
-            yield f"{p}.mlp.experts.down_proj", (e, h, i_)
+            yield packed_name(f"{p}.mlp", "gate_up_proj"), (e, 2 * i_, h)
+            yield packed_name(f"{p}.mlp", "down_proj"), (e, h, i_)
         else:
             yield f"{p}.mlp.gate_proj.weight", (cfg.intermediate_size, h)
             yield f"{p}.mlp.up_proj.weight", (cfg.intermediate_size, h)
