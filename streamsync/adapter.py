@@ -66,8 +66,8 @@ async def _guarded(stage: AdapterLike, source: AsyncIterable[Any]) -> AsyncItera
 
 
 class Adapter:
-    """Base class of adapters: what composes with ``|``. :func:`adapter` makes
-    :class:`Stage` subclasses of it; a subclass written by hand does the work in
+    """Base class of adapters: what composes with ``|``. The stages :func:`adapter`
+    functions make are adapters; a subclass written by hand does the work in
     ``__call__(source)`` and reads its source through :func:`reading` itself."""
 
     def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
@@ -84,10 +84,6 @@ class Adapter:
     def __ror__(self, other: AdapterLike) -> Chain:
         return Chain(other, self)
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"
-
 
 #: ``fuse(stage, following)``: an adapter doing ``stage | following`` in one pass, or None.
 Fuse: TypeAlias = Callable[["Stage", Adapter], "Adapter | None"]
@@ -100,21 +96,19 @@ class Stage(Adapter):
     which is how :class:`Chain` recognises stages that fuse."""
 
     def __init__(self, op: Operator[Any], config: Mapping[str, Any], shown: str) -> None:
-        self.op = op
-        self.config = dict(config)
-        self._shown = shown
+        self.op, self.config, self._shown = op, dict(config), shown
 
     def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
         return _guarded(functools.partial(self.op.fn, **self.config), source)
 
     def fuse(self, following: Adapter) -> Adapter | None:
-        return None if self.op.fuses is None else self.op.fuses(self, following)
+        return None if self.op.fuse is None else self.op.fuse(self, following)
 
     def __getattr__(self, name: str) -> Any:
-        config = self.__dict__.get("config", {})
-        if name in config:
-            return config[name]
-        raise AttributeError(f"{self._shown} has no attribute or configuration {name!r}")
+        try:
+            return self.__dict__["config"][name]
+        except KeyError:
+            raise AttributeError(f"{self!r} has no attribute or configuration {name!r}") from None
 
     def __repr__(self) -> str:
         return self._shown
@@ -132,25 +126,16 @@ class Operator(Generic[P]):
         fuse: Fuse | None = None,
     ) -> None:
         functools.update_wrapper(self, fn)
-        self.fn = fn
-        self.configure = configure
-        self.fuses = fuse
-        params = list(inspect.signature(fn).parameters.values())
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        if not params or params[0].kind not in positional:
-            raise TypeError(f"adapter {fn.__qualname__}() must take its source first")
-        by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        if configure is None and any(p.kind not in by_keyword for p in params[1:]):
-            raise TypeError(f"adapter {fn.__qualname__}(): its configuration is passed by name")
-        self._config_signature = inspect.Signature(params[1:])
+        self.fn, self.configure, self.fuse = fn, configure, fuse
+        self._signature = inspect.signature(fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Stage:
         if self.configure is not None:
-            config = self.configure(*args, **kwargs)
+            config = dict(self.configure(*args, **kwargs))
         else:
-            bound = self._config_signature.bind(*args, **kwargs)  # TypeError for bad arguments
+            bound = self._signature.bind(None, *args, **kwargs)  # TypeError for bad arguments
             bound.apply_defaults()
-            config = bound.arguments
+            config = dict(list(bound.arguments.items())[1:])  # all but the source
         shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
         return Stage(self, config, f"{self.fn.__name__}({shown})")
 

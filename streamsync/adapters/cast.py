@@ -13,29 +13,22 @@ from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
 from streamsync.bucket import CastRule
 from streamsync.dtypes import CASTABLE
 
-__all__ = ["cast", "cast_rule"]
-
-
-def cast_rule(dtype: torch.dtype, only: Callable[[str], bool] | None = None) -> CastRule:
-    """The decision of ``cast(dtype, only=only)``, on a tensor's name and dtype alone: the
-    dtype to send it as, or ``None`` to leave it alone."""
-
-    def rule(name: str, source: torch.dtype) -> torch.dtype | None:
-        # Casting fp8 or integer tensors would destroy quantized weights and indices, and
-        # casting their float32 block scales (``*_scale_inv``) would too.
-        if source not in CASTABLE or source == dtype or name.endswith(SCALE_SUFFIX):
-            return None
-        if only is not None and not only(name):
-            return None
-        return dtype
-
-    return rule
+__all__ = ["cast"]
 
 
 def _configure(dtype: torch.dtype, *, only: Callable[[str], bool] | None = None) -> dict[str, Any]:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"cast(dtype): {dtype!r} is not a torch.dtype")
-    return {"rule": cast_rule(dtype, only)}
+
+    def rule(name: str, source: torch.dtype) -> torch.dtype | None:
+        """The dtype to send ``name`` as, from its name and dtype alone, or ``None``."""
+        # Casting fp8 or integer tensors would destroy quantized weights and indices, and
+        # casting their float32 block scales (``*_scale_inv``) would too.
+        if source not in CASTABLE or source == dtype or name.endswith(SCALE_SUFFIX):
+            return None
+        return None if only is not None and not only(name) else dtype
+
+    return {"rule": rule}
 
 
 def _into_bucket(stage: Stage, following: Adapter) -> Adapter | None:

@@ -81,9 +81,6 @@ class MoeRule:
         """The checkpoint tensors for ``(name, tensor)``, or ``None`` to pass it untouched."""
         return None
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
 
 def _packed_block(name: str, tensor: torch.Tensor, proj: str) -> str | None:
     """The ``mlp`` block path of a 3-D packed ``proj`` of the Qwen layout; ``None`` otherwise."""
@@ -128,9 +125,6 @@ class QwenStyleRule(MoeRule):
         for e in range(tensor.shape[0]):
             yield expert_name(block, e, self.down), tensor[e]
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(block={self.block!r})"
-
 
 class MixtralRule(QwenStyleRule):
     """Mixtral checkpoints: experts under ``block_sparse_moe`` as ``w1`` (gate), ``w3`` (up)
@@ -152,9 +146,6 @@ class PackedCheckpointRule(MoeRule):
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.reason!r})"
 
 
 _QWEN = QwenStyleRule()

@@ -61,11 +61,10 @@ Block = tuple[int, int]
 def _check_block(block: Any) -> Block:
     try:
         rows, cols = block
+        ok = isinstance(rows, int) and isinstance(cols, int) and rows > 0 and cols > 0
     except (TypeError, ValueError):
-        raise ConfigError(
-            f"quantize_fp8(block={block!r}): use a pair of positive ints, e.g. (128, 128)"
-        ) from None
-    if not (isinstance(rows, int) and isinstance(cols, int) and rows > 0 and cols > 0):
+        ok = False
+    if not ok:
         raise ConfigError(
             f"quantize_fp8(block={block!r}): use a pair of positive ints, e.g. (128, 128)"
         )
@@ -123,20 +122,6 @@ def scale_name(name: str) -> str:
     return f"{name}{SCALE_SUFFIX}"
 
 
-def _skip_rule(skip: Callable[[str], bool] | str | Iterable[str] | None) -> Callable[[str], bool]:
-    if skip is None:
-        return lambda name: False
-    if callable(skip):
-        return skip
-    patterns = [skip] if isinstance(skip, str) else list(skip)
-    if not all(isinstance(p, str) for p in patterns):
-        raise ConfigError(
-            f"quantize_fp8(skip={skip!r}): use a predicate on names, a regex, or regexes"
-        )
-    compiled = [re.compile(p) for p in patterns]
-    return lambda name: any(p.search(name) for p in compiled)
-
-
 def eligible(name: str, tensor: torch.Tensor, skip: Callable[[str], bool] | None = None) -> bool:
     """Whether ``quantize_fp8`` quantizes ``(name, tensor)`` (``skip``: its extra skips)."""
     if tensor.dtype not in CASTABLE or tensor.numel() == 0:
@@ -152,12 +137,20 @@ def _configure(
     block: Block = (128, 128),
     skip: Callable[[str], bool] | str | Iterable[str] | None = None,
 ) -> dict[str, Any]:
-    return {"block": _check_block(block), "skip": _skip_rule(skip)}
+    if skip is None or callable(skip):
+        return {"block": _check_block(block), "skip": skip}
+    patterns = [skip] if isinstance(skip, str) else list(skip)
+    if not all(isinstance(p, str) for p in patterns):
+        raise ConfigError(
+            f"quantize_fp8(skip={skip!r}): use a predicate on names, a regex, or regexes"
+        )
+    compiled = [re.compile(p) for p in patterns]
+    return {"block": _check_block(block), "skip": lambda n: any(p.search(n) for p in compiled)}
 
 
 @adapter(configure=_configure)
 async def quantize_fp8(
-    source: AsyncIterable[NamedTensor], *, block: Block, skip: Callable[[str], bool]
+    source: AsyncIterable[NamedTensor], *, block: Block, skip: Callable[[str], bool] | None
 ) -> AsyncIterator[NamedTensor]:
     """``quantize_fp8(block=(128, 128), skip=None)``: replaces each eligible weight by its
     block-wise ``float8_e4m3fn`` form followed directly by its ``float32`` ``..._scale_inv``;
