@@ -105,10 +105,10 @@ class Stage(Adapter):
         return None if self.op.fuse is None else self.op.fuse(self, following)
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["config"][name]
-        except KeyError:
-            raise AttributeError(f"{self!r} has no attribute or configuration {name!r}") from None
+        config = self.__dict__.get("config", {})  # absent while copy or pickle rebuild it
+        if name in config:
+            return config[name]
+        raise AttributeError(f"a stage has no attribute or configuration {name!r}")
 
     def __repr__(self) -> str:
         return self._shown
