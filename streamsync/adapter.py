@@ -1,25 +1,48 @@
-"""Adapters: callables from an async iterable of items to an async iterator of items.
+"""Adapters: stages from an async iterable of items to an async iterator of items.
 
-``a | b`` composes (``a`` first) and the result is itself an adapter; a plain function with
-the adapter signature composes too, on either side of ``|``. Every adapter reads its source
-through :func:`reading`, which closes the source when the adapter stops early, so an
+One form, after aiostream's ``pipable_operator``: an adapter is an async-generator function
+whose first argument is its source, made pipeable by :func:`adapter`::
+
+    @adapter
+    async def select(source: AsyncIterable[NamedTensor], pred: Callable[[str], bool]):
+        async for name, tensor in source:
+            if pred(name):
+                yield name, tensor
+
+``select(pred)`` is then a :class:`Stage`: ``select(pred)(source)`` runs it, ``a | b`` composes
+(``a`` first) into a :class:`Chain`, and a plain function with the adapter signature composes
+too, on either side of ``|``. Every stage reads its source through :func:`reading`, applied
+here once, so a stage that stops early (or fails, or is closed) closes its source and an
 abandoned pipeline releases what its source holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+import functools
+import inspect
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, TypeAlias
+from typing import Any, Concatenate, Generic, ParamSpec, TypeAlias, overload
 
 import torch
 
-__all__ = ["Adapter", "AdapterLike", "Chain", "NamedTensor", "NamedTensors", "reading"]
+__all__ = [
+    "Adapter",
+    "AdapterLike",
+    "Chain",
+    "NamedTensor",
+    "NamedTensors",
+    "Operator",
+    "Stage",
+    "adapter",
+    "reading",
+]
 
 NamedTensor: TypeAlias = tuple[str, torch.Tensor]
 #: The one core type: an async stream of named tensors.
 NamedTensors: TypeAlias = AsyncIterator[NamedTensor]
 AdapterLike: TypeAlias = Callable[[AsyncIterable[Any]], AsyncIterator[Any]]
+P = ParamSpec("P")
 
 
 @asynccontextmanager
@@ -34,9 +57,18 @@ async def reading(source: AsyncIterable[Any]) -> AsyncIterator[AsyncIterator[Any
             await aclose()
 
 
+async def _guarded(stage: AdapterLike, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
+    """``stage(source)``, closing the stage's output and then ``source`` however it ends."""
+    async with reading(source) as items, reading(stage(items)) as out:
+        async for item in out:
+            yield item
+            del item  # hold nothing of it while the consumer asks for the next one
+
+
 class Adapter:
-    """Base class of adapters: subclasses keep their configuration from ``__init__`` and do
-    the work in ``__call__(source)``."""
+    """Base class of adapters: what composes with ``|``. The stages :func:`adapter`
+    functions make are adapters; a subclass written by hand does the work in
+    ``__call__(source)`` and reads its source through :func:`reading` itself."""
 
     def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
         raise NotImplementedError
@@ -52,34 +84,130 @@ class Adapter:
     def __ror__(self, other: AdapterLike) -> Chain:
         return Chain(other, self)
 
+
+#: ``fuse(stage, following)``: an adapter doing ``stage | following`` in one pass, or None.
+Fuse: TypeAlias = Callable[["Stage", Adapter], "Adapter | None"]
+
+
+class Stage(Adapter):
+    """An adapter function applied to its configuration, ready for a source: what calling
+    an :func:`adapter` function returns. ``op`` is that function and ``config`` the keyword
+    arguments it is run with (also readable as attributes: ``bucket(4096).bucket_bytes``),
+    which is how :class:`Chain` recognises stages that fuse."""
+
+    def __init__(self, op: Operator[Any], config: Mapping[str, Any], shown: str) -> None:
+        self.op, self.config, self._shown = op, dict(config), shown
+
+    def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
+        return _guarded(functools.partial(self.op.fn, **self.config), source)
+
+    def fuse(self, following: Adapter) -> Adapter | None:
+        return None if self.op.fuse is None else self.op.fuse(self, following)
+
+    def __getattr__(self, name: str) -> Any:
+        config = self.__dict__.get("config", {})  # absent while copy or pickle rebuild it
+        if name in config:
+            return config[name]
+        raise AttributeError(f"a stage has no attribute or configuration {name!r}")
+
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"
+        return self._shown
+
+
+class Operator(Generic[P]):
+    """An adapter function made pipeable by :func:`adapter`. Calling it with its
+    configuration (the arguments after ``source``) checks that configuration at once and
+    returns a :class:`Stage`; ``isinstance(x, op)`` is true of the stages it made."""
+
+    def __init__(
+        self,
+        fn: Callable[..., AsyncIterator[Any]],
+        configure: Callable[P, Mapping[str, Any]] | None = None,
+        fuse: Fuse | None = None,
+    ) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.configure, self.fuse = fn, configure, fuse
+        self._signature = inspect.signature(fn)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Stage:
+        if self.configure is not None:
+            config = dict(self.configure(*args, **kwargs))
+        else:
+            bound = self._signature.bind(None, *args, **kwargs)  # TypeError for bad arguments
+            bound.apply_defaults()
+            config = dict(list(bound.arguments.items())[1:])  # all but the source
+        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        return Stage(self, config, f"{self.fn.__name__}({shown})")
+
+    def __instancecheck__(self, instance: object) -> bool:
+        return isinstance(instance, Stage) and instance.op is self
+
+    def __repr__(self) -> str:
+        return f"<adapter {self.fn.__module__}.{self.fn.__qualname__}>"
+
+
+@overload
+def adapter(
+    fn: Callable[Concatenate[AsyncIterable[Any], P], AsyncIterator[Any]], /
+) -> Operator[P]: ...
+
+
+@overload
+def adapter(
+    *, configure: Callable[P, Mapping[str, Any]], fuse: Fuse | None = None
+) -> Callable[[Callable[..., AsyncIterator[Any]]], Operator[P]]: ...
+
+
+def adapter(
+    fn: Callable[..., AsyncIterator[Any]] | None = None,
+    /,
+    *,
+    configure: Callable[..., Mapping[str, Any]] | None = None,
+    fuse: Fuse | None = None,
+) -> Any:
+    """Make an async-generator function ``fn(source, ...)`` a pipeable adapter.
+
+    ``@adapter``: the arguments after ``source`` are the configuration, bound (and refused
+    with ``TypeError``) when the stage is made. ``@adapter(configure=check)``: the stage is
+    made by calling ``check`` with the caller's arguments; it validates them, raising at
+    once, and returns the keyword arguments ``fn`` is run with (so per-run work such as
+    compiling a pattern or reading the environment happens once). ``fuse(stage, following)``
+    may return one adapter doing ``stage | following`` in one pass (see :class:`Chain`).
+    """
+    if fn is not None:
+        return Operator(fn)
+    return lambda f: Operator(f, configure, fuse)
 
 
 class Chain(Adapter):
-    """Adapters applied in order; adjacent ones that can fuse are fused."""
+    """Adapters applied in order; adjacent ones that can fuse are fused (unless
+    ``fuse=False``). Nested chains are flattened to their original stages first, so fusing
+    never depends on how a pipeline was grouped."""
 
-    def __init__(self, *stages: AdapterLike) -> None:
+    def __init__(self, *stages: AdapterLike, fuse: bool = True) -> None:
         flat: list[AdapterLike] = []
         for stage in stages:
             if not callable(stage):
                 raise TypeError(f"{stage!r} is not an adapter (a callable on an async iterable)")
-            flat.extend(stage.stages if isinstance(stage, Chain) else (stage,))
+            flat.extend(stage.parts if isinstance(stage, Chain) else (stage,))
+        #: The stages as given, before fusing.
+        self.parts: tuple[AdapterLike, ...] = tuple(flat)
         fused: list[AdapterLike] = []
         for stage in flat:
-            if fused and isinstance(fused[-1], Adapter) and isinstance(stage, Adapter):
+            if fuse and fused and isinstance(fused[-1], Adapter) and isinstance(stage, Adapter):
                 merged = fused[-1].fuse(stage)
                 if merged is not None:
                     fused[-1] = merged
                     continue
             fused.append(stage)
+        #: The stages run, after fusing.
         self.stages: tuple[AdapterLike, ...] = tuple(fused)
 
     def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
         stream: AsyncIterable[Any] = source
         for stage in self.stages:
-            stream = stage(stream)
+            # A stage guards its own source; a plain function is guarded here.
+            stream = stage(stream) if isinstance(stage, Adapter) else _guarded(stage, stream)
         return aiter(stream)
 
     def __repr__(self) -> str:

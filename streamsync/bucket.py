@@ -50,8 +50,9 @@ MIN_BUCKET_BYTES: Final = 1024
 DEFAULT_MAX_TENSOR_BYTES: Final = 1 << 40
 
 NamedTensor = tuple[str, torch.Tensor]
-#: A fused cast: ``(name, tensor) -> dtype to send, or None to send as is``.
-CastRule = Callable[[str, torch.Tensor], "torch.dtype | None"]
+#: A fused cast: ``(name, dtype) -> dtype to send, or None to send as is``; it decides on
+#: the name and dtype alone, never by converting the tensor.
+CastRule = Callable[[str, torch.dtype], "torch.dtype | None"]
 
 
 def align_up(n: int) -> int:
@@ -188,7 +189,7 @@ class BucketBuilder:
             tensor = tensor.detach()
         dtype = tensor.dtype
         if self._cast is not None:
-            dtype = self._cast(name, tensor) or dtype
+            dtype = self._cast(name, tensor.dtype) or dtype
         wire_dtype = dtype_name(dtype)  # raises for dtypes that cannot travel
         itemsize = _itemsize(dtype)
         shape = tuple(tensor.shape)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
+
 import anyio
 import pytest
 import torch
 
-from streamsync import Adapter, Chain, named_tensors
-from streamsync.adapters import Bucketer, bucket, cast, rename, select, unbucket
+from streamsync import Adapter, Chain, ConfigError, named_tensors
+from streamsync.adapter import Stage
+from streamsync.adapters import Bucketer, adapter, bucket, cast, rename, select, unbucket
+from streamsync.bucket import BucketBuilder
 
 
 async def collect(stream) -> list:  # type: ignore[no-untyped-def]
@@ -116,3 +121,109 @@ async def test_early_exit_closes_the_source() -> None:
 def test_not_an_adapter_is_refused() -> None:
     with pytest.raises(TypeError, match="not an adapter"):
         Chain(select(lambda n: True), 42)  # type: ignore[arg-type]
+
+
+# --- the one form: @adapter ------------------------------------------------------------------
+
+
+@adapter
+async def take(source: AsyncIterable[Any], count: int, *, suffix: str = "") -> AsyncIterator[Any]:
+    """Yield the first ``count`` tensors, renamed with ``suffix``, then stop early."""
+    seen = 0
+    async for name, tensor in source:
+        if seen == count:
+            return
+        seen += 1
+        yield name + suffix, tensor
+
+
+async def test_a_decorated_generator_is_a_pipeable_stage() -> None:
+    src = {f"t{i}": torch.ones(1) for i in range(5)}
+    stage = take(2, suffix=".w")
+    assert isinstance(stage, Adapter) and isinstance(stage, take)
+    assert not isinstance(select(lambda n: True), take)
+    assert (stage.count, stage.suffix) == (2, ".w")  # its configuration, by name
+    assert repr(stage) == "take(2, suffix='.w')"
+    assert [n for n, _ in await collect(stage(named_tensors(src)))] == ["t0.w", "t1.w"]
+    chain = rename(str.upper) | take(3)
+    assert [n for n, _ in await collect(chain(named_tensors(src)))] == ["T0", "T1", "T2"]
+
+
+def test_configuration_is_checked_when_the_stage_is_made() -> None:
+    with pytest.raises(TypeError):
+        take()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        take(1, colour="red")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"not a torch\.dtype"):
+        cast("bf16")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mapping or a function"):
+        rename(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="predicate"):
+        select("a")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="at least 1024"):
+        bucket(10)
+
+
+async def test_a_stage_that_stops_early_closes_its_source() -> None:
+    closed = anyio.Event()
+
+    async def source():  # type: ignore[no-untyped-def]
+        try:
+            for i in range(100):
+                yield f"t{i}", torch.ones(1)
+        finally:
+            closed.set()
+
+    out = await collect((select(lambda n: True) | take(1))(source()))
+    assert [n for n, _ in out] == ["t0"]
+    assert closed.is_set()
+
+
+def test_fusion_does_not_depend_on_grouping() -> None:
+    one, two = cast(torch.float16), cast(torch.bfloat16)
+    for chain in (
+        one | two | bucket(4096),
+        one | (two | bucket(4096)),
+        Chain(one, two, Bucketer(4096)),
+    ):
+        # One cast per bucket: the earlier cast runs on its own (fusing two would round once
+        # where the unfused chain rounds twice).
+        assert [type(s) for s in chain.stages] == [Stage, Stage]
+        assert chain.stages[0] is one and isinstance(chain.stages[1], Bucketer)
+        assert chain.stages[1].cast is two.rule
+    unfused = Chain(one, bucket(4096), fuse=False)
+    assert len(unfused.stages) == 2 and unfused.stages[0] is one
+
+
+def test_fused_cast_decides_on_name_and_dtype_only() -> None:
+    seen: list[tuple[str, Any]] = []
+
+    def rule(name: str, dtype: torch.dtype) -> torch.dtype | None:
+        seen.append((name, dtype))
+        return torch.bfloat16 if dtype == torch.float32 else None
+
+    builder = BucketBuilder(1024, cast=rule)
+    list(builder.add("w", torch.randn(8)))
+    list(builder.add("i", torch.arange(3)))
+    plan = builder.flush()
+    assert plan is not None and [e.dtype for e in plan.entries] == ["bfloat16", "int64"]
+    assert seen == [("w", torch.float32), ("i", torch.int64)]
+    # The rule of cast(...) itself, as the bucketer calls it.
+    cast_rule = cast(torch.float16, only=lambda n: n != "skip").rule
+    assert cast_rule("w", torch.float32) == torch.float16
+    assert cast_rule("w", torch.float16) is None
+    assert cast_rule("w", torch.float8_e4m3fn) is None
+    assert cast_rule("w.weight_scale_inv", torch.float32) is None
+    assert cast_rule("skip", torch.float32) is None
+
+
+async def test_a_cast_before_a_bucket_that_casts_already_runs_on_its_own() -> None:
+    # f32 -> bf16 -> f32 rounds to bf16 and back: a single fused conversion would not.
+    to_f32 = cast(torch.float32).rule
+    chain = cast(torch.bfloat16) | bucket(4096, cast=to_f32)
+    assert len(chain.stages) == 2 and chain.stages[1].cast is to_f32
+    src = {"w": torch.randn(300, dtype=torch.float32), "h": torch.randn(7).half()}
+    packed = [b.pack() async for b in chain(named_tensors(src))]
+    got = dict(await collect(unbucket()(_aiter(packed))))
+    assert torch.equal(got["w"], src["w"].bfloat16().float())
+    assert got["h"].dtype == torch.float32 and torch.equal(got["h"], src["h"].bfloat16().float())

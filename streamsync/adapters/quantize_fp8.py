@@ -25,13 +25,16 @@ from typing import Any, Final
 import torch
 import torch.nn.functional as F
 
-from streamsync.adapter import Adapter, NamedTensor, reading
+from streamsync.adapter import NamedTensor, adapter
+from streamsync.dtypes import CASTABLE
 from streamsync.errors import ConfigError
+from streamsync.moe_names import PACKED, ROUTER, ROUTER_MODULES
 
 __all__ = [
     "FP8_MAX",
-    "QuantizeFp8",
+    "SCALE_SUFFIX",
     "dequantize_block_fp8",
+    "eligible",
     "quantize_block_fp8",
     "quantize_fp8",
     "scale_name",
@@ -40,17 +43,17 @@ __all__ = [
 FP8_DTYPE: Final = torch.float8_e4m3fn
 #: The largest finite ``float8_e4m3fn``.
 FP8_MAX: Final = float(torch.finfo(torch.float8_e4m3fn).max)
+#: The suffix of the ``float32`` scale emitted after each quantized weight.
+SCALE_SUFFIX: Final = "_scale_inv"
 # A block's amax is clamped to at least this (vLLM and DeepGEMM do the same), so an all-zero
 # block gets a tiny finite scale instead of a division by zero, and its zeros stay zeros.
 _MIN_AMAX: Final = 1e-4
-_QUANTIZABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
 _DEFAULT_SKIP = re.compile(
-    r"(?:^|\.)(?:[^.]*embed[^.]*|wte|wpe|lm_head|[^.]*norm[^.]*|router|shared_expert_gate)(?:\.|$)"
-    r"|(?:^|\.)(?:mlp|block_sparse_moe)\.gate\.weight$"
-    r"|(?:\.|_)bias$"
+    r"(?:^|\.)(?:[^.]*embed[^.]*|wte|wpe|lm_head|[^.]*norm[^.]*|"
+    + "|".join(ROUTER_MODULES)
+    + r")(?:\.|$)|(?:\.|_)bias$"
 )
-_PACKED_EXPERTS = re.compile(r"\.experts\.(?:gate_up_proj|down_proj)(?:\.weight)?$")
 
 Block = tuple[int, int]
 
@@ -58,11 +61,10 @@ Block = tuple[int, int]
 def _check_block(block: Any) -> Block:
     try:
         rows, cols = block
+        ok = isinstance(rows, int) and isinstance(cols, int) and rows > 0 and cols > 0
     except (TypeError, ValueError):
-        raise ConfigError(
-            f"quantize_fp8(block={block!r}): use a pair of positive ints, e.g. (128, 128)"
-        ) from None
-    if not (isinstance(rows, int) and isinstance(cols, int) and rows > 0 and cols > 0):
+        ok = False
+    if not ok:
         raise ConfigError(
             f"quantize_fp8(block={block!r}): use a pair of positive ints, e.g. (128, 128)"
         )
@@ -117,69 +119,51 @@ def dequantize_block_fp8(
 def scale_name(name: str) -> str:
     """The name of the scale emitted after weight ``name``: ``<module>.weight_scale_inv``
     for ``<module>.weight``, ``<name>_scale_inv`` otherwise (packed experts)."""
-    return f"{name}_scale_inv"
+    return f"{name}{SCALE_SUFFIX}"
 
 
-def _skip_rule(skip: Callable[[str], bool] | str | Iterable[str] | None) -> Callable[[str], bool]:
-    if skip is None:
-        return lambda name: False
-    if callable(skip):
-        return skip
+def eligible(name: str, tensor: torch.Tensor, skip: Callable[[str], bool] | None = None) -> bool:
+    """Whether ``quantize_fp8`` quantizes ``(name, tensor)`` (``skip``: its extra skips)."""
+    if tensor.dtype not in CASTABLE or tensor.numel() == 0:
+        return False
+    if _DEFAULT_SKIP.search(name) or ROUTER.match(name) or (skip is not None and skip(name)):
+        return False
+    if tensor.dim() == 2:
+        return name.endswith(".weight")
+    return tensor.dim() == 3 and PACKED.match(name) is not None
+
+
+def _configure(
+    block: Block = (128, 128),
+    skip: Callable[[str], bool] | str | Iterable[str] | None = None,
+) -> dict[str, Any]:
+    if skip is None or callable(skip):
+        return {"block": _check_block(block), "skip": skip}
     patterns = [skip] if isinstance(skip, str) else list(skip)
     if not all(isinstance(p, str) for p in patterns):
         raise ConfigError(
             f"quantize_fp8(skip={skip!r}): use a predicate on names, a regex, or regexes"
         )
     compiled = [re.compile(p) for p in patterns]
-    return lambda name: any(p.search(name) for p in compiled)
+    return {"block": _check_block(block), "skip": lambda n: any(p.search(n) for p in compiled)}
 
 
-class QuantizeFp8(Adapter):
-    """Replaces each eligible weight by its block-FP8 form followed directly by its
-    ``float32`` scale; everything else passes through untouched (see the module docstring).
-    """
-
-    def __init__(
-        self,
-        block: Block = (128, 128),
-        skip: Callable[[str], bool] | str | Iterable[str] | None = None,
-    ) -> None:
-        self.block = _check_block(block)
-        self.skip = skip
-        self._skip = _skip_rule(skip)
-
-    def eligible(self, name: str, tensor: torch.Tensor) -> bool:
-        """Whether ``(name, tensor)`` is quantized."""
-        if tensor.dtype not in _QUANTIZABLE or tensor.numel() == 0:
-            return False
-        if _DEFAULT_SKIP.search(name) or self._skip(name):
-            return False
-        if tensor.dim() == 2:
-            return name.endswith(".weight")
-        return tensor.dim() == 3 and _PACKED_EXPERTS.search(name) is not None
-
-    async def _run(self, source: AsyncIterable[NamedTensor]) -> AsyncIterator[NamedTensor]:
-        async with reading(source) as items:
-            async for name, tensor in items:
-                if not self.eligible(name, tensor):
-                    yield name, tensor
-                    continue
-                fp8, scale = quantize_block_fp8(tensor, self.block)
-                del tensor  # the source may free it while its quantized form travels
-                yield name, fp8
-                del fp8
-                yield scale_name(name), scale
-                del scale
-
-    def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
-        return self._run(source)
-
-
-def quantize_fp8(
-    block: Block = (128, 128),
-    skip: Callable[[str], bool] | str | Iterable[str] | None = None,
-) -> QuantizeFp8:
-    """Quantize eligible weights to block-wise ``float8_e4m3fn``, each followed by its
-    ``float32`` ``..._scale_inv``. ``skip``: a predicate on names, a regex or regexes
-    (searched) naming more tensors to leave alone, on top of the default skips."""
-    return QuantizeFp8(block, skip)
+@adapter(configure=_configure)
+async def quantize_fp8(
+    source: AsyncIterable[NamedTensor], *, block: Block, skip: Callable[[str], bool] | None
+) -> AsyncIterator[NamedTensor]:
+    """``quantize_fp8(block=(128, 128), skip=None)``: replaces each eligible weight by its
+    block-wise ``float8_e4m3fn`` form followed directly by its ``float32`` ``..._scale_inv``;
+    everything else passes through untouched (see the module docstring). ``skip``: a
+    predicate on names, a regex or regexes (searched) naming more tensors to leave alone, on
+    top of the default skips."""
+    async for name, tensor in source:
+        if not eligible(name, tensor, skip):
+            yield name, tensor
+            continue
+        fp8, scale = quantize_block_fp8(tensor, block)
+        del tensor  # the source may free it while its quantized form travels
+        yield name, fp8
+        del fp8
+        yield scale_name(name), scale
+        del scale

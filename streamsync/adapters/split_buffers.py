@@ -33,7 +33,7 @@ from typing import Any, Final
 
 import torch
 
-from streamsync.adapter import Adapter, NamedTensor, reading
+from streamsync.adapter import NamedTensor, adapter
 from streamsync.errors import ShapeMismatchError, UnknownTensorError, WireFormatError
 from streamsync.report import LoadResult
 from streamsync.sink import BUFFER_MANIFEST, Sink, call_phase
@@ -42,7 +42,6 @@ __all__ = [
     "MANIFEST_NAME",
     "BufferRouter",
     "BufferSink",
-    "SplitBuffers",
     "apply_buffers",
     "buffer_names",
     "split_buffers",
@@ -84,38 +83,32 @@ def _decode(tensor: torch.Tensor) -> set[str]:
     return set(names)
 
 
-class SplitBuffers(Adapter):
-    """Sender side: declares ``names`` (or a module's persistent buffers) as buffers to the
-    receiver in a manifest sent first, then passes the stream through unchanged."""
-
-    def __init__(self, buffers: torch.nn.Module | Iterable[str]) -> None:
-        if isinstance(buffers, torch.nn.Module):
-            self.names = buffer_names(buffers)
-        elif isinstance(buffers, str) or not isinstance(buffers, Iterable):
-            raise TypeError(
-                "split_buffers() takes the trainer's nn.Module or an iterable of buffer names, "
-                f"not {type(buffers).__name__}"
-            )
-        else:
-            self.names = frozenset(buffers)
-            bad = [n for n in self.names if not isinstance(n, str)]
-            if bad:
-                raise TypeError(f"split_buffers(): buffer names must be str, not {bad[0]!r}")
-
-    async def _run(self, source: AsyncIterable[NamedTensor]) -> AsyncIterator[NamedTensor]:
-        yield MANIFEST_NAME, _encode(self.names)
-        async with reading(source) as items:
-            async for item in items:
-                yield item
-
-    def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
-        return self._run(source)
+def _configure(buffers: torch.nn.Module | Iterable[str]) -> dict[str, Any]:
+    if isinstance(buffers, torch.nn.Module):
+        return {"names": buffer_names(buffers)}
+    if isinstance(buffers, str) or not isinstance(buffers, Iterable):
+        raise TypeError(
+            "split_buffers() takes the trainer's nn.Module or an iterable of buffer names, "
+            f"not {type(buffers).__name__}"
+        )
+    names = frozenset(buffers)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"split_buffers(): buffer names must be str, not {bad[0]!r}")
+    return {"names": names}
 
 
-def split_buffers(buffers: torch.nn.Module | Iterable[str]) -> SplitBuffers:
-    """Declare the trainer's buffers (a module's persistent buffers, or names) to the
-    receiver, whose :class:`BufferSink` copies them in place into every model instance."""
-    return SplitBuffers(buffers)
+@adapter(configure=_configure)
+async def split_buffers(
+    source: AsyncIterable[NamedTensor], *, names: frozenset[str]
+) -> AsyncIterator[NamedTensor]:
+    """``split_buffers(module_or_names)``: sender side; declares the trainer's buffers (a
+    module's persistent buffers, or names) to the receiver in a manifest sent first, then
+    passes the stream through unchanged. The receiver's :class:`BufferSink` copies them in
+    place into every model instance."""
+    yield MANIFEST_NAME, _encode(names)
+    async for item in source:
+        yield item
 
 
 def _labelled(instances: Instances) -> dict[str, torch.nn.Module]:

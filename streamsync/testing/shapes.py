@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import torch
 
+from streamsync.moe_names import packed_name, router_name
+
 __all__ = ["VLLM_STACKED", "Shape", "checkpoint_experts", "qwen3_layer", "qwen3_shapes"]
 
 Shape = tuple[int, ...]
@@ -54,12 +56,12 @@ def qwen3_layer(
         ("self_attn.k_norm.weight", (head_dim,)),
     ]
     if experts:
-        layer.append(("mlp.gate.weight", (experts, hidden)))
+        layer.append((router_name("mlp"), (experts, hidden)))
         if router_bias:
             layer.append(("mlp.gate.e_score_correction_bias", (experts,)))
         layer += [
-            ("mlp.experts.gate_up_proj", (experts, 2 * moe_intermediate, hidden)),
-            ("mlp.experts.down_proj", (experts, hidden, moe_intermediate)),
+            (packed_name("mlp", "gate_up_proj"), (experts, 2 * moe_intermediate, hidden)),
+            (packed_name("mlp", "down_proj"), (experts, hidden, moe_intermediate)),
         ]
     else:
         layer += [
