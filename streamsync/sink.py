@@ -29,7 +29,7 @@ from streamsync.adapter import NamedTensor
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.report import LoadResult
 
-__all__ = ["BUFFER_MANIFEST", "ModuleSink", "Sink", "call_phase"]
+__all__ = ["BUFFER_MANIFEST", "ModuleSink", "Sink", "TargetSink", "call_phase"]
 
 #: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
 #: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.
@@ -48,6 +48,15 @@ class Sink(Protocol):
 
     def finalize(self) -> Any:
         """After the last bucket; may return a :class:`LoadResult`."""
+
+
+@runtime_checkable
+class TargetSink(Sink, Protocol):
+    """A sink that also offers ``target``: the (contiguous, CPU) tensor it will hold a
+    tensor in, so a chunked tensor is written straight into it (``None``: stage it)."""
+
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The sink's own tensor for ``name``, or ``None``."""
 
 
 async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
