@@ -39,12 +39,12 @@ if TYPE_CHECKING:
     from streamsync.transports import Endpoint
 
 __all__ = [
-    "CudaIpcReceiver",
-    "CudaIpcSender",
     "CudaRing",
     "CudaSlots",
     "CudaView",
     "local_device",
+    "receiver_from_url",
+    "sender_from_url",
 ]
 
 
@@ -216,61 +216,20 @@ class CudaView(SlotView):
         self._events = []
 
 
-class CudaIpcSender(LinkedSender):
-    """Sender side of ``cuda-ipc://NAME``."""
-
-    def __init__(
-        self,
-        name: str,
-        *,
-        device: int | str | torch.device | None = None,
-        receivers: int = 1,
-        slots: int = 2,
-        slot_bytes: int = 64 << 20,
-        secret: bytes | str | None = None,
-        connect_timeout: float = 60.0,
-    ) -> None:
-        url = f"cuda-ipc://{name}"
-        link = UnixLink(
-            url,
-            unix_address("cuda-ipc", name),
-            receivers=receivers,
-            connect_timeout=connect_timeout,
-        )
-        store = CudaSlots(slots, slot_bytes, url=url, device=device)
-        super().__init__(
-            link, store, receivers=receivers, secret=secret, connect_timeout=connect_timeout
-        )
-
-    @property
-    def device(self) -> torch.device | None:
-        """The device the ring lives on (once open)."""
-        assert isinstance(self.store, CudaSlots)
-        return self.store.device
+def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
+    """``cuda-ipc://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override
+    (``device``: the sender's GPU, default the current one)."""
+    opts = endpoint.sender_options(kwargs)
+    url, timeout = f"cuda-ipc://{endpoint.target}", opts.get("connect_timeout", 60.0)
+    address = unix_address("cuda-ipc", endpoint.target)
+    link = UnixLink(url, address, receivers=opts["receivers"], timeout=timeout)
+    device = opts.pop("device", None)
+    store = CudaSlots(opts.pop("slots"), opts.pop("slot_bytes"), url=url, device=device)
+    return LinkedSender(link, store, **opts)
 
 
-class CudaIpcReceiver(LinkedReceiver):
-    """Receiver side of ``cuda-ipc://NAME``."""
-
-    def __init__(
-        self, name: str, *, secret: bytes | str | None = None, connect_timeout: float = 60.0
-    ) -> None:
-        url = f"cuda-ipc://{name}"
-        self._view = CudaView(url)
-        link = UnixDialer(url, unix_address("cuda-ipc", name))
-        super().__init__(url, link, self._view, secret=secret, connect_timeout=connect_timeout)
-
-    @property
-    def device(self) -> torch.device | None:
-        """The local device of the sender's ring (once open)."""
-        return self._view.device
-
-
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> CudaIpcSender:
-    """``cuda-ipc://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override."""
-    return CudaIpcSender(endpoint.target, **endpoint.sender_options(kwargs))
-
-
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> CudaIpcReceiver:
+def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
     """``cuda-ipc://NAME``."""
-    return CudaIpcReceiver(endpoint.target, **kwargs)
+    url = f"cuda-ipc://{endpoint.target}"
+    link = UnixDialer(url, unix_address("cuda-ipc", endpoint.target))
+    return LinkedReceiver(link, CudaView(url), **kwargs)

@@ -170,6 +170,8 @@ class SenderLink(ABC):
 class ReceiverLink(ABC):
     """A receiver's end of a link (see the module docstring)."""
 
+    url: str
+
     @abstractmethod
     async def connect(self) -> None: ...
 
@@ -264,11 +266,11 @@ class UnixLink(SenderLink):
     """Sender end over an abstract unix socket: one stream per receiver, its reader a task
     in the channel's group. Carries no payload frames (compose with a shared store)."""
 
-    def __init__(self, url: str, address: str, *, receivers: int, connect_timeout: float) -> None:
+    def __init__(self, url: str, address: str, *, receivers: int, timeout: float) -> None:
         self.url = url
         self.address = address
         self.receivers = receivers
-        self.connect_timeout = connect_timeout
+        self.timeout = timeout  # for a newcomer's Hello
         self._listener: SocketListener | None = None
 
     async def open(self) -> None:
@@ -299,7 +301,7 @@ class UnixLink(SenderLink):
         try:
             try:
                 peer.who = f"pid {_check_owner(link.raw, self.url, 'receiver')}"
-                with anyio.fail_after(self.connect_timeout):
+                with anyio.fail_after(self.timeout):
                     frame, _ = await link.receive()
             except StreamsyncError as exc:
                 await events.on_refused(peer, exc)

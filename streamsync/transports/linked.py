@@ -51,9 +51,9 @@ class LinkedSender(RingSender):
         link: SenderLink,
         store: SlotStore,
         *,
-        receivers: int,
-        secret: bytes | str | None,
-        connect_timeout: float,
+        receivers: int = 1,
+        secret: bytes | str | None = None,
+        connect_timeout: float = 60.0,
     ) -> None:
         url = link.url
         if receivers < 1:
@@ -245,14 +245,13 @@ class LinkedReceiver(RingReceiver):
 
     def __init__(
         self,
-        url: str,
         link: ReceiverLink,
         view: SlotView,
         *,
-        secret: bytes | str | None,
-        connect_timeout: float,
+        secret: bytes | str | None = None,
+        connect_timeout: float = 60.0,
     ) -> None:
-        self.url = url
+        self.url = link.url
         self.link = link
         self.view = view
         self.connect_timeout = connect_timeout

@@ -54,7 +54,7 @@ from streamsync.transports.slots import HostSlots, PayloadView
 if TYPE_CHECKING:
     from streamsync.transports import Endpoint
 
-__all__ = ["ZmqLink", "ZmqDialer", "ZmqReceiver", "ZmqSender", "zmq_address"]
+__all__ = ["ZmqDialer", "ZmqLink", "receiver_from_url", "sender_from_url", "zmq_address"]
 
 # Grace for a goodbye still in the data socket when the monitor reports the drop.
 _DRAIN_S = 0.2
@@ -360,47 +360,15 @@ async def _close(sock: _Socket | None, monitor: _Socket | None, ctx: Any) -> Non
             await anyio.to_thread.run_sync(ctx.term)
 
 
-class ZmqSender(LinkedSender):
-    """Sender side of ``zmq+tcp://`` and ``zmq+ipc://``."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        receivers: int = 1,
-        slots: int = 2,
-        slot_bytes: int = 64 << 20,
-        secret: bytes | str | None = None,
-        connect_timeout: float = 60.0,
-        heartbeat: float = 1.0,
-    ) -> None:
-        link = ZmqLink(url, hwm=2 * slots + 8, heartbeat=heartbeat)
-        store = HostSlots(slots, slot_bytes)
-        super().__init__(
-            link, store, receivers=receivers, secret=secret, connect_timeout=connect_timeout
-        )
-
-
-class ZmqReceiver(LinkedReceiver):
-    """Receiver side of ``zmq+tcp://HOST:PORT`` and ``zmq+ipc://PATH``."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        secret: bytes | str | None = None,
-        connect_timeout: float = 60.0,
-        heartbeat: float = 1.0,
-    ) -> None:
-        link = ZmqDialer(url, heartbeat=heartbeat)
-        super().__init__(url, link, PayloadView(), secret=secret, connect_timeout=connect_timeout)
-
-
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> ZmqSender:
+def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
     """``zmq+tcp://HOST:PORT?receivers=&slots=&slot_bytes=`` or ``zmq+ipc://PATH?...``."""
-    return ZmqSender(f"{endpoint.scheme}://{endpoint.target}", **endpoint.sender_options(kwargs))
+    opts = endpoint.sender_options(kwargs)
+    url, heartbeat = f"{endpoint.scheme}://{endpoint.target}", opts.pop("heartbeat", 1.0)
+    link = ZmqLink(url, hwm=2 * opts["slots"] + 8, heartbeat=heartbeat)
+    return LinkedSender(link, HostSlots(opts.pop("slots"), opts.pop("slot_bytes")), **opts)
 
 
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> ZmqReceiver:
+def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
     """``zmq+tcp://HOST:PORT`` or ``zmq+ipc://PATH``."""
-    return ZmqReceiver(f"{endpoint.scheme}://{endpoint.target}", **kwargs)
+    url, heartbeat = f"{endpoint.scheme}://{endpoint.target}", kwargs.pop("heartbeat", 1.0)
+    return LinkedReceiver(ZmqDialer(url, heartbeat=heartbeat), PayloadView(), **kwargs)
