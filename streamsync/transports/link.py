@@ -219,13 +219,23 @@ class _Framed:
         self.stream = stream
         self.raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
         self._buf = bytearray()
-        self._lock = anyio.Lock()
+        self._lock = anyio.Lock(fast_acquire=True)
 
     async def send(self, frame: bytes, fds: tuple[int, ...], context: str) -> None:
         data = _PREFIX.pack(len(frame)) + frame
         async with self._lock:
             with map_exceptions(WRITE_ERRORS, f"{context}the peer's socket is gone"):
-                await (self.stream.send_fds(data, fds) if fds else self.stream.send(data))
+                if fds:
+                    await self.stream.send_fds(data, fds)
+                    return
+                # A frame fits the socket buffer nearly always: write it now, and leave
+                # only the wait for room to the stream (which yields to the loop first).
+                try:
+                    sent = self.raw.send(data)
+                except BlockingIOError:
+                    sent = 0
+                if sent < len(data):
+                    await self.stream.send(data[sent:])
 
     def _frame(self) -> bytes | None:
         if len(self._buf) < _PREFIX.size:
@@ -249,13 +259,23 @@ class _Framed:
                         data, more = await self.stream.receive_fds(1 << 16, 4)
                         fds += more
                     else:
-                        data = await self.stream.receive(1 << 16)
+                        data = await self._receive_some()
                 self._buf += data
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         return frame, fds
+
+    async def _receive_some(self) -> bytes:
+        # What is already here is read at once; the stream waits for more (as above).
+        try:
+            data = self.raw.recv(1 << 16)
+        except BlockingIOError:
+            return await self.stream.receive(1 << 16)
+        if not data:
+            raise LinkLost("connection closed")
+        return data
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
