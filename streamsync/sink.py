@@ -9,11 +9,11 @@ a plain or an ``async`` function.
 ``load`` returns.** A sink must copy what it keeps; keeping a view is how an engine ends up
 with another bucket's bytes in its weights.
 
-A sink may also offer ``target(name, dtype, shape)``: the (contiguous, CPU) tensor it will
-hold that tensor in. The chunks of a tensor larger than a bucket are then written straight
-into it instead of a staging buffer, and ``load`` receives that same tensor. Its content is
-undefined if the sync fails before the tensor is complete; the partial report then lists
-the name among those applied.
+A sink may also offer ``target(name, dtype, shape)`` (it is then a :class:`TargetSink`): the
+(contiguous, CPU) tensor it will hold that tensor in. The chunks of a tensor larger than a
+bucket are then written straight into it instead of a staging buffer, and ``load`` receives
+that same tensor. Its content is undefined if the sync fails before the tensor is complete;
+the partial report then lists the name among those applied.
 """
 
 from __future__ import annotations
