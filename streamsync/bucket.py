@@ -14,7 +14,7 @@ whatever came before it (a bf16 tensor of odd length followed by an fp32 one).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -523,8 +523,3 @@ class Unpacker:
                 f"sync {end.sync_id}: sender sent {end.buckets} buckets, {end.tensors} tensors, "
                 f"{end.nbytes} bytes; received {self._seq}, {self._tensors}, {self._nbytes}"
             )
-
-    @property
-    def names(self) -> Sequence[str]:
-        """Names received so far in this sync."""
-        return sorted(self._names)

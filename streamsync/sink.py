@@ -9,11 +9,11 @@ a plain or an ``async`` function.
 ``load`` returns.** A sink must copy what it keeps; keeping a view is how an engine ends up
 with another bucket's bytes in its weights.
 
-A sink may also offer ``target(name, dtype, shape)``: the (contiguous, CPU) tensor it will
-hold that tensor in. The chunks of a tensor larger than a bucket are then written straight
-into it instead of a staging buffer, and ``load`` receives that same tensor. Its content is
-undefined if the sync fails before the tensor is complete; the partial report then lists
-the name among those applied.
+A sink may also offer ``target(name, dtype, shape)`` (it is then a :class:`TargetSink`): the
+(contiguous, CPU) tensor it will hold that tensor in. The chunks of a tensor larger than a
+bucket are then written straight into it instead of a staging buffer, and ``load`` receives
+that same tensor. Its content is undefined if the sync fails before the tensor is complete;
+the partial report then lists the name among those applied.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from streamsync.adapter import NamedTensor
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.report import LoadResult
 
-__all__ = ["BUFFER_MANIFEST", "ModuleSink", "Sink", "call_phase"]
+__all__ = ["BUFFER_MANIFEST", "ModuleSink", "Sink", "TargetSink", "call_phase"]
 
 #: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
 #: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.
@@ -48,6 +48,15 @@ class Sink(Protocol):
 
     def finalize(self) -> Any:
         """After the last bucket; may return a :class:`LoadResult`."""
+
+
+@runtime_checkable
+class TargetSink(Sink, Protocol):
+    """A sink that also offers ``target``: the (contiguous, CPU) tensor it will hold a
+    tensor in, so a chunked tensor is written straight into it (``None``: stage it)."""
+
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The sink's own tensor for ``name``, or ``None``."""
 
 
 async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:

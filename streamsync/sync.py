@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-import weakref
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +15,7 @@ import msgspec
 from streamsync._log import log
 from streamsync.adapter import AdapterLike, Chain, reading
 from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES, Bucketer
-from streamsync.bucket import DEFAULT_MAX_TENSOR_BYTES, Bucket, Unpacker
+from streamsync.bucket import DEFAULT_MAX_TENSOR_BYTES, Bucket
 from streamsync.errors import (
     ConfigError,
     SenderAbortedError,
@@ -26,9 +25,9 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.report import LoadResult, SyncReport
-from streamsync.sink import Sink, call_phase
+from streamsync.sink import Sink, TargetSink, call_phase
 from streamsync.sources import named_tensors
-from streamsync.transports import Receiver, Sender, open_receiver, open_sender
+from streamsync.transports import Incoming, Receiver, Sender, open_receiver, open_sender
 from streamsync.wire import Abort, BucketHeader, Done, End, Failed
 
 __all__ = ["DEFAULT_TIMEOUT", "receive", "send"]
@@ -199,18 +198,6 @@ def _add_send_counts(
         )
 
 
-@dataclass
-class _ReceiverState:
-    unpacker: Unpacker
-    last_sync_id: int | None = None
-    failed_sync_id: int | None = None
-    applied: list[str] = field(default_factory=list)
-    busy: bool = False
-
-
-_states: weakref.WeakKeyDictionary[Receiver, _ReceiverState] = weakref.WeakKeyDictionary()
-
-
 async def receive(
     endpoint: str | Receiver,
     sink: Sink,
@@ -222,6 +209,8 @@ async def receive(
     """Receive one sync from ``endpoint`` into ``sink``: ``prepare`` at the first message,
     ``load`` per bucket, ``finalize`` at the end, then report back to the sender.
 
+    ``max_tensor_bytes`` bounds what a sender may make this side allocate for one tensor
+    (this call's value applies, whatever earlier calls on the channel passed).
     On failure the exception carries the partial report (``exc.report``, ``complete=False``,
     ``loaded`` = what the sink was given) and the sender is told, so it fails too.
     """
@@ -232,169 +221,176 @@ async def receive(
         raise ConfigError(
             f"transport options {sorted(transport_options)} only apply when endpoint is a URL"
         )
-    receiver = endpoint
-    state = _states.get(receiver)
-    if state is None:
-        state = _states[receiver] = _ReceiverState(Unpacker(max_tensor_bytes=max_tensor_bytes))
+    state = endpoint.state
     if state.busy:
         raise SyncInProgressError(
-            f"receive() was called on {type(receiver).__name__} while another receive() on it "
+            f"receive() was called on {type(endpoint).__name__} while another receive() on it "
             "is still running; one sync at a time per channel"
         )
     state.busy = True
+    state.unpacker.max_tensor_bytes = max_tensor_bytes
     try:
-        return await _receive(receiver, sink, state, timeout=timeout)
+        return await _receive(endpoint, sink, timeout=timeout)
     finally:
         state.busy = False
 
 
-async def _first_message(receiver: Receiver, state: _ReceiverState, timeout: float) -> Any:
-    """The first message of the next sync, skipping leftovers of a sync that already failed
-    here (the sender's abort, buckets still in flight)."""
-    while True:
-        incoming = await receiver.receive(timeout=timeout)
-        msg = incoming.message
-        if state.failed_sync_id is not None and msg.sync_id == state.failed_sync_id:
-            if isinstance(msg, BucketHeader):
-                await receiver.release(msg)
-            continue
-        return incoming
+@dataclass
+class _Progress:
+    """How far one sync got on the receiving side."""
 
-
-async def _receive(
-    receiver: Receiver, sink: Sink, state: _ReceiverState, *, timeout: float
-) -> SyncReport:
-    incoming = await _first_message(receiver, state, timeout)
+    sync_id: int
+    #: The bucket whose slot this side holds; released even if the sync fails on it, since
+    #: the sender reuses a slot only once every receiver has acked it.
+    held: BucketHeader | None
     # A sync's clock starts at its first message: idle time before it is the trainer's.
-    start = time.perf_counter()
-    wait_s = load_s = 0.0
-    sync_id = incoming.message.sync_id
-    applied: list[str] = []
-    nbytes = buckets = 0
-    phases: dict[str, float] = {}
-    # The bucket whose slot this side holds; released even if the sync fails on it, since
-    # the sender reuses a slot only once every receiver has acked it.
-    held = incoming.message if isinstance(incoming.message, BucketHeader) else None
+    start: float = field(default_factory=time.perf_counter)
+    applied: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    buckets: int = 0
+    load_s: float = 0.0
+    wait_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncReport:
+    state = receiver.state
+    incoming = await _first_message(receiver, timeout)
+    first = incoming.message
+    sync = _Progress(first.sync_id, first if isinstance(first, BucketHeader) else None)
     try:
-        if state.last_sync_id is not None and sync_id <= state.last_sync_id:
+        if state.last_sync_id is not None and sync.sync_id <= state.last_sync_id:
             raise StaleSyncError(
-                f"sync {sync_id} is not newer than sync {state.last_sync_id}, "
+                f"sync {sync.sync_id} is not newer than sync {state.last_sync_id}, "
                 "which this receiver already applied"
             )
-        state.unpacker.begin(sync_id)
-        t0 = time.perf_counter()
-        await call_phase(sink.prepare)
-        phases["prepare"] = time.perf_counter() - t0
-        log("sync.prepare", sync_id=sync_id, seconds=round(phases["prepare"], 6))
-        while True:
-            msg = incoming.message
-            if msg.sync_id != sync_id:
-                raise WireFormatError(
-                    f"message of sync {msg.sync_id} arrived during sync {sync_id}"
-                )
-            if isinstance(msg, BucketHeader):
-                assert incoming.data is not None
-                t0 = time.perf_counter()
-                batch = state.unpacker.feed(
-                    msg, incoming.data, target=getattr(sink, "target", None)
-                )
-                await call_phase(sink.load, batch)
-                applied.extend(name for name, _ in batch)
-                load_s += time.perf_counter() - t0
-                nbytes += msg.nbytes
-                buckets += 1
-                held = None
-                await receiver.release(msg)
-            elif isinstance(msg, End):
-                state.unpacker.finish(msg)
-                break
-            else:
-                assert isinstance(msg, Abort)
-                raise SenderAbortedError(f"sender aborted sync {sync_id}: {msg.reason}")
-            t0 = time.perf_counter()
-            incoming = await receiver.receive(timeout=timeout)
-            wait_s += time.perf_counter() - t0
-            if isinstance(incoming.message, BucketHeader):
-                held = incoming.message
-        phases["load"] = load_s
-        log("sync.load", sync_id=sync_id, bytes=nbytes, buckets=buckets, seconds=round(load_s, 6))
-        t0 = time.perf_counter()
-        result = await call_phase(sink.finalize)
-        phases["finalize"] = time.perf_counter() - t0
-        log("sync.finalize", sync_id=sync_id, seconds=round(phases["finalize"], 6))
+        state.unpacker.begin(sync.sync_id)
+        await _phase(sync, "prepare", sink.prepare)
+        await _load_all(receiver, sink, incoming, sync, timeout)
+        result = await _phase(sync, "finalize", sink.finalize)
     except BaseException as exc:
-        state.failed_sync_id = sync_id
-        phases["load"] = load_s
-        phases["wait"] = wait_s
-        # Chunks written straight into the sink's tensors changed them too.
-        seen = set(applied)
-        applied.extend(n for n in state.unpacker.touched if n not in seen)
-        report = _receive_report(sync_id, applied, nbytes, buckets, start, phases, None, False)
-        if isinstance(exc, StreamsyncError):
-            exc.report = report
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(min(timeout, 5.0)),
-            contextlib.suppress(Exception),  # the sender may be the thing that broke
-        ):
-            if held is not None:
-                await receiver.release(held)
-            if not isinstance(exc, SenderAbortedError):
-                await receiver.reply(
-                    Failed(
-                        sync_id,
-                        getattr(receiver, "index", 0),
-                        type(exc).__name__,
-                        str(exc),
-                        tuple(applied),
-                    )
-                )
+        await _fail(receiver, sync, exc, timeout)
         raise
-    phases["wait"] = wait_s
-    load_result = result if isinstance(result, LoadResult) else LoadResult(loaded=tuple(applied))
-    report = _receive_report(sync_id, applied, nbytes, buckets, start, phases, load_result, True)
+    sync.phases["wait"] = sync.wait_s
+    loaded = result if isinstance(result, LoadResult) else LoadResult(loaded=tuple(sync.applied))
+    report = _receive_report(sync, loaded, True)
     await receiver.reply(
         Done(
-            sync_id,
-            getattr(receiver, "index", 0),
-            report.tensors,
-            nbytes,
-            load_result.loaded,
-            load_result.missing,
+            sync.sync_id, receiver.index, report.tensors, sync.nbytes, loaded.loaded, loaded.missing
         )
     )
-    state.last_sync_id = sync_id
+    state.last_sync_id = sync.sync_id
     log(
         "sync.done",
         side="receive",
-        sync_id=sync_id,
-        bytes=nbytes,
+        sync_id=sync.sync_id,
+        bytes=sync.nbytes,
         seconds=round(report.seconds, 6),
         gbps=round(report.gbps, 3),
     )
     return report
 
 
-def _receive_report(
-    sync_id: int,
-    applied: list[str],
-    nbytes: int,
-    buckets: int,
-    start: float,
-    phases: dict[str, float],
-    result: LoadResult | None,
-    complete: bool,
-) -> SyncReport:
+async def _first_message(receiver: Receiver, timeout: float) -> Incoming:
+    """The first message of the next sync, skipping leftovers of a sync that already failed
+    here (the sender's abort, buckets still in flight)."""
+    while True:
+        incoming = await receiver.receive(timeout=timeout)
+        msg = incoming.message
+        if msg.sync_id == receiver.state.failed_sync_id:
+            if isinstance(msg, BucketHeader):
+                await receiver.release(msg)
+            continue
+        return incoming
+
+
+async def _phase(sync: _Progress, name: str, fn: Callable[[], Any]) -> Any:
+    """Run the sink's ``prepare`` or ``finalize``, timed and logged."""
+    t0 = time.perf_counter()
+    result = await call_phase(fn)
+    sync.phases[name] = time.perf_counter() - t0
+    log(f"sync.{name}", sync_id=sync.sync_id, seconds=round(sync.phases[name], 6))
+    return result
+
+
+async def _load_all(
+    receiver: Receiver, sink: Sink, incoming: Incoming, sync: _Progress, timeout: float
+) -> None:
+    """Hand every bucket of the sync to the sink, releasing each slot, up to its end."""
+    unpacker = receiver.state.unpacker
+    target = sink.target if isinstance(sink, TargetSink) else None
+    while True:
+        msg = incoming.message
+        if msg.sync_id != sync.sync_id:
+            raise WireFormatError(
+                f"message of sync {msg.sync_id} arrived during sync {sync.sync_id}"
+            )
+        if isinstance(msg, End):
+            unpacker.finish(msg)
+            break
+        if isinstance(msg, Abort):
+            raise SenderAbortedError(f"sender aborted sync {sync.sync_id}: {msg.reason}")
+        assert incoming.data is not None
+        t0 = time.perf_counter()
+        batch = unpacker.feed(msg, incoming.data, target=target)
+        await call_phase(sink.load, batch)
+        sync.applied.extend(name for name, _ in batch)
+        sync.load_s += time.perf_counter() - t0
+        sync.nbytes += msg.nbytes
+        sync.buckets += 1
+        sync.held = None
+        await receiver.release(msg)
+        t0 = time.perf_counter()
+        incoming = await receiver.receive(timeout=timeout)
+        sync.wait_s += time.perf_counter() - t0
+        if isinstance(incoming.message, BucketHeader):
+            sync.held = incoming.message
+    sync.phases["load"] = sync.load_s
+    log(
+        "sync.load",
+        sync_id=sync.sync_id,
+        bytes=sync.nbytes,
+        buckets=sync.buckets,
+        seconds=round(sync.load_s, 6),
+    )
+
+
+async def _fail(receiver: Receiver, sync: _Progress, exc: BaseException, timeout: float) -> None:
+    """Record the failure here, attach the partial report and tell the sender."""
+    state = receiver.state
+    state.failed_sync_id = sync.sync_id
+    sync.phases["load"] = sync.load_s
+    sync.phases["wait"] = sync.wait_s
+    # Chunks written straight into the sink's tensors changed them too.
+    seen = set(sync.applied)
+    sync.applied.extend(n for n in state.unpacker.touched if n not in seen)
+    if isinstance(exc, StreamsyncError):
+        exc.report = _receive_report(sync, None, False)
+    with (
+        anyio.CancelScope(shield=True),
+        anyio.move_on_after(min(timeout, 5.0)),
+        contextlib.suppress(Exception),  # the sender may be the thing that broke
+    ):
+        if sync.held is not None:
+            await receiver.release(sync.held)
+        if not isinstance(exc, SenderAbortedError):
+            failed = Failed(
+                sync.sync_id, receiver.index, type(exc).__name__, str(exc), tuple(sync.applied)
+            )
+            await receiver.reply(failed)
+
+
+def _receive_report(sync: _Progress, result: LoadResult | None, complete: bool) -> SyncReport:
     return SyncReport(
-        sync_id=sync_id,
+        sync_id=sync.sync_id,
         side="receive",
-        tensors=len(applied),
-        nbytes=nbytes,
-        buckets=buckets,
-        seconds=time.perf_counter() - start,
-        phases=phases,
+        tensors=len(sync.applied),
+        nbytes=sync.nbytes,
+        buckets=sync.buckets,
+        seconds=time.perf_counter() - sync.start,
+        phases=sync.phases,
         complete=complete,
-        loaded=result.loaded if result is not None else tuple(applied),
+        loaded=result.loaded if result is not None else tuple(sync.applied),
         missing=result.missing if result is not None else (),
         unexpected=result.unexpected if result is not None else (),
         instances=result.instances if result is not None else {},

@@ -134,7 +134,7 @@ async def test_shm_segment_is_anonymous_and_owner_only() -> None:
     before = set(os.listdir("/dev/shm"))
     async with open_sender(url, slot_bytes=4096) as tx:
         assert set(os.listdir("/dev/shm")) == before
-        fd = tx._fd  # type: ignore[attr-defined]
+        (fd,) = tx.store.shared().fds  # type: ignore[attr-defined]
         assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
 
 

@@ -144,7 +144,6 @@ class Wide(torch.nn.Module):
 
 
 async def test_chunks_go_straight_into_the_module_tensor() -> None:
-    from streamsync.sync import _states
 
     receiver = Wide()
     trainer = {"small": torch.ones(4), "big": torch.arange(3000.0)}
@@ -159,7 +158,7 @@ async def test_chunks_go_straight_into_the_module_tensor() -> None:
         assert torch.equal(receiver.big, trainer["big"])
         assert torch.equal(receiver.small, trainer["small"])
         # No staging buffer: the chunks were written into receiver.big itself.
-        assert _states[rx].unpacker._staging is None
+        assert rx.state.unpacker._staging is None
 
 
 async def test_chunked_shape_mismatch_raises_before_a_byte_is_written() -> None:

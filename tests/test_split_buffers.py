@@ -256,7 +256,6 @@ async def test_buffer_sink_lets_large_parameters_go_straight_into_the_model() ->
 
     import streamsync as ss
     from streamsync.adapters import BufferSink
-    from streamsync.sync import _states
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -276,5 +275,5 @@ async def test_buffer_sink_lets_large_parameters_go_straight_into_the_model() ->
     ):
         tg.start_soon(lambda: ss.receive(rx, sink, timeout=5))
         await ss.send(trainer, tx, pipeline=split_buffers(trainer), timeout=5)
-    assert _states[rx].unpacker._staging is None  # no staging copy for "big"
+    assert rx.state.unpacker._staging is None  # no staging copy for "big"
     assert torch.equal(receiver.big, trainer.big) and torch.equal(receiver.bias, trainer.bias)

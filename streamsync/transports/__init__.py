@@ -25,12 +25,19 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from streamsync.errors import ConfigError
-from streamsync.transports.base import Incoming, Receiver, Sender, SenderStatistics
+from streamsync.transports.base import (
+    Incoming,
+    Receiver,
+    ReceiverState,
+    Sender,
+    SenderStatistics,
+)
 
 __all__ = [
     "Endpoint",
     "Incoming",
     "Receiver",
+    "ReceiverState",
     "Sender",
     "SenderStatistics",
     "open_receiver",

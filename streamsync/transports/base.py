@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
 
 import torch
 
-from streamsync.bucket import Bucket
-from streamsync.errors import EndOfStream
+from streamsync.bucket import Bucket, Unpacker
 from streamsync.wire import Abort, BucketHeader, Done, End, Failed
 
-__all__ = ["Incoming", "Receiver", "Sender", "SenderStatistics"]
+__all__ = ["Incoming", "Receiver", "ReceiverState", "Sender", "SenderStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +117,40 @@ class Sender(_Resource):
         """Tell every receiver the sync is abandoned (best effort, never blocks long)."""
 
 
+@dataclass
+class ReceiverState:
+    """What :func:`~streamsync.receive` keeps on a receiver between syncs: the unpacker (and
+    its staging buffer), the last sync applied and the last one that failed here."""
+
+    unpacker: Unpacker = field(default_factory=Unpacker)
+    last_sync_id: int | None = None
+    failed_sync_id: int | None = None
+    #: A ``receive`` is running on this receiver (one sync at a time per channel).
+    busy: bool = False
+
+
 class Receiver(_Resource):
-    """Receive side of a channel; async-iterating it yields :class:`Incoming` messages."""
+    """Receive side of a channel.
+
+    :func:`~streamsync.receive` needs :meth:`receive`, :meth:`release`, :meth:`reply`, the
+    receiver's :attr:`index` among the sender's receivers (it goes into every ack and
+    report) and :attr:`state`, the protocol state it keeps here between syncs.
+    """
+
+    _index = 0
+    _state: ReceiverState | None = None
+
+    @property
+    def index(self) -> int:
+        """This receiver's index among the sender's receivers (assigned when it joins)."""
+        return self._index
+
+    @property
+    def state(self) -> ReceiverState:
+        """The sync protocol's state on this channel (created on first use)."""
+        if self._state is None:
+            self._state = ReceiverState()
+        return self._state
 
     @abstractmethod
     async def receive(self, *, timeout: float) -> Incoming:
@@ -133,15 +164,3 @@ class Receiver(_Resource):
     @abstractmethod
     async def reply(self, report: Done | Failed) -> None:
         """Send this receiver's report of a sync back to the sender."""
-
-    #: Timeout used when the receiver is async-iterated.
-    iter_timeout: float = 60.0
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> Incoming:
-        try:
-            return await self.receive(timeout=self.iter_timeout)
-        except EndOfStream:
-            raise StopAsyncIteration from None

@@ -12,8 +12,9 @@ interprocess event per slot after packing it, and a receiver's stream waits on t
 before reading the slot; a receiver acks a slot only after an event it recorded behind its
 sink's copies has completed.
 
-Messages, rendezvous, peer death and owner-only access are those of ``shm://`` (an abstract
-unix socket per receiver). URL options: ``receivers``, ``slots``, ``slot_bytes``; keyword
+Composes :class:`CudaSlots`/:class:`CudaView` with the unix link of ``shm://``: messages,
+rendezvous, peer death and owner-only access are those of ``shm://`` (an abstract unix
+socket per receiver). URL options: ``receivers``, ``slots``, ``slot_bytes``; keyword
 arguments: ``device`` (sender), ``secret``, ``connect_timeout``.
 """
 
@@ -22,19 +23,29 @@ arguments: ``device`` (sender), ``secret``, ``connect_timeout``.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 from streamsync.errors import ConfigError, WireFormatError
-from streamsync.transports.shm import SharedMemoryReceiver, SharedMemorySender
-from streamsync.wire import Abort, BucketHeader, Bye, End, Welcome
+from streamsync.transports.link import UnixDialer, UnixLink, unix_address
+from streamsync.transports.linked import LinkedReceiver, LinkedSender
+from streamsync.transports.slots import Shared, SlotStore, SlotView
+from streamsync.wire import BucketHeader, Welcome
 
 if TYPE_CHECKING:
     from streamsync.transports import Endpoint
 
-__all__ = ["CudaIpcReceiver", "CudaIpcSender", "CudaRing", "local_device"]
+__all__ = [
+    "CudaRing",
+    "CudaSlots",
+    "CudaView",
+    "local_device",
+    "receiver_from_url",
+    "sender_from_url",
+]
 
 
 class CudaRing(msgspec.Struct, frozen=True, array_like=True):
@@ -76,33 +87,32 @@ def _uuid(index: int) -> str:
     return str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
 
 
-class CudaIpcSender(SharedMemorySender):
-    """Sender side of ``cuda-ipc://NAME``."""
-
-    scheme = "cuda-ipc"
+class CudaSlots(SlotStore):
+    """Sender side: one device buffer of every slot, exported once, and one interprocess
+    event per slot recorded once the slot is packed."""
 
     def __init__(
-        self, name: str, *, device: int | str | torch.device | None = None, **kwargs: Any
+        self, slots: int, slot_bytes: int, *, url: str, device: int | str | torch.device | None
     ) -> None:
-        super().__init__(name, **kwargs)
+        super().__init__(slots, slot_bytes)
+        self.url = url
         self._device_arg = device
+        self.device: torch.device | None = None
         self._ring: torch.Tensor | None = None
         self._events: list[Any] = []
         self._handle = b""
 
-    def _make_slots(self) -> None:
+    def open(self) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
         _require_cuda(self.url)
         device = torch.device(self._device_arg if self._device_arg is not None else "cuda")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        ring = torch.zeros(self.ring.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        ring = torch.zeros(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
         self._ring = ring
-        self._slots = list(ring.view(self.ring.slots, self.slot_bytes).unbind(0))
-        self._events = [
-            torch.cuda.Event(interprocess=True, blocking=False) for _ in range(self.ring.slots)
-        ]
+        self._bufs = list(ring.view(self.slots, self.slot_bytes).unbind(0))
+        self._events = [torch.cuda.Event(interprocess=True, blocking=False) for _ in self._bufs]
         with torch.cuda.device(self.device):
             for event in self._events:
                 event.record()  # an interprocess event has a handle only once recorded
@@ -124,51 +134,46 @@ class CudaIpcSender(SharedMemorySender):
         )
         torch.cuda.synchronize(self.device)  # the zeroed ring exists before anyone maps it
 
-    def _handshake_fds(self) -> tuple[int, ...]:
-        return ()
+    def shared(self) -> Shared:
+        return Shared(segment="cuda", layout=self._handle)
 
-    def _layout(self) -> tuple[str, bytes]:
-        return "cuda", self._handle
+    def filled(self, index: int) -> None:
+        # Receivers' streams wait on this before reading the slot.
+        self._events[index].record(torch.cuda.current_stream(self.device))
 
-    def _free_slots(self) -> None:
-        self._slots = []
+    def close(self) -> None:
+        self._bufs = []
         self._events = []
         self._ring = None
 
-    async def _publish(
-        self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
-    ) -> None:
-        if isinstance(msg, BucketHeader):
-            # Receivers' streams wait on this before reading the slot.
-            self._events[msg.slot].record(torch.cuda.current_stream(self.device))
-        await super()._publish(msg, payload)
 
+class CudaView(SlotView):
+    """Receiver side: the sender's ring rebuilt on the same physical device; a stream
+    waits on a slot's event before reading it, and an ack waits for the sink's copies."""
 
-class CudaIpcReceiver(SharedMemoryReceiver):
-    """Receiver side of ``cuda-ipc://NAME``."""
-
-    scheme = "cuda-ipc"
-
-    def __init__(self, name: str, **kwargs: Any) -> None:
-        super().__init__(name, **kwargs)
-        self._events: list[Any] = []
+    def __init__(self, url: str) -> None:
+        self.url = url
         self.device: torch.device | None = None
+        self._slots: list[torch.Tensor] = []
+        self._events: list[Any] = []
 
-    def _attach(self, welcome: Welcome, fds: list[int]) -> None:
+    def attach(self, welcome: Welcome, fds: list[int]) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+        for fd in fds:
+            os.close(fd)
         _require_cuda(self.url)
         if fds or welcome.segment != "cuda":
-            raise WireFormatError(f"{self.url}: the sender did not describe a CUDA ring")
+            raise WireFormatError("the sender did not describe a CUDA ring")
         try:
             ring = msgspec.msgpack.decode(welcome.layout, type=CudaRing)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireFormatError(f"{self.url}: malformed CUDA ring description: {exc}") from exc
+            raise WireFormatError(f"malformed CUDA ring description: {exc}") from exc
         if (
             ring.numel != welcome.slots * welcome.slot_bytes
             or len(ring.slot_events) != welcome.slots
         ):
-            raise WireFormatError(f"{self.url}: the CUDA ring does not match its slot layout")
+            raise WireFormatError("the CUDA ring does not match its slot layout")
         uuids = [_uuid(i) for i in range(torch.cuda.device_count())]
         index = local_device(ring.device_uuid, uuids, ring.device_index)
         self.device = torch.device("cuda", index)
@@ -192,28 +197,39 @@ class CudaIpcReceiver(SharedMemoryReceiver):
         self._slots = list(buf.view(welcome.slots, welcome.slot_bytes).unbind(0))
         self._events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in ring.slot_events]
 
-    def _bucket_data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
-        data = super()._bucket_data(header, payload)
+    def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
+        if not 0 <= header.slot < len(self._slots):
+            raise WireFormatError(
+                f"bucket {header.seq} is in slot {header.slot}; the ring has {len(self._slots)}"
+            )
         torch.cuda.current_stream(self.device).wait_event(self._events[header.slot])
-        return data
+        return self._slots[header.slot]
 
-    async def release(self, header: BucketHeader) -> None:
+    def release(self, header: BucketHeader) -> None:
         # Ack only once the sink's copies out of the slot are done (this stream only).
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         done.synchronize()
-        await super().release(header)
 
-    async def _stop(self) -> None:
-        await super()._stop()
+    def close(self) -> None:
+        self._slots = []
         self._events = []
 
 
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> CudaIpcSender:
-    """``cuda-ipc://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override."""
-    return CudaIpcSender(endpoint.target, **endpoint.sender_options(kwargs))
+def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
+    """``cuda-ipc://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override
+    (``device``: the sender's GPU, default the current one)."""
+    opts = endpoint.sender_options(kwargs)
+    url, timeout = f"cuda-ipc://{endpoint.target}", opts.get("connect_timeout", 60.0)
+    address = unix_address("cuda-ipc", endpoint.target)
+    link = UnixLink(url, address, receivers=opts["receivers"], timeout=timeout)
+    device = opts.pop("device", None)
+    store = CudaSlots(opts.pop("slots"), opts.pop("slot_bytes"), url=url, device=device)
+    return LinkedSender(link, store, **opts)
 
 
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> CudaIpcReceiver:
+def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
     """``cuda-ipc://NAME``."""
-    return CudaIpcReceiver(endpoint.target, **kwargs)
+    url = f"cuda-ipc://{endpoint.target}"
+    link = UnixDialer(url, unix_address("cuda-ipc", endpoint.target))
+    return LinkedReceiver(link, CudaView(url), **kwargs)

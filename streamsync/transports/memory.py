@@ -2,7 +2,9 @@
 
 It runs the same slot-ring protocol as the process transports (bounded ring, per-slot acks,
 fan-out, end-of-sync reports), so a slow receiver applies backpressure exactly as it would
-over shared memory. Sender and receivers meet by name within one process.
+over shared memory. Sender and receivers meet by name within one process. It composes
+:class:`~streamsync.transports.slots.HostSlots` (receivers read the sender's slots by
+reference) with in-process inboxes in place of a link: messages travel as objects.
 
 URL options: ``receivers`` (default 1), ``slots`` (default 2), ``slot_bytes``.
 """
@@ -18,9 +20,9 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from streamsync.bucket import allocate_slot
 from streamsync.errors import ConfigError, EndOfStream, PeerBrokenError, SyncTimeoutError
 from streamsync.transports.ring import RingReceiver, RingSender
+from streamsync.transports.slots import HostSlots
 from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
 if TYPE_CHECKING:
@@ -69,10 +71,9 @@ class MemorySender(RingSender):
     ) -> None:
         if receivers < 1:
             raise ConfigError(f"memory://{name}: receivers={receivers}; need at least 1")
-        super().__init__(slots=slots, receivers=receivers, slot_bytes=slot_bytes)
+        super().__init__(HostSlots(slots, slot_bytes, prefault=False), receivers=receivers)
         self.name = name
         self.connect_timeout = connect_timeout
-        self._slots: list[torch.Tensor] = []
         self._chan: _Channel | None = None
 
     async def open(self) -> None:
@@ -81,8 +82,7 @@ class MemorySender(RingSender):
             raise ConfigError(f"memory://{self.name} already has a sender")
         chan.sender = self
         self._chan = chan
-        # Allocated once and reused by every sync on this channel.
-        self._slots = [allocate_slot(self.slot_bytes) for _ in range(self.ring.slots)]
+        self.store.open()  # allocated once and reused by every sync on this channel
 
     async def _await_receivers(self, timeout: float) -> None:
         chan = self._chan
@@ -101,9 +101,6 @@ class MemorySender(RingSender):
                 f"memory://{self.name}: {len(chan.receivers)} receivers joined; the sender "
                 f"expects receivers={self.receivers}"
             )
-
-    def slot(self, index: int) -> torch.Tensor:
-        return self._slots[index]
 
     async def _publish(
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
@@ -131,7 +128,7 @@ class MemorySender(RingSender):
             chan.inboxes = []
             chan.receivers = []
             _forget_if_unused(chan)
-        self._slots = []
+        self.store.close()
         self._closed = True
 
 
@@ -146,7 +143,7 @@ class MemoryReceiver(RingReceiver):
     async def open(self) -> None:
         chan = _channel(self.name)
         send, recv = anyio.create_memory_object_stream[Message](math.inf)
-        self.index = len(chan.receivers)
+        self._index = len(chan.receivers)
         chan.receivers.append(self)
         chan.inboxes.append((send, recv))
         self._chan = chan

@@ -1,10 +1,12 @@
 """The slot-ring protocol every transport shares: slot accounting with per-receiver acks,
-receivers' reports, failure propagation. Transports add only how bytes and messages move.
+receivers' reports, failure propagation.
 
-A transport subclasses :class:`RingSender` and implements ``_publish`` (deliver a message and,
-for buckets, its slot to every receiver), then feeds what receivers send back into
-:meth:`RingSender.on_reply` and a lost link into :meth:`RingSender.on_broken`. Receivers
-subclass :class:`RingReceiver` and implement ``_next`` and ``_post``.
+:class:`RingSender` owns a :class:`~streamsync.transports.slots.SlotStore` (where bucket
+bytes live) and packs each bucket into a free slot; a transport implements ``_publish``
+(deliver a message and a bucket's bytes to every receiver) and feeds what receivers send
+back into :meth:`RingSender.on_reply` and a lost receiver into :meth:`RingSender.on_broken`.
+:class:`RingReceiver` needs ``_next`` and ``_post``. Transports between processes get both
+from :mod:`streamsync.transports.linked`, which runs them over a link.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from streamsync.errors import (
 )
 from streamsync.report import LoadResult, SyncReport
 from streamsync.transports.base import Incoming, Receiver, Sender, SenderStatistics
+from streamsync.transports.slots import SlotStore
 from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
 __all__ = ["RingReceiver", "RingSender", "SlotRing"]
@@ -109,12 +112,13 @@ class SlotRing:
 
 
 class RingSender(Sender):
-    """Sender half of the ring protocol; transports provide the slots and the messaging."""
+    """Sender half of the ring protocol over ``store``; transports provide the messaging."""
 
-    def __init__(self, *, slots: int, receivers: int, slot_bytes: int) -> None:
+    def __init__(self, store: SlotStore, *, receivers: int) -> None:
         self.receivers = receivers
-        self.slot_bytes = slot_bytes
-        self.ring = SlotRing(slots, receivers)
+        self.store = store
+        self.slot_bytes = store.slot_bytes
+        self.ring = SlotRing(store.slots, receivers)
         self._signal = _Signal()
         self._broken: StreamsyncError | None = None
         self._reports: dict[int, Done | Failed] = {}
@@ -125,9 +129,9 @@ class RingSender(Sender):
         self._stats = SenderStatistics()
 
     # -- transport hooks ---------------------------------------------------------------
-    @abstractmethod
     def slot(self, index: int) -> torch.Tensor:
         """The writable uint8 buffer of slot ``index``."""
+        return self.store.slot(index)
 
     @abstractmethod
     async def _publish(
@@ -213,6 +217,7 @@ class RingSender(Sender):
         buf = self.slot(slot)
         entries = bucket.pack_into(buf, checksum=checksum)
         header = BucketHeader(sync_id, seq, slot, bucket.nbytes, tuple(entries))
+        self.store.filled(slot)
         t2 = time.perf_counter()
         await self._publish(header, buf[: bucket.nbytes])
         stats = self._stats
@@ -280,8 +285,6 @@ class RingSender(Sender):
 
 class RingReceiver(Receiver):
     """Receiver half of the ring protocol; transports provide ``_next`` and ``_post``."""
-
-    index: int = 0
 
     @abstractmethod
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:

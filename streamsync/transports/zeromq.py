@@ -8,6 +8,9 @@ ZeroMQ has finished with the bytes by then. A receiver hands its sink views of t
 frame (no copy). High-water marks of a few messages per peer add ZeroMQ's own backpressure
 under the ring's.
 
+Composes :class:`~streamsync.transports.slots.HostSlots` with a ZeroMQ link (plain pyzmq
+sockets in non-blocking mode, woken by anyio on their edge-triggered ``zmq.FD``).
+
 Messages: one ROUTER socket on the sender (binds; fan-out by receiver identity, replies come
 back on it) and a DEALER per receiver (connects). A dead peer is seen through socket
 monitors (the connection drops: at once for a killed process, after ``heartbeat`` x 3
@@ -30,26 +33,36 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
+from anyio.abc import TaskGroup
 
-from streamsync.bucket import allocate_slot
-from streamsync.errors import ConfigError, PeerBrokenError, StreamsyncError, WireFormatError
-from streamsync.transports._process import LinkLost, Peer, ProcessReceiver, ProcessSender
-from streamsync.wire import BucketHeader
+from streamsync.errors import ConfigError, PeerBrokenError, WireFormatError
+from streamsync.transports.link import (
+    LinkEvents,
+    LinkLost,
+    Peer,
+    ReceiverLink,
+    SenderLink,
+    map_exceptions,
+)
+from streamsync.transports.linked import LinkedReceiver, LinkedSender
+from streamsync.transports.slots import HostSlots, PayloadView
 
 if TYPE_CHECKING:
     from streamsync.transports import Endpoint
 
-__all__ = ["ZmqReceiver", "ZmqSender", "zmq_address"]
+__all__ = ["ZmqDialer", "ZmqLink", "receiver_from_url", "sender_from_url", "zmq_address"]
 
 # Grace for a goodbye still in the data socket when the monitor reports the drop.
 _DRAIN_S = 0.2
-# Largest message the sender accepts from a receiver (as ``shm.MAX_FRAME_BYTES``).
+# Largest message the sender accepts from a receiver (as ``link.MAX_FRAME_BYTES``).
 _MAX_INBOUND_BYTES = 64 << 20
+# Longest sleep on a socket's FD: bounds the cost of an edge another call consumed, and how
+# often a receiver looks at its disconnect monitor.
+_POLL_S = 0.05
 
 
 def _runtime_dir() -> str:
@@ -99,60 +112,97 @@ def _tune(sock: Any, zmq: Any, *, hwm: int, heartbeat: float) -> None:
     sock.setsockopt(zmq.LINGER, 1000)
 
 
-class ZmqSender(ProcessSender):
-    """Sender side of ``zmq+tcp://`` and ``zmq+ipc://``."""
+class _Socket:
+    """A plain zmq socket driven by anyio: non-blocking calls, and waits on its
+    edge-triggered ``zmq.FD`` that re-check ``zmq.EVENTS`` before sleeping (and after any
+    send, which may have consumed the edge, by waking the sleeper)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        receivers: int = 1,
-        slots: int = 2,
-        slot_bytes: int = 64 << 20,
-        secret: bytes | str | None = None,
-        connect_timeout: float = 60.0,
-        heartbeat: float = 1.0,
-    ) -> None:
+    def __init__(self, sock: Any) -> None:
+        import zmq
+
+        self.sock = sock
+        self._fd: int = sock.getsockopt(zmq.FD)
+        self._sleep: anyio.CancelScope | None = None
+
+    def _ready(self) -> bool:
+        import zmq
+
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def try_recv(self) -> list[Any] | None:
+        import zmq
+
+        try:
+            return list(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            return None
+
+    async def wait(self) -> None:
+        """Until the socket may have a message (or ``_POLL_S`` passed)."""
+        if self._ready():
+            await anyio.sleep(0)
+            return
+        with anyio.move_on_after(_POLL_S) as scope:
+            self._sleep = scope
+            await anyio.wait_readable(self._fd)
+        self._sleep = None
+
+    async def recv(self) -> list[Any]:
+        while (parts := self.try_recv()) is None:
+            await self.wait()
+        return parts
+
+    async def send(self, parts: list[Any]) -> None:
+        import zmq
+
+        while True:
+            try:
+                self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:  # the peer's high-water mark: back off (rare; the ring bounds it)
+                await anyio.sleep(0.001)
+        if self._sleep is not None and self._ready():
+            self._sleep.cancel()
+
+
+def _send_errors() -> dict[type[BaseException], type[BaseException]]:
+    import zmq
+
+    return {zmq.ZMQError: PeerBrokenError}
+
+
+class ZmqLink(SenderLink):
+    """Sender end: one ROUTER socket (fan-out by receiver identity, replies come back on
+    it) and a disconnect monitor."""
+
+    def __init__(self, url: str, *, hwm: int, heartbeat: float) -> None:
         from streamsync.transports import parse_endpoint
 
-        super().__init__(
-            url,
-            receivers=receivers,
-            slots=slots,
-            slot_bytes=slot_bytes,
-            secret=secret,
-            connect_timeout=connect_timeout,
-        )
+        self.url = url
         endpoint = parse_endpoint(url)
         self._scheme = endpoint.scheme
         self.address = zmq_address(endpoint.scheme, endpoint.target, bind=True)
+        self.hwm = hwm
         self.heartbeat = heartbeat
-        self._slots: list[torch.Tensor] = []
         self._ctx: Any = None
-        self._sock: Any = None
-        self._monitor: Any = None
-        self._by_identity: dict[bytes, Peer] = {}
+        self._sock: _Socket | None = None
+        self._monitor: _Socket | None = None
+        self._peers: dict[bytes, Peer] = {}
         self._by_fd: dict[int, Peer] = {}
         self._file: str | None = None
 
-    def slot(self, index: int) -> torch.Tensor:
-        return self._slots[index]
-
-    async def _start(self) -> None:
+    async def open(self) -> None:
         import zmq
-        import zmq.asyncio
 
-        self._slots = [allocate_slot(self.slot_bytes) for _ in range(self.ring.slots)]
-        for buf in self._slots:
-            buf.zero_()  # fault the pages in now, not during the first sync
-        self._ctx = zmq.asyncio.Context(io_threads=1)
-        sock = self._sock = self._ctx.socket(zmq.ROUTER)
+        self._ctx = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.ROUTER)
+        self._sock = _Socket(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable receiver raises
         # Anyone who can reach the port can send: a peer announcing a bigger message is
         # dropped before ZeroMQ allocates it (receivers only send hellos, acks and reports).
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
-        _tune(sock, zmq, hwm=2 * self.ring.slots + 8, heartbeat=self.heartbeat)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        _tune(sock, zmq, hwm=self.hwm, heartbeat=self.heartbeat)
+        self._monitor = _Socket(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         try:
             sock.bind(self.address)
         except zmq.ZMQError as exc:
@@ -164,201 +214,161 @@ class ZmqSender(ProcessSender):
         if self._scheme == "zmq+tcp" and self.address.endswith(":0"):
             host = self.url.split("://", 1)[1].rpartition(":")[0]
             self.url = f"zmq+tcp://{host}:{bound.rpartition(':')[2]}"
-        self._spawn(self._read_loop())
 
-    def _on_all_joined(self) -> None:
+    async def serve(self, events: LinkEvents) -> None:
+        import zmq
+
+        assert self._sock is not None
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._watch, events, group)
+            try:
+                while True:
+                    await self._on_message(await self._sock.recv(), events)
+            except zmq.ZMQError as exc:
+                events.on_broken(PeerBrokenError(f"{self.url}: socket failed: {exc}"))
+                group.cancel_scope.cancel()
+
+    async def _watch(self, events: LinkEvents, group: TaskGroup) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        assert self._monitor is not None
+        while True:
+            parts = await self._monitor.recv()
+            event = parse_monitor_message([p.bytes for p in parts])
+            peer = self._by_fd.pop(int(event["value"]), None)
+            if peer is not None:
+                group.start_soon(self._drop_later, peer, events)
+
+    async def _drop_later(self, peer: Peer, events: LinkEvents) -> None:
+        await anyio.sleep(_DRAIN_S)  # a goodbye precedes the drop it causes
+        events.on_lost(peer, "connection dropped")
+
+    async def _on_message(self, parts: list[Any], events: LinkEvents) -> None:
+        import zmq
+
+        identity, frame = parts[0].bytes, parts[-1].bytes
+        peer = self._peers.get(identity)
+        if peer is not None:
+            if len(parts) == 2:
+                await events.on_frame(peer, frame)
+            else:
+                events.on_broken(
+                    WireFormatError(f"{self.url}: {peer.describe} sent {len(parts)} frames")
+                )
+            return
+        peer = Peer(f"a receiver at {parts[-1].get('Peer-Address') or self.address}", identity)
+        if len(parts) != 2:
+            exc = WireFormatError(f"sent {len(parts) - 1} frames as its Hello")
+            await events.on_refused(peer, exc)
+        elif await events.on_frame(peer, frame):
+            self._peers[identity] = peer
+            self._by_fd[int(parts[-1].get(zmq.SRCFD))] = peer
+
+    async def send(
+        self,
+        peer: Peer,
+        frame: bytes,
+        payload: torch.Tensor | None = None,
+        fds: tuple[int, ...] = (),
+    ) -> None:
+        assert self._sock is not None
+        parts: list[Any] = [peer.handle, frame]
+        if payload is not None:
+            parts.append(memoryview(payload.numpy()))  # type: ignore[arg-type]
+        with map_exceptions(
+            _send_errors(), f"{self.url}: {peer.describe or peer.who} is unreachable"
+        ):
+            await self._sock.send(parts)
+
+    def all_joined(self) -> None:
         # Nobody else may join: the rendezvous file has done its job.
         if self._file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._file)
             self._file = None
 
-    async def _read_loop(self) -> None:
-        import zmq
-        import zmq.asyncio
-        from zmq.utils.monitor import recv_monitor_message
-
-        poller = zmq.asyncio.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            try:
-                ready = dict(await poller.poll())
-                if self._sock in ready:
-                    # Data first: a goodbye precedes the drop it causes.
-                    while True:
-                        try:
-                            parts = await self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        await self._on_message(parts)
-                if self._monitor in ready:
-                    event = await recv_monitor_message(self._monitor)
-                    peer = self._by_fd.pop(int(event["value"]), None)
-                    if peer is not None:
-                        self._spawn(self._drop_later(peer))
-            except zmq.ZMQError as exc:
-                if self._closed:
-                    return
-                self.on_broken(PeerBrokenError(f"{self.url}: socket failed: {exc}"))
-                return
-
-    async def _drop_later(self, peer: Peer) -> None:
-        await anyio.sleep(_DRAIN_S)
-        self._lost(peer, "connection dropped")
-
-    async def _on_message(self, parts: list[Any]) -> None:
-        import zmq
-
-        identity = parts[0].bytes
-        frame = parts[-1].bytes
-        peer = self._by_identity.get(identity)
-        if peer is not None:
-            if len(parts) == 2:
-                self._deliver(peer, frame)
-            else:
-                self.on_broken(
-                    WireFormatError(f"{self.url}: {peer.describe} sent {len(parts)} frames")
-                )
-            return
-        who = f"a receiver at {parts[-1].get('Peer-Address') or self.address}"
-        try:
-            if len(parts) != 2:
-                raise WireFormatError(f"sent {len(parts) - 1} frames as its Hello")
-            peer, welcome = self._welcome(frame, who)
-        except StreamsyncError as exc:
-            with contextlib.suppress(zmq.ZMQError):
-                await self._sock.send_multipart([identity, self._refusal(exc)])
-            self._refused_by(who, exc)
-            return
-        peer.handle = identity
-        self._by_identity[identity] = peer
-        self._by_fd[int(parts[-1].get(zmq.SRCFD))] = peer
-        await self._sock.send_multipart([identity, welcome])
-        self._joined(peer)
-
-    async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
-        import zmq
-
-        parts: list[Any] = [peer.handle, frame]
-        if payload is not None:
-            parts.append(memoryview(payload.numpy()))  # type: ignore[arg-type]
-        try:
-            await self._sock.send_multipart(parts, copy=False)
-        except zmq.ZMQError as exc:
-            raise PeerBrokenError(f"{self.url}: {peer.describe} is unreachable: {exc}") from exc
-
-    async def _stop(self) -> None:
+    async def aclose(self) -> None:
         await _close(self._sock, self._monitor, self._ctx)
         self._sock = self._monitor = self._ctx = None
-        self._on_all_joined()  # the socket file, if it is still there
-        self._slots = []
+        self.all_joined()  # the socket file, if it is still there
 
 
-class ZmqReceiver(ProcessReceiver):
-    """Receiver side of ``zmq+tcp://HOST:PORT`` and ``zmq+ipc://PATH``."""
+class ZmqDialer(ReceiverLink):
+    """Receiver end: a DEALER socket and its disconnect monitor."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        secret: bytes | str | None = None,
-        connect_timeout: float = 60.0,
-        heartbeat: float = 1.0,
-    ) -> None:
+    def __init__(self, url: str, *, heartbeat: float) -> None:
         from streamsync.transports import parse_endpoint
 
-        super().__init__(url, secret=secret, connect_timeout=connect_timeout)
+        self.url = url
         endpoint = parse_endpoint(url)
         self.address = zmq_address(endpoint.scheme, endpoint.target, bind=False)
         self.heartbeat = heartbeat
         self._ctx: Any = None
-        self._sock: Any = None
-        self._monitor: Any = None
-        self._poller: Any = None
-        self._dropped = False
+        self._sock: _Socket | None = None
+        self._monitor: _Socket | None = None
+        self._dropped_at: float | None = None
 
-    async def _connect(self) -> None:
+    async def connect(self) -> None:
         import zmq
-        import zmq.asyncio
 
-        self._ctx = zmq.asyncio.Context(io_threads=1)
-        sock = self._sock = self._ctx.socket(zmq.DEALER)
+        self._ctx = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.DEALER)
+        self._sock = _Socket(sock)
         _tune(sock, zmq, hwm=64, heartbeat=self.heartbeat)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._poller = zmq.asyncio.Poller()
-        self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._monitor = _Socket(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         sock.connect(self.address)  # queued until the sender binds
-        nonce, hello = self._hello()
-        await sock.send(hello)
-        frame, _ = await self._recv_frame()
-        self._accept(frame, nonce)
 
-    async def _recv_frame(self) -> tuple[bytes, Any]:
-        import zmq
-        from zmq.utils.monitor import recv_monitor_message
+    async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
+        await self.send(hello)
+        frame, _ = await self.receive()
+        return frame, []
 
-        while True:
-            timeout = _DRAIN_S * 1000 if self._dropped else None
-            ready = dict(await self._poller.poll(timeout))
-            if self._sock in ready:
-                parts = await self._sock.recv_multipart(copy=False)
-                if len(parts) not in (1, 2):
-                    raise WireFormatError(f"{self.url}: sender sent {len(parts)} frames")
-                return parts[0].bytes, parts[1] if len(parts) == 2 else None
-            if self._dropped:
-                raise LinkLost("connection dropped")
-            if self._monitor in ready:
-                with contextlib.suppress(zmq.ZMQError):
-                    await recv_monitor_message(self._monitor)
-                self._dropped = True  # drain what is already here, then report
+    async def send(self, frame: bytes) -> None:
+        assert self._sock is not None
+        with map_exceptions(_send_errors(), f"{self.url}: cannot reach the sender"):
+            await self._sock.send([frame])
 
-    def _bucket_data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
-        if payload is None:
-            raise WireFormatError(f"{self.url}: bucket {header.seq} arrived without its bytes")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only frames: we never write
-            data = torch.frombuffer(payload.buffer, dtype=torch.uint8)
-        if data.numel() != header.nbytes:
-            raise WireFormatError(
-                f"{self.url}: bucket {header.seq} has {data.numel()} bytes; its header says "
-                f"{header.nbytes}"
-            )
-        if data.data_ptr() % 8:
-            data = data.clone()  # views of 8-byte dtypes need 8-byte alignment
-        return data
+    async def receive(self) -> tuple[bytes, Any]:
+        assert self._sock is not None and self._monitor is not None
+        while (parts := self._sock.try_recv()) is None:
+            now = anyio.current_time()
+            if self._dropped_at is not None:
+                if now - self._dropped_at > _DRAIN_S:
+                    raise LinkLost("connection dropped")
+            elif self._monitor.try_recv() is not None:
+                self._dropped_at = now  # drain what is already here, then report
+            await self._sock.wait()
+        if len(parts) not in (1, 2):
+            raise WireFormatError(f"{self.url}: sender sent {len(parts)} frames")
+        return parts[0].bytes, parts[1].buffer if len(parts) == 2 else None
 
-    async def _send_frame(self, frame: bytes) -> None:
-        import zmq
-
-        try:
-            await self._sock.send(frame)
-        except zmq.ZMQError as exc:
-            raise PeerBrokenError(f"{self.url}: cannot reach the sender: {exc}") from exc
-
-    async def _stop(self) -> None:
+    async def aclose(self) -> None:
         await _close(self._sock, self._monitor, self._ctx)
         self._sock = self._monitor = self._ctx = None
 
 
-async def _close(sock: Any, monitor: Any, ctx: Any) -> None:
+async def _close(sock: _Socket | None, monitor: _Socket | None, ctx: Any) -> None:
     """Close a socket, its disconnect monitor and their context (either side's)."""
     if sock is not None:
         with contextlib.suppress(Exception):
-            sock.disable_monitor()
+            sock.sock.disable_monitor()
         if monitor is not None:
-            monitor.close(linger=0)
-        sock.close()  # lingers up to 1 s for a goodbye still queued
+            monitor.sock.close(linger=0)
+        sock.sock.close()  # lingers up to 1 s for a goodbye still queued
     if ctx is not None:
-        await anyio.to_thread.run_sync(ctx.term)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(ctx.term)
 
 
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> ZmqSender:
+def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
     """``zmq+tcp://HOST:PORT?receivers=&slots=&slot_bytes=`` or ``zmq+ipc://PATH?...``."""
-    return ZmqSender(f"{endpoint.scheme}://{endpoint.target}", **endpoint.sender_options(kwargs))
+    opts = endpoint.sender_options(kwargs)
+    url, heartbeat = f"{endpoint.scheme}://{endpoint.target}", opts.pop("heartbeat", 1.0)
+    link = ZmqLink(url, hwm=2 * opts["slots"] + 8, heartbeat=heartbeat)
+    return LinkedSender(link, HostSlots(opts.pop("slots"), opts.pop("slot_bytes")), **opts)
 
 
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> ZmqReceiver:
+def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
     """``zmq+tcp://HOST:PORT`` or ``zmq+ipc://PATH``."""
-    return ZmqReceiver(f"{endpoint.scheme}://{endpoint.target}", **kwargs)
+    url, heartbeat = f"{endpoint.scheme}://{endpoint.target}", kwargs.pop("heartbeat", 1.0)
+    return LinkedReceiver(ZmqDialer(url, heartbeat=heartbeat), PayloadView(), **kwargs)

@@ -1,0 +1,140 @@
+"""The handshake every linked transport runs when a receiver joins, as small functions.
+
+1. The receiver sends ``Hello`` with a fresh nonce (:func:`hello`), authenticated by the
+   channel's shared secret when there is one.
+2. The sender checks it (:func:`check_hello`), assigns the receiver an index and answers
+   ``Welcome`` (:func:`welcome`) with the slot layout, its own nonce and the receiver's nonce
+   echoed, so that a recorded ``Welcome`` cannot be replayed.
+3. The receiver checks the answer (:func:`accept`). From then on both sides authenticate
+   every frame with a key derived from the secret and both nonces (:func:`session_codec`),
+   so frames of another session cannot be replayed either.
+
+A refused receiver gets a ``Bye`` saying why (:func:`refusal`) and raises the sender's
+reason as the same exception class (:func:`refused`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+from streamsync.errors import (
+    AuthenticationError,
+    ConfigError,
+    PeerBrokenError,
+    StreamsyncError,
+    WireFormatError,
+    error_class,
+)
+from streamsync.transports.slots import Shared
+from streamsync.wire import Bye, Hello, Welcome, WireCodec
+
+__all__ = [
+    "SECRET_ENV",
+    "accept",
+    "check_hello",
+    "hello",
+    "refusal",
+    "refused",
+    "resolve_secret",
+    "session_codec",
+    "welcome",
+]
+
+#: Environment variable holding the channel's shared secret when none is passed.
+SECRET_ENV = "STREAMSYNC_SECRET"
+
+_NONCE_BYTES = 16
+_REFUSED = "refused: "
+
+
+def resolve_secret(secret: bytes | str | None) -> bytes | None:
+    """The channel's shared secret: ``secret`` if given, else ``$STREAMSYNC_SECRET``, else
+    none (no authentication)."""
+    if secret is None:
+        env = os.environ.get(SECRET_ENV)
+        return env.encode() if env else None
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not raw:
+        raise ConfigError("secret is empty; pass some random bytes (32 is plenty) or None")
+    return raw
+
+
+def session_codec(secret: bytes | None, receiver_nonce: bytes, sender_nonce: bytes) -> WireCodec:
+    """The codec of one receiver's session: its key binds the secret to both nonces."""
+    if secret is None:
+        return WireCodec(None)
+    key = hmac.new(
+        secret, b"streamsync-session\0" + receiver_nonce + sender_nonce, hashlib.sha256
+    ).digest()
+    return WireCodec(key)
+
+
+def hello(codec: WireCodec) -> tuple[bytes, bytes]:
+    """Receiver: a fresh nonce and the ``Hello`` frame carrying it."""
+    nonce = os.urandom(_NONCE_BYTES)
+    who = f"{os.uname().nodename}/{os.getpid()}"
+    return nonce, codec.encode(Hello(who, os.getpid(), nonce=nonce))
+
+
+def check_hello(codec: WireCodec, frame: bytes, *, url: str, who: str) -> Hello:
+    """Sender: the newcomer's ``Hello``; raises why it must be refused."""
+    msg = codec.decode(frame)
+    if not isinstance(msg, Hello):
+        raise WireFormatError(f"{url}: {who} sent {type(msg).__name__} before Hello")
+    return msg
+
+
+def welcome(
+    codec: WireCodec,
+    secret: bytes | None,
+    msg: Hello,
+    *,
+    index: int,
+    slots: int,
+    slot_bytes: int,
+    shared: Shared,
+) -> tuple[WireCodec, bytes]:
+    """Sender: the session codec of receiver ``index`` and the ``Welcome`` frame for it."""
+    nonce = os.urandom(_NONCE_BYTES)
+    frame = codec.encode(
+        Welcome(
+            index,
+            slots,
+            slot_bytes,
+            shared.segment,
+            nonce=nonce,
+            echo=msg.nonce,
+            layout=shared.layout,
+        )
+    )
+    return session_codec(secret, msg.nonce, nonce), frame
+
+
+def accept(
+    codec: WireCodec, secret: bytes | None, frame: bytes, nonce: bytes, *, url: str
+) -> tuple[Welcome, WireCodec]:
+    """Receiver: check the sender's answer to our ``Hello``; the ``Welcome`` and the
+    session's codec. A refusal raises the sender's reason."""
+    msg = codec.decode(frame)
+    if isinstance(msg, Bye):
+        raise refused(msg.reason, url=url)
+    if not isinstance(msg, Welcome):
+        raise WireFormatError(f"{url}: sender answered Hello with {type(msg).__name__}")
+    if msg.echo != nonce:
+        raise AuthenticationError(f"{url}: the sender's Welcome answers another Hello (replayed?)")
+    return msg, session_codec(secret, nonce, msg.nonce)
+
+
+def refusal(codec: WireCodec, exc: StreamsyncError) -> bytes:
+    """Sender: the ``Bye`` frame that tells a refused newcomer why."""
+    return codec.encode(Bye(f"{_REFUSED}{type(exc).__name__}: {exc}"))
+
+
+def refused(reason: str, *, url: str) -> StreamsyncError:
+    """Receiver: the sender's refusal as the exception it raised (``PeerBrokenError`` for
+    a reason that names no streamsync error)."""
+    kind, _, detail = reason.removeprefix(_REFUSED).partition(": ")
+    error = error_class(kind, PeerBrokenError) if reason.startswith(_REFUSED) else PeerBrokenError
+    return error(f"{url}: the sender refused this receiver: {detail or reason}")

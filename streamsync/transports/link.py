@@ -1,0 +1,401 @@
+"""The link seam: frames between a sender and each of its receivers.
+
+A link moves opaque frames (encoded :class:`~streamsync.wire.WireCodec` envelopes) and,
+for a slot store with ``payload_frames``, a bucket's bytes after its header. It knows
+nothing of the protocol: :class:`~streamsync.transports.linked.LinkedSender` runs the
+handshake and the ring over it.
+
+:class:`SenderLink` (the sender's end, one per channel):
+
+- ``await open()`` binds (a taken address raises :class:`~streamsync.ConfigError`); the
+  link's ``url`` then names the bound address (a port 0 becomes the real port);
+- ``await serve(events)`` runs in the channel's task group until cancelled: it accepts
+  receivers and reports each one's frames to ``events`` (:class:`LinkEvents`), every
+  receiver being a :class:`Peer`;
+- ``await send(peer, frame, payload=None, fds=())`` raises
+  :class:`~streamsync.PeerBrokenError` when the peer is unreachable;
+- ``all_joined()`` is called once every receiver joined; ``await aclose()`` releases all.
+
+:class:`ReceiverLink` (a receiver's end): ``await connect()`` (retried until the sender is
+there; bounded by the caller), ``await handshake(hello)`` (the answer and any descriptors
+passed with it), ``await send(frame)``, ``await receive()`` (a frame and its payload, or
+None; :class:`LinkLost` when the link ends), ``await aclose()``.
+
+Lower-level failures are mapped to these with :func:`map_exceptions` at every boundary.
+Here: :class:`UnixLink`/:class:`UnixDialer`, length-prefixed frames over abstract unix
+stream sockets (anyio streams; descriptors ride on the ``Welcome``), owner-only
+(``SO_PEERCRED``). ``zmq+*://`` adds its link in :mod:`streamsync.transports.zeromq`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import struct
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import torch
+from anyio.abc import SocketAttribute, SocketListener, UNIXSocketStream
+
+from streamsync.errors import (
+    AuthenticationError,
+    ConfigError,
+    PeerBrokenError,
+    StreamsyncError,
+    WireFormatError,
+)
+from streamsync.wire import WireCodec
+
+__all__ = [
+    "LinkEvents",
+    "LinkLost",
+    "Peer",
+    "ReceiverLink",
+    "SenderLink",
+    "UnixDialer",
+    "UnixLink",
+    "map_exceptions",
+]
+
+#: Largest control frame accepted (a bucket header with very many small tensors).
+MAX_FRAME_BYTES = 64 << 20
+_PREFIX = struct.Struct(">I")
+_CRED = struct.Struct("3i")
+
+
+class LinkLost(Exception):
+    """A link ended without a goodbye (EOF, reset, heartbeat timeout)."""
+
+
+#: A read failing: the peer went away.
+READ_ERRORS: Mapping[type[BaseException], type[BaseException]] = {
+    anyio.EndOfStream: LinkLost,
+    anyio.BrokenResourceError: LinkLost,
+    anyio.ClosedResourceError: LinkLost,
+    OSError: LinkLost,
+}
+#: A write failing: the peer is unreachable.
+WRITE_ERRORS: Mapping[type[BaseException], type[BaseException]] = {
+    anyio.BrokenResourceError: PeerBrokenError,
+    anyio.ClosedResourceError: PeerBrokenError,
+    OSError: PeerBrokenError,
+}
+
+
+@contextlib.contextmanager
+def map_exceptions(
+    mapping: Mapping[type[BaseException], type[BaseException]], context: str
+) -> Iterator[None]:
+    """Raise the first ``mapping`` target whose source matches an exception from the body,
+    as ``target(f"{context} ({detail})")`` from it (after httpcore's ``map_exceptions``)."""
+    try:
+        yield
+    except StreamsyncError:
+        raise
+    except Exception as exc:
+        for source, target in mapping.items():
+            if isinstance(exc, source):
+                detail = str(exc) or str(exc.__cause__ or "") or "connection closed"
+                raise target(f"{context} ({detail})".lstrip()) from exc
+        raise
+
+
+@dataclass(eq=False)
+class Peer:
+    """One receiver as the sender sees it: the link's handle; once it joined, its index and
+    session codec."""
+
+    who: str
+    handle: Any = None
+    index: int = -1
+    codec: WireCodec | None = None
+    describe: str = ""
+    said_bye: bool = False
+
+
+class LinkEvents(Protocol):
+    """What a :class:`SenderLink` reports (implemented by the ring protocol)."""
+
+    async def on_frame(self, peer: Peer, frame: bytes) -> bool:
+        """A frame from ``peer`` (its first is its ``Hello``); False: drop the peer."""
+        ...
+
+    async def on_refused(self, peer: Peer, exc: StreamsyncError) -> None:
+        """The link itself refuses ``peer`` (wrong owner, malformed first message)."""
+        ...
+
+    def on_lost(self, peer: Peer, detail: str) -> None:
+        """``peer``'s link ended."""
+        ...
+
+    def on_broken(self, exc: StreamsyncError) -> None:
+        """A peer sent something the link cannot carry on from."""
+        ...
+
+
+class SenderLink(ABC):
+    """The sender's end of a link (see the module docstring)."""
+
+    url: str
+
+    @abstractmethod
+    async def open(self) -> None: ...
+
+    @abstractmethod
+    async def serve(self, events: LinkEvents) -> None: ...
+
+    @abstractmethod
+    async def send(
+        self,
+        peer: Peer,
+        frame: bytes,
+        payload: torch.Tensor | None = None,
+        fds: tuple[int, ...] = (),
+    ) -> None: ...
+
+    def all_joined(self) -> None:  # noqa: B027 - optional hook
+        """Every receiver joined (e.g. remove a rendezvous file nobody needs now)."""
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+
+class ReceiverLink(ABC):
+    """A receiver's end of a link (see the module docstring)."""
+
+    url: str
+
+    @abstractmethod
+    async def connect(self) -> None: ...
+
+    @abstractmethod
+    async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]: ...
+
+    @abstractmethod
+    async def send(self, frame: bytes) -> None: ...
+
+    @abstractmethod
+    async def receive(self) -> tuple[bytes, Any]: ...
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+
+# -- unix stream sockets --------------------------------------------------------------------
+def unix_address(scheme: str, name: str) -> str:
+    """The abstract socket of ``scheme://name``, private to this uid."""
+    if sys.platform != "linux":
+        raise ConfigError(f"{scheme}://{name}: needs Linux (abstract sockets, memfd)")
+    address = f"\0streamsync-{scheme}/{os.getuid()}/{name}"
+    if not name or "/" in name or len(address.encode()) > 107:
+        raise ConfigError(
+            f"{scheme}://{name}: the name must be 1 to {107 - len(address) + len(name)} "
+            "characters without '/'"
+        )
+    return address
+
+
+def _check_owner(sock: socket.socket, url: str, role: str) -> int:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+    pid, uid, _ = _CRED.unpack(raw)
+    if uid != os.getuid():
+        raise AuthenticationError(
+            f"{url}: the {role} (pid {pid}) runs as uid {uid}; only uid {os.getuid()} may join"
+        )
+    return int(pid)
+
+
+class _Framed:
+    """Length-prefixed frames over a unix stream (descriptors ride on a frame)."""
+
+    def __init__(self, stream: UNIXSocketStream) -> None:
+        self.stream = stream
+        self.raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
+        self._buf = bytearray()
+        self._lock = anyio.Lock(fast_acquire=True)
+
+    async def send(self, frame: bytes, fds: tuple[int, ...], context: str) -> None:
+        data = _PREFIX.pack(len(frame)) + frame
+        async with self._lock:
+            with map_exceptions(WRITE_ERRORS, f"{context}the peer's socket is gone"):
+                if fds:
+                    await self.stream.send_fds(data, fds)
+                    return
+                # A frame fits the socket buffer nearly always: write it now, and leave
+                # only the wait for room to the stream (which yields to the loop first).
+                try:
+                    sent = self.raw.send(data)
+                except BlockingIOError:
+                    sent = 0
+                if sent < len(data):
+                    await self.stream.send(data[sent:])
+
+    def _frame(self) -> bytes | None:
+        if len(self._buf) < _PREFIX.size:
+            return None
+        (size,) = _PREFIX.unpack_from(self._buf)
+        if size > MAX_FRAME_BYTES:
+            raise WireFormatError(f"peer sent a frame of {size} bytes; at most {MAX_FRAME_BYTES}")
+        end = _PREFIX.size + size
+        if len(self._buf) < end:
+            return None
+        frame = bytes(self._buf[_PREFIX.size : end])
+        del self._buf[:end]
+        return frame
+
+    async def receive(self, *, with_fds: bool = False) -> tuple[bytes, list[int]]:
+        fds: list[int] = []
+        try:
+            while (frame := self._frame()) is None:
+                with map_exceptions(READ_ERRORS, ""):
+                    if with_fds:
+                        data, more = await self.stream.receive_fds(1 << 16, 4)
+                        fds += more
+                    else:
+                        data = await self._receive_some()
+                self._buf += data
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return frame, fds
+
+    async def _receive_some(self) -> bytes:
+        # What is already here is read at once; the stream waits for more (as above).
+        try:
+            data = self.raw.recv(1 << 16)
+        except BlockingIOError:
+            return await self.stream.receive(1 << 16)
+        if not data:
+            raise LinkLost("connection closed")
+        return data
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+class UnixLink(SenderLink):
+    """Sender end over an abstract unix socket: one stream per receiver, its reader a task
+    in the channel's group. Carries no payload frames (compose with a shared store)."""
+
+    def __init__(self, url: str, address: str, *, receivers: int, timeout: float) -> None:
+        self.url = url
+        self.address = address
+        self.receivers = receivers
+        self.timeout = timeout  # for a newcomer's Hello
+        self._listener: SocketListener | None = None
+
+    async def open(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(self.address)
+            sock.listen(max(8, self.receivers))
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"{self.url} already has a sender") from None
+            raise
+        self._listener = await SocketListener.from_socket(sock)
+
+    async def serve(self, events: LinkEvents) -> None:
+        assert self._listener is not None
+        async with anyio.create_task_group() as group:
+            while True:
+                try:
+                    stream = await self._listener.accept()
+                except (OSError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return
+                assert isinstance(stream, UNIXSocketStream)
+                group.start_soon(self._serve, _Framed(stream), events)
+
+    async def _serve(self, link: _Framed, events: LinkEvents) -> None:
+        peer = Peer("a receiver", link)
+        try:
+            try:
+                peer.who = f"pid {_check_owner(link.raw, self.url, 'receiver')}"
+                with anyio.fail_after(self.timeout):
+                    frame, _ = await link.receive()
+            except StreamsyncError as exc:
+                await events.on_refused(peer, exc)
+                return
+            except (LinkLost, TimeoutError):
+                return
+            while await events.on_frame(peer, frame):
+                try:
+                    frame, _ = await link.receive()
+                except LinkLost as exc:
+                    events.on_lost(peer, str(exc))
+                    return
+                except StreamsyncError as exc:
+                    events.on_broken(exc)
+                    return
+        finally:
+            await link.aclose()
+
+    async def send(
+        self,
+        peer: Peer,
+        frame: bytes,
+        payload: torch.Tensor | None = None,
+        fds: tuple[int, ...] = (),
+    ) -> None:
+        link: _Framed = peer.handle
+        await link.send(frame, fds, f"{self.url}: {peer.describe or peer.who}: ")
+
+    async def aclose(self) -> None:
+        if self._listener is not None:
+            with anyio.CancelScope(shield=True):
+                await self._listener.aclose()
+            self._listener = None
+
+
+class UnixDialer(ReceiverLink):
+    """Receiver end over an abstract unix socket."""
+
+    def __init__(self, url: str, address: str) -> None:
+        self.url = url
+        self.address = address
+        self._link: _Framed | None = None
+
+    async def connect(self) -> None:
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.setblocking(False)
+            try:
+                sock.connect(self.address)
+                break
+            except (ConnectionRefusedError, FileNotFoundError, BlockingIOError):
+                sock.close()
+                await anyio.sleep(0.05)  # no sender yet (or its backlog is full)
+            except BaseException:
+                sock.close()
+                raise
+        self._link = _Framed(await UNIXSocketStream.from_socket(sock))
+        _check_owner(sock, self.url, "sender")
+
+    async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
+        assert self._link is not None
+        await self.send(hello)
+        return await self._link.receive(with_fds=True)
+
+    async def send(self, frame: bytes) -> None:
+        assert self._link is not None
+        await self._link.send(frame, (), f"{self.url}: ")
+
+    async def receive(self) -> tuple[bytes, Any]:
+        assert self._link is not None
+        frame, _ = await self._link.receive()
+        return frame, None
+
+    async def aclose(self) -> None:
+        if self._link is not None:
+            await self._link.aclose()
+            self._link = None
