@@ -190,3 +190,52 @@ async def test_a_tensor_written_in_place_is_reported_as_applied() -> None:
     assert isinstance(out["rx"], ShapeMismatchError)
     assert out["rx"].report.loaded == ("big",) and not out["rx"].report.complete
     assert torch.equal(receiver.big, trainer["big"])
+
+
+def test_an_unknown_name_without_a_close_match_gets_no_hint() -> None:
+    sink = ModuleSink(Tiny())
+    sink.prepare()
+    with pytest.raises(UnknownTensorError) as info:
+        sink.load([("zzzzzz", torch.ones(1))])
+    assert "'zzzzzz'" in str(info.value) and "close matches" not in str(info.value)
+
+
+def test_empty_tensors_are_not_taken_for_tied_weights() -> None:
+    # Empty tensors share no storage even when their data pointers agree: loading one of
+    # them does not load the other.
+    model = torch.nn.Module()
+    model.register_buffer("first", torch.zeros(0, 4))
+    model.register_buffer("second", torch.zeros(0, 4))
+    sink = ModuleSink(model)
+    sink.prepare()
+    sink.load([("first", torch.zeros(0, 4))])
+    assert sink.finalize().missing == ("second",)
+
+
+class Odd(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(6, 4))
+        self.transposed = torch.nn.Parameter(torch.zeros(4, 6).t())  # not contiguous
+        self.elsewhere = torch.nn.Parameter(torch.zeros(6, 4, device="meta"))  # not on the CPU
+
+
+@pytest.mark.parametrize(
+    ("strict", "name", "dtype", "offered"),
+    [
+        (True, "w", torch.float32, "w"),  # the module's own tensor
+        (False, "w", torch.float16, None),  # converted by load, from the staging buffer
+        (False, "unknown", torch.float32, None),  # skipped by load
+        (True, "transposed", torch.float32, None),  # chunks cannot be written into a view
+        (True, "elsewhere", torch.float32, None),  # nor into memory off the CPU
+    ],
+)
+def test_target_offers_only_a_tensor_chunks_can_be_written_into(
+    strict: bool, name: str, dtype: torch.dtype, offered: str | None
+) -> None:
+    model = Odd()
+    got = ModuleSink(model, strict=strict).target(name, dtype, (6, 4))
+    if offered is None:
+        assert got is None
+    else:
+        assert got is not None and got.data_ptr() == getattr(model, offered).data_ptr()

@@ -8,10 +8,7 @@ accumulate: open file descriptors on either side, ``/dev/shm`` entries, socket f
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import multiprocessing.connection
 import os
-import socket
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +20,7 @@ import torch
 
 import streamsync as ss
 from streamsync.testing import fake_state_dict
+from streamsync.testing.peers import context, free_port
 from streamsync.transports import open_sender
 
 SYNCS = 200
@@ -42,9 +40,7 @@ def slope(ys: Sequence[float]) -> float:
 
 def _url(transport: str) -> str:
     if transport == "zmq+tcp":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return f"zmq+tcp://127.0.0.1:{s.getsockname()[1]}"
+        return f"zmq+tcp://127.0.0.1:{free_port()}"
     return f"{transport}://soak-{os.getpid()}"
 
 
@@ -67,8 +63,7 @@ def _files() -> set[str]:
 def test_soak(transport: str, record_property: Any) -> None:
     url = _url(transport)
     files_before = _files()
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "streamsync", "fault_peers"])
+    ctx = context("fault_peers")
     reports, report_end = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=fault_peers.soak_receiver, args=(url, SYNCS, {}, report_end))
     proc.start()

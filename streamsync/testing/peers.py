@@ -105,4 +105,3 @@ class Peers:
 
     def __exit__(self, *exc: object) -> None:
         self.close(kill=exc[0] is not None)
-
