@@ -301,7 +301,7 @@ _REFUSED: dict[str, tuple[list[BucketHeader | End], str]] = {
     "chunk-skipped": (
         [
             _bucket(0, Entry("a", "float32", (12,), 0, 16, 0, 3, 0)),
-            _bucket(1, Entry("a", "float32", (12,), 0, 16, 2, 3, 32)),
+            _bucket(1, Entry("a", "float32", (12,), 0, 16, 2, 3, 16)),  # at the right offset
         ],
         "chunk 2/3 of tensor 'a' does not continue chunk 0",
     ),

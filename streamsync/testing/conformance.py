@@ -20,10 +20,10 @@ they reached) through a queue; tensors never cross. The tests that need a second
 What is checked: bit-exact round trip across processes (every wire dtype, a tensor larger
 than a bucket, two syncs on one channel), order, fan-out to two receivers, backpressure (a
 receiver that does not release stops a two-slot sender at exactly two buckets in flight),
-close versus broken peer, timeouts on a
-silent peer, SIGKILL of either side mid-sync (the survivor raises
-:class:`~streamsync.PeerBrokenError` within twice the timeout), and no resources left behind
-(file descriptors, ``/dev/shm`` entries, the paths ``resource_paths`` names).
+close versus broken peer, timeouts on a silent peer, SIGKILL of either side mid-sync (the
+survivor raises :class:`~streamsync.PeerBrokenError` within twice the timeout), and no
+resources left behind (file descriptors, ``/dev/shm`` entries, the paths ``resource_paths``
+names).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class Peers:
             if remaining <= 0:
                 raise AssertionError(f"no {what} within {timeout:g} s; got {self._seen}")
             try:
-                item = self.results.get(timeout=remaining)
+                item: dict[str, Any] = self.results.get(timeout=remaining)
             except queue.Empty:
                 continue
             if match(item):
