@@ -116,10 +116,10 @@ def test_soak(transport: str, record_property: Any) -> None:
         f"{len(steady)} syncs)"
         for side in slopes
     )
-    print(f"\nsoak {transport}: RSS slope after {WARMUP} warm-up syncs: {line}")
+    print(f"\nsoak {transport}: resident memory slope after {WARMUP} warm-up syncs: {line}")
     for side, value in slopes.items():
         record_property(f"rss_slope_{side}_bytes_per_sync", round(value))
-        assert value < MAX_SLOPE, f"{transport}: {side} RSS grows {value:.0f} B/sync"
+        assert value < MAX_SLOPE, f"{transport}: {side} resident memory grows {value:.0f} B/sync"
     for side, i in (("sender", 1), ("receiver", 3)):
         fds = [s[i] for s in steady]
         assert max(fds) <= fds[0], f"{transport}: {side} fds grew: {fds[0]} -> {max(fds)}"
