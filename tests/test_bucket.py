@@ -431,23 +431,27 @@ def test_staging_never_grows_past_the_tensor() -> None:
 def test_the_old_staging_buffer_is_freed_before_a_larger_one_is_allocated() -> None:
     # Peak memory: a tensor whose first chunk does not fit the staging buffer does not hold
     # the old buffer (whose bytes nobody needs any more) while the new one is allocated.
-    unpacker = Unpacker()
-    unpacker.begin(1)
-    for header, slot in _chunked("small", torch.arange(300.0)):  # staging: 1200 bytes
-        unpacker.feed(header, slot)
-    old = weakref.ref(unpacker._staging)  # type: ignore[arg-type]
-    alive_at_allocation = []
+    buffers: list[weakref.ref[torch.Tensor]] = []  # every buffer the unpacker allocated
+    alive: list[int] = []  # how many of them were alive at each allocation
     real = bucket_module.allocate_slot
 
     def recording(nbytes: int) -> torch.Tensor:
-        alive_at_allocation.append(old() is not None)
-        return real(nbytes)
+        alive.append(sum(ref() is not None for ref in buffers))
+        buf = real(nbytes)
+        buffers.append(weakref.ref(buf))
+        return buf
 
+    unpacker = Unpacker()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bucket_module, "allocate_slot", recording)
+        unpacker.begin(1)
+        for header, slot in _chunked("small", torch.arange(300.0)):  # staging: 1200 bytes
+            unpacker.feed(header, slot)
+        first_sync = len(alive)
         unpacker.begin(2)
         got = []
         for header, slot in _chunked("big", torch.arange(3000.0), 4096, sync_id=2):
             got += unpacker.feed(header, slot)
     assert torch.equal(got[0][1], torch.arange(3000.0))
-    assert alive_at_allocation and alive_at_allocation[0] is False, alive_at_allocation
+    # Sync 2's first allocation (its first chunk, 4 KiB) found no buffer alive.
+    assert len(alive) > first_sync and alive[first_sync] == 0, (first_sync, alive)

@@ -7,6 +7,7 @@ import torch
 from conftest import run_both
 
 import streamsync as ss
+import streamsync.bucket as bucket_module
 from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
 
 
@@ -144,22 +145,29 @@ class Wide(torch.nn.Module):
 
 
 async def test_chunks_go_straight_into_the_module_tensor() -> None:
-    from streamsync.sync import _states
-
     receiver = Wide()
     trainer = {"small": torch.ones(4), "big": torch.arange(3000.0)}
     sender_side = ss.open_sender("memory://direct", slot_bytes=4096)
     receiving = ss.open_receiver("memory://direct")
+    allocated: list[int] = []
+    real = bucket_module.allocate_slot
+
+    def recording(nbytes: int) -> torch.Tensor:
+        allocated.append(nbytes)
+        return real(nbytes)
+
     async with sender_side as tx, receiving as rx:
-        out = await run_both(
-            rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
-            tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
-        )
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bucket_module, "allocate_slot", recording)
+            out = await run_both(
+                rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
+                tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
+            )
         assert out["rx"].complete and out["rx"].missing == ()
         assert torch.equal(receiver.big, trainer["big"])
         assert torch.equal(receiver.small, trainer["small"])
         # No staging buffer: the chunks were written into receiver.big itself.
-        assert _states[rx].unpacker._staging is None
+        assert allocated == [], allocated
 
 
 async def test_chunked_shape_mismatch_raises_before_a_byte_is_written() -> None:
