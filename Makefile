@@ -1,9 +1,10 @@
 # Two entry points (see README): `make demo` and `make test`. Both create .venv/ first.
+# `make test-fast` is the edit loop: no engine, no multi-process soak or matrix (< 2 min).
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -26,6 +27,9 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not vllm and not slow"
 
 bench: $(STAMP)
 	$(VENV)/bin/streamsync bench

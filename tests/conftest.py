@@ -69,13 +69,3 @@ async def run_both(**sides: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
         for key, fn in sides.items():
             tg.start_soon(run, key, fn)
     return out
-
-
-@pytest.fixture
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -73,7 +73,8 @@ class Model(torch.nn.Module):
 
 class PeerSink:
     """A strict :class:`~streamsync.ModuleSink` that records what it applied, tells the
-    test when it loads bucket ``event_at`` and can dawdle there."""
+    test when it loads bucket ``event_at`` (and when it has applied bucket ``loaded_at``)
+    and can dawdle there; ``started`` is set once it has been given its first bucket."""
 
     def __init__(self, model: Model, spec: dict[str, Any], results: Any, tag: str) -> None:
         self.inner = ss.ModuleSink(model)
@@ -81,6 +82,7 @@ class PeerSink:
         self.results = results
         self.tag = tag
         self.applied: list[str] = []
+        self.started = anyio.Event()
         self._bucket = 0
 
     def prepare(self) -> None:
@@ -90,10 +92,13 @@ class PeerSink:
 
     async def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         bucket, self._bucket = self._bucket, self._bucket + 1
+        self.started.set()
         if bucket == self.spec.get("event_at"):
             self.results.put({"event": "loading", "tag": self.tag, "bucket": bucket})
         self.inner.load(tensors)
         self.applied += [name for name, _ in tensors]
+        if bucket == self.spec.get("loaded_at"):
+            self.results.put({"event": "loaded", "tag": self.tag, "bucket": bucket})
         if self.spec.get("slow"):
             await anyio.sleep(self.spec["slow"])
         if bucket == self.spec.get("event_at") and self.spec.get("linger"):
@@ -175,8 +180,8 @@ async def _receive_one(
     second: dict[str, Any] = {}
 
     async def again() -> None:
-        # A second receive on the channel while the first one runs.
-        await anyio.sleep(0.1)
+        # A second receive on the channel while the first one runs (it has a bucket).
+        await sink.started.wait()
         t0 = time.monotonic()
         try:
             report = await ss.receive(rx, PeerSink(model, {}, results, tag), timeout=TIMEOUT)
@@ -322,11 +327,16 @@ async def _send_one(
 
     if not spec.get("concurrent"):
         return await sync()
-    # A second sync on the channel while the first one runs.
+    # A second sync on the channel while the first one runs: once the first has sent a
+    # bucket (the receiver is slow, so it is still running).
     second: dict[str, Any] = {}
+    sent = tx.statistics()
+    assert sent is not None, "the fault matrix needs a transport that counts its buckets"
 
     async def again() -> None:
-        await anyio.sleep(0.2)
+        with anyio.fail_after(CONNECT_S):
+            while tx.statistics().buckets == sent.buckets:  # type: ignore[union-attr]
+                await anyio.sleep(0.005)
         second.update(await sync())
 
     async with anyio.create_task_group() as tg:

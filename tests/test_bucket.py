@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import pytest
 import torch
 from conftest import WIRE_DTYPES, random_tensor, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import streamsync.bucket as bucket_module
 from streamsync.bucket import ALIGN, BucketBuilder, Unpacker
 from streamsync.errors import (
     ChecksumError,
@@ -241,3 +245,213 @@ def test_unpacker_refuses_chunk_starting_where_another_ends() -> None:
             ),
             data,
         )
+
+
+# -- every guard of the unpacker, each with a header only it refuses ------------------------
+_LIMIT = 4096  # max_tensor_bytes of the unpacker below
+_A0 = Entry("a", "float32", (8,), 0, 16, 0, 2, 0)  # the first half of a 32-byte tensor
+
+
+def _bucket(seq: int, *entries: Entry, nbytes: int = 256, sync_id: int = 1) -> BucketHeader:
+    return BucketHeader(sync_id, seq, 0, nbytes, entries)
+
+
+# Steps fed to a fresh unpacker in sync 1 over a 256-byte slot: every step but the last is
+# accepted, the last is refused with a WireFormatError matching the pattern.
+_REFUSED: dict[str, tuple[list[BucketHeader | End], str]] = {
+    "bucket-of-another-sync": ([_bucket(0, sync_id=2)], "bucket of sync 2 arrived during sync 1"),
+    "bucket-skipped": ([_bucket(1)], "bucket 1 of sync 1 arrived; expected bucket 0"),
+    "bucket-of-negative-size": ([_bucket(0, nbytes=-64)], "claims -64 bytes"),
+    "tensor-over-the-limit": (
+        [_bucket(0, Entry("x", "float32", (2048,), 0, 64, 0, 128, 0))],
+        f"'x' claims 8192 bytes .* the limit is {_LIMIT}",
+    ),
+    "entry-before-the-bucket": (
+        [_bucket(0, Entry("x", "float32", (4,), -64, 16))],
+        r"'x' claims bytes \[-64, -48\) outside its bucket",
+    ),
+    "entry-of-negative-size": (
+        [_bucket(0, Entry("x", "float32", (8,), 0, -4, 0, 2, 0))],
+        r"'x' claims bytes \[0, -4\) outside its bucket",
+    ),
+    "entry-of-part-of-an-element": (
+        [_bucket(0, Entry("x", "float32", (8,), 0, 6, 0, 2, 0))],
+        "'x': 6 bytes is not a whole number of float32",
+    ),
+    "chunk-past-its-tensor": (
+        [_bucket(0, Entry("x", "float32", (8,), 0, 64, 0, 2, 0))],
+        "chunk 0 of tensor 'x' claims bytes beyond its 32",
+    ),
+    "chunk-before-its-tensor": (
+        [_bucket(0, Entry("x", "float32", (8,), 0, 16, 0, 2, -64))],
+        "chunk 0 of tensor 'x' claims bytes beyond its 32",
+    ),
+    "tensor-inside-a-chunked-one": (
+        [_bucket(0, _A0), _bucket(1, Entry("b", "float32", (4,), 0, 16))],
+        "'b' arrived before chunked tensor 'a' was complete",
+    ),
+    "chunked-inside-a-chunked-one": (
+        [_bucket(0, _A0), _bucket(1, Entry("b", "float32", (8,), 0, 16, 0, 2, 0))],
+        "'b' started before tensor 'a' was complete",
+    ),
+    "chunk-of-another-tensor": (
+        [_bucket(0, _A0), _bucket(1, Entry("b", "float32", (8,), 0, 16, 1, 2, 16))],
+        "chunk 1 of tensor 'b' arrived out of order",
+    ),
+    "chunk-skipped": (
+        [
+            _bucket(0, Entry("a", "float32", (12,), 0, 16, 0, 3, 0)),
+            _bucket(1, Entry("a", "float32", (12,), 0, 16, 2, 3, 16)),  # at the right offset
+        ],
+        "chunk 2/3 of tensor 'a' does not continue chunk 0",
+    ),
+    "chunk-count-changes": (
+        [_bucket(0, _A0), _bucket(1, Entry("a", "float32", (8,), 0, 16, 1, 3, 16))],
+        "chunk 1/3 of tensor 'a' does not continue",
+    ),
+    "chunk-overwrites-the-last": (
+        [_bucket(0, _A0), _bucket(1, Entry("a", "float32", (8,), 0, 16, 1, 2, 0))],
+        "chunk 1/2 of tensor 'a' does not continue .*expected offset 16",
+    ),
+    "chunk-changes-dtype": (
+        [_bucket(0, _A0), _bucket(1, Entry("a", "int32", (8,), 0, 16, 1, 2, 16))],
+        "chunk 1/2 of tensor 'a' does not continue",
+    ),
+    "chunk-changes-shape": (
+        [_bucket(0, _A0), _bucket(1, Entry("a", "float32", (2, 4), 0, 16, 1, 2, 16))],
+        "chunk 1/2 of tensor 'a' does not continue",
+    ),
+    "chunks-fall-short": (
+        [_bucket(0, _A0), _bucket(1, Entry("a", "float32", (8,), 0, 8, 1, 2, 16))],
+        "'a': chunks add up to 24 bytes, expected 32",
+    ),
+    "end-of-another-sync": ([End(2, 0, 0, 0)], "end of sync 2 arrived during sync 1"),
+    "end-with-a-tensor-incomplete": (
+        [_bucket(0, _A0), End(1, 1, 0, 256)],
+        r"sync 1 ended with tensor 'a' incomplete \(1 of 2 chunks\)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("steps", "match"), list(_REFUSED.values()), ids=list(_REFUSED))
+def test_each_unpacker_guard_refuses_what_only_it_catches(
+    steps: list[BucketHeader | End], match: str
+) -> None:
+    unpacker = Unpacker(max_tensor_bytes=_LIMIT)
+    unpacker.begin(1)
+    data = torch.zeros(256, dtype=torch.uint8)
+
+    def step(item: BucketHeader | End) -> None:
+        if isinstance(item, End):
+            unpacker.finish(item)
+        else:
+            unpacker.feed(item, data)
+
+    *accepted, refused = steps
+    for item in accepted:
+        step(item)
+    with pytest.raises(WireFormatError, match=match):
+        step(refused)
+
+
+def _chunked(
+    name: str, tensor: torch.Tensor, bucket_bytes: int = 1024, sync_id: int = 1
+) -> list[tuple[BucketHeader, torch.Tensor]]:
+    """``tensor`` packed in buckets of ``bucket_bytes`` (it is larger: chunked), each with
+    its own slot."""
+    builder = BucketBuilder(bucket_bytes)
+    planned = list(builder.add(name, tensor))
+    last = builder.flush()
+    planned += [last] if last is not None else []
+    out = []
+    for seq, bucket in enumerate(planned):
+        slot = torch.zeros(bucket_bytes, dtype=torch.uint8)
+        entries = bucket.pack_into(slot)
+        out.append((BucketHeader(sync_id, seq, 0, bucket.nbytes, tuple(entries)), slot))
+    return out
+
+
+@pytest.mark.parametrize(
+    "offered",
+    [
+        pytest.param(lambda: torch.zeros(600, dtype=torch.int32), id="another-dtype"),
+        pytest.param(lambda: torch.zeros(300, 2), id="another-shape"),
+        pytest.param(lambda: torch.zeros(600, 2)[:, 0], id="not-contiguous"),
+        pytest.param(lambda: torch.zeros(600, device="meta"), id="not-on-the-cpu"),
+    ],
+)
+def test_a_target_that_does_not_fit_is_not_written_into(
+    offered: Callable[[], torch.Tensor],
+) -> None:
+    # A sink's target must be exactly the tensor's dtype, shape, contiguous and on the CPU;
+    # anything else is left alone and the chunks are reassembled in the staging buffer.
+    big = torch.arange(600.0)
+    target = offered()
+    before = target.clone() if target.device.type == "cpu" else None
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    got = []
+    for header, slot in _chunked("big", big):
+        got += unpacker.feed(header, slot, target=lambda name, dtype, shape: target)
+    assert [name for name, _ in got] == ["big"] and torch.equal(got[0][1], big)
+    assert got[0][1] is not target and unpacker.touched == []
+    if before is not None:
+        assert torch.equal(target, before)
+
+
+def test_a_target_that_fits_receives_the_chunks() -> None:
+    big = torch.arange(600.0)
+    target = torch.zeros(600)
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    got = []
+    for header, slot in _chunked("big", big):
+        got += unpacker.feed(header, slot, target=lambda name, dtype, shape: target)
+    assert got[0][1] is target and torch.equal(target, big) and unpacker.touched == ["big"]
+
+
+def test_staging_never_grows_past_the_tensor() -> None:
+    # 1000 bytes of chunks after a 1 KiB first chunk: doubling would allocate 2 KiB.
+    unpacker = Unpacker()
+    sizes = []
+    real = bucket_module.allocate_slot
+
+    def recording(nbytes: int) -> torch.Tensor:
+        sizes.append(nbytes)
+        return real(nbytes)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bucket_module, "allocate_slot", recording)
+        unpacker.begin(1)
+        for header, slot in _chunked("t", torch.arange(506.0)):  # 2024 bytes
+            unpacker.feed(header, slot)
+    assert max(sizes) == 2024, sizes
+
+
+def test_the_old_staging_buffer_is_freed_before_a_larger_one_is_allocated() -> None:
+    # Peak memory: a tensor whose first chunk does not fit the staging buffer does not hold
+    # the old buffer (whose bytes nobody needs any more) while the new one is allocated.
+    buffers: list[weakref.ref[torch.Tensor]] = []  # every buffer the unpacker allocated
+    alive: list[int] = []  # how many of them were alive at each allocation
+    real = bucket_module.allocate_slot
+
+    def recording(nbytes: int) -> torch.Tensor:
+        alive.append(sum(ref() is not None for ref in buffers))
+        buf = real(nbytes)
+        buffers.append(weakref.ref(buf))
+        return buf
+
+    unpacker = Unpacker()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bucket_module, "allocate_slot", recording)
+        unpacker.begin(1)
+        for header, slot in _chunked("small", torch.arange(300.0)):  # staging: 1200 bytes
+            unpacker.feed(header, slot)
+        first_sync = len(alive)
+        unpacker.begin(2)
+        got = []
+        for header, slot in _chunked("big", torch.arange(3000.0), 4096, sync_id=2):
+            got += unpacker.feed(header, slot)
+    assert torch.equal(got[0][1], torch.arange(3000.0))
+    # Sync 2's first allocation (its first chunk, 4 KiB) found no buffer alive.
+    assert len(alive) > first_sync and alive[first_sync] == 0, (first_sync, alive)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 
 import pytest
 
 from streamsync.testing.conformance import TransportConformance
+from streamsync.testing.peers import free_port
 from streamsync.transports.zeromq import zmq_address
 
 _ids = itertools.count()
@@ -17,12 +17,6 @@ _ids = itertools.count()
 
 def _fresh(tag: str) -> str:
     return f"{tag}-{os.getpid()}-{next(_ids)}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class TestMemory(TransportConformance):
@@ -41,7 +35,7 @@ class TestSharedMemory(TransportConformance):
 @pytest.mark.slow
 class TestZmqTcp(TransportConformance):
     def make_url(self, tag: str) -> str:
-        return f"zmq+tcp://127.0.0.1:{_free_port()}"
+        return f"zmq+tcp://127.0.0.1:{free_port()}"
 
 
 @pytest.mark.slow

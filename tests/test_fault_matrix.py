@@ -14,11 +14,9 @@ resources left after a SIGKILL, wrong or missing secrets, refused extra receiver
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,18 +25,25 @@ import fault_peers
 import pytest
 from fault_peers import NAMES, SLOT_BYTES, TIMEOUT
 
+from streamsync.testing.peers import context, free_port
+
 TRANSPORTS = ["shm", "zmq+tcp", "zmq+ipc"]
 LIMIT = 2 * TIMEOUT
 _ids = itertools.count()
 
 
 class Matrix:
-    """The peers of one case, and what they reported."""
+    """The peers of one case, and what they reported.
+
+    The peers start from :func:`streamsync.testing.peers.context` like every harness child,
+    but each reports over its own pipe rather than the one queue of
+    :class:`~streamsync.testing.peers.Peers`: this matrix kills and stops peers mid-sync,
+    and one caught writing to a shared queue would hold its lock and silence the others.
+    """
 
     def __init__(self, transport: str) -> None:
         self.transport = transport
-        self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["torch", "streamsync", "fault_peers"])
+        self.ctx = context("fault_peers")
         self.procs: dict[str, Any] = {}
         self.controls: dict[str, Any] = {}
         self.pipes: list[Any] = []
@@ -50,9 +55,7 @@ class Matrix:
     def url(self) -> str:
         tag = f"fault-{os.getpid()}-{next(_ids)}"
         if self.transport == "zmq+tcp":
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return f"zmq+tcp://127.0.0.1:{s.getsockname()[1]}"
+            return f"zmq+tcp://127.0.0.1:{free_port()}"
         return f"{self.transport}://{tag}"
 
     def spawn(
@@ -174,10 +177,10 @@ def sender_heard(tx: dict[str, Any], rx: dict[str, Any], *, since: float | None 
 # -- faults ------------------------------------------------------------------------------------
 def kill_sender(m: Matrix) -> None:
     url, fresh = m.url(), m.url()
-    m.spawn("rx", "receiver", (url, [{}]), (fresh, [{"seed": 1}]))
+    m.spawn("rx", "receiver", (url, [{"loaded_at": 2}]), (fresh, [{"seed": 1}]))
     m.spawn("tx", "sender", (url, [{"stall_at": 4}]))
-    m.event("tx", "stalled")
-    time.sleep(0.2)  # buckets 0-2 are on their way; bucket 3 is half full
+    m.event("tx", "stalled")  # bucket 3 is half full...
+    m.event("rx", "loaded")  # ...and buckets 0-2 are applied
     killed = m.signal("tx", signal.SIGKILL)
     rx = failed(m.outcome("rx"), "PeerBrokenError", since=killed)
     partial(rx, NAMES[:3])

@@ -75,33 +75,35 @@ async def test_into_a_vllm_style_model_stacks_qkv() -> None:
 
 
 async def test_slow_receiver_applies_backpressure() -> None:
-    # 2 slots: the sender can be at most 2 buckets ahead of the receiver's acks.
+    # 2 slots: the sender can be at most 2 buckets ahead of the receiver's releases. While
+    # the sink dawdles over bucket k (its slot not yet released), the sender has published
+    # at most buckets 0..k+1, and does publish k+1: it is exactly 2 ahead.
     weights = {f"t{i}": torch.full((200,), float(i)) for i in range(10)}  # 800 B each
-    sink = Recorder(delay=0.02)
     ahead: list[int] = []
-    sender = MemorySender("bp", slots=2, slot_bytes=1024)
-    receiver = MemoryReceiver("bp")
+    sender = ss.open_sender("memory://bp?slots=2&slot_bytes=1024")
+
+    class Dawdler(Recorder):
+        async def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+            await super().load(tensors)  # sleeps: the sender runs ahead meanwhile
+            stats = sender.statistics()
+            assert stats is not None
+            ahead.append(stats.buckets - len(ahead))
+
+    sink = Dawdler(delay=0.02)
 
     async def rx() -> None:
-        async with receiver:
+        async with ss.open_receiver("memory://bp") as receiver:
             await ss.receive(receiver, sink, timeout=5)
 
     async def tx() -> None:
         async with sender:
-            original = sender._publish
-
-            async def spy(msg, payload):  # type: ignore[no-untyped-def]
-                ahead.append(sender.ring.busy)
-                await original(msg, payload)
-
-            sender._publish = spy  # type: ignore[method-assign]
             await ss.send(weights, sender, timeout=5)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(rx)
         tg.start_soon(tx)
-    assert max(ahead) == 2  # never more slots in flight than the ring has
-    assert len(sink.items) == 10
+    assert len(ahead) == 10 and len(sink.items) == 10
+    assert ahead[:-1] == [2] * 9 and ahead[-1] == 1, ahead  # the last bucket has no successor
 
 
 async def test_fan_out_to_two_receivers() -> None:

@@ -16,6 +16,7 @@ from conftest import run_both
 
 import streamsync as ss
 from streamsync.testing.conformance import TransportConformance
+from streamsync.testing.peers import free_port
 from streamsync.transports import open_receiver, open_sender
 from streamsync.transports.cuda_ipc import local_device
 from streamsync.transports.zeromq import zmq_address
@@ -95,7 +96,7 @@ async def test_secret_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("form", ["shm://{tag}", "zmq+tcp://127.0.0.1:{port}"])
 async def test_a_receiver_too_many_is_refused(form: str) -> None:
     # (zmq+ipc removes its socket file once every receiver joined: nobody else gets in.)
-    url = _url(form.replace("{port}", str(40000 + os.getpid() % 20000)))
+    url = _url(form.replace("{port}", str(free_port())))
     async with open_sender(url, connect_timeout=2), open_receiver(url, connect_timeout=2):
         with pytest.raises(ss.ConfigError, match="receivers=N"):
             async with open_receiver(url, connect_timeout=2):
@@ -119,23 +120,39 @@ async def test_receiver_times_out_without_a_sender() -> None:
 async def test_ipc_socket_file_is_private_then_removed() -> None:
     url = _url("zmq+ipc://{tag}")
     path = zmq_address("zmq+ipc", url.split("://")[1], bind=True).removeprefix("ipc://")
-    async with open_sender(url, connect_timeout=2):
+    async with open_sender(url, connect_timeout=2) as tx:
         mode = stat.S_IMODE(os.stat(path).st_mode)
         assert mode == 0o600, oct(mode)
         assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
         async with open_receiver(url, connect_timeout=2):
-            await anyio.sleep(0.05)
-            assert not os.path.exists(path)  # every receiver joined: nobody needs it
+            await tx.wait_ready(timeout=2)  # the sender has seen every receiver join...
+            assert not os.path.exists(path)  # ...so nobody needs the file any more
     assert not os.path.exists(path)
+
+
+def _memfds() -> dict[str, str]:
+    """This process's open descriptors that are anonymous memory files: fd -> name."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if link.startswith("/memfd:"):
+            found[fd] = link
+    return found
 
 
 async def test_shm_segment_is_anonymous_and_owner_only() -> None:
     url = _url(URLS[0])
-    before = set(os.listdir("/dev/shm"))
-    async with open_sender(url, slot_bytes=4096) as tx:
-        assert set(os.listdir("/dev/shm")) == before
-        (fd,) = tx.store.shared().fds  # type: ignore[attr-defined]
-        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+    before, memfds = set(os.listdir("/dev/shm")), _memfds()
+    async with open_sender(url, slot_bytes=4096):
+        assert set(os.listdir("/dev/shm")) == before  # nothing with a name anyone could open
+        segments = {fd: name for fd, name in _memfds().items() if fd not in memfds}
+        assert segments, "the sender holds no anonymous memory file"
+        for fd in segments:
+            mode = stat.S_IMODE(os.stat(f"/proc/self/fd/{fd}").st_mode)
+            assert mode == 0o600, (segments[fd], oct(mode))
 
 
 def test_zmq_addresses() -> None:

@@ -86,20 +86,41 @@ async def test_tcp_binds_loopback_unless_told_otherwise() -> None:
 async def test_an_oversized_message_is_dropped_before_it_is_read() -> None:
     # Anyone who can reach the port may connect: a message claiming 64 MiB and one byte is
     # refused by ZeroMQ from its size alone, so it never reaches the handshake (where it
-    # would be refused too, but only after being received whole).
+    # would be refused too, but only after being received whole and answered). What a
+    # stranger sees: its connection is closed by the sender, with no answer.
     import zmq
     import zmq.asyncio
+    from zmq.utils.monitor import recv_monitor_message
 
     async with open_sender("zmq+tcp://127.0.0.1:0", connect_timeout=5) as tx:
         url = tx.url  # type: ignore[attr-defined]
         ctx = zmq.asyncio.Context()
         stranger = ctx.socket(zmq.DEALER)
         stranger.setsockopt(zmq.LINGER, 0)
-        stranger.connect(url.replace("zmq+tcp://", "tcp://"))
-        await stranger.send(bytes((64 << 20) + 1))
-        await anyio.sleep(0.3)
-        stranger.close()
-        ctx.term()
+        stranger.setsockopt(zmq.RECONNECT_IVL, -1)  # dropped once, it stays dropped
+        monitor = stranger.get_monitor_socket()
+
+        async def wait_for(event: int, what: str) -> None:
+            with anyio.move_on_after(10):
+                while int((await recv_monitor_message(monitor))["event"]) != event:
+                    pass
+                return
+            raise AssertionError(f"the stranger's connection was not {what} within 10 s")
+
+        try:
+            stranger.connect(url.replace("zmq+tcp://", "tcp://"))
+            # Connected and past ZeroMQ's own greeting: what follows is about the message.
+            await wait_for(zmq.EVENT_HANDSHAKE_SUCCEEDED, "established")
+            oversized = bytes((64 << 20) + 1)
+            await stranger.send(oversized, copy=False)
+            await wait_for(zmq.EVENT_DISCONNECTED, "closed by the sender")
+            # Dropped unread: a message received whole would have been answered (refused).
+            assert not await stranger.poll(0), "the sender read the oversized message"
+        finally:
+            stranger.disable_monitor()
+            monitor.close()
+            stranger.close()
+            ctx.term()
 
         async def rx() -> ss.SyncReport:
             async with open_receiver(url, connect_timeout=5) as r:
@@ -107,6 +128,7 @@ async def test_an_oversized_message_is_dropped_before_it_is_read() -> None:
 
         out = await run_both(rx=rx, tx=lambda: ss.send({"w": torch.ones(4)}, tx, timeout=5))
     assert isinstance(out["tx"], ss.SyncReport) and out["tx"].complete, out
+    assert isinstance(out["rx"], ss.SyncReport) and out["rx"].complete, out
 
 
 class _Keep:

@@ -7,6 +7,7 @@ import torch
 from conftest import run_both
 
 import streamsync as ss
+import streamsync.bucket as bucket_module
 from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
 
 
@@ -144,21 +145,29 @@ class Wide(torch.nn.Module):
 
 
 async def test_chunks_go_straight_into_the_module_tensor() -> None:
-
     receiver = Wide()
     trainer = {"small": torch.ones(4), "big": torch.arange(3000.0)}
     sender_side = ss.open_sender("memory://direct", slot_bytes=4096)
     receiving = ss.open_receiver("memory://direct")
+    allocated: list[int] = []
+    real = bucket_module.allocate_slot
+
+    def recording(nbytes: int) -> torch.Tensor:
+        allocated.append(nbytes)
+        return real(nbytes)
+
     async with sender_side as tx, receiving as rx:
-        out = await run_both(
-            rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
-            tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
-        )
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bucket_module, "allocate_slot", recording)
+            out = await run_both(
+                rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
+                tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
+            )
         assert out["rx"].complete and out["rx"].missing == ()
         assert torch.equal(receiver.big, trainer["big"])
         assert torch.equal(receiver.small, trainer["small"])
         # No staging buffer: the chunks were written into receiver.big itself.
-        assert rx.state.unpacker._staging is None
+        assert allocated == [], allocated
 
 
 async def test_chunked_shape_mismatch_raises_before_a_byte_is_written() -> None:
@@ -189,3 +198,52 @@ async def test_a_tensor_written_in_place_is_reported_as_applied() -> None:
     assert isinstance(out["rx"], ShapeMismatchError)
     assert out["rx"].report.loaded == ("big",) and not out["rx"].report.complete
     assert torch.equal(receiver.big, trainer["big"])
+
+
+def test_an_unknown_name_without_a_close_match_gets_no_hint() -> None:
+    sink = ModuleSink(Tiny())
+    sink.prepare()
+    with pytest.raises(UnknownTensorError) as info:
+        sink.load([("zzzzzz", torch.ones(1))])
+    assert "'zzzzzz'" in str(info.value) and "close matches" not in str(info.value)
+
+
+def test_empty_tensors_are_not_taken_for_tied_weights() -> None:
+    # Empty tensors share no storage even when their data pointers agree: loading one of
+    # them does not load the other.
+    model = torch.nn.Module()
+    model.register_buffer("first", torch.zeros(0, 4))
+    model.register_buffer("second", torch.zeros(0, 4))
+    sink = ModuleSink(model)
+    sink.prepare()
+    sink.load([("first", torch.zeros(0, 4))])
+    assert sink.finalize().missing == ("second",)
+
+
+class Odd(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(6, 4))
+        self.transposed = torch.nn.Parameter(torch.zeros(4, 6).t())  # not contiguous
+        self.elsewhere = torch.nn.Parameter(torch.zeros(6, 4, device="meta"))  # not on the CPU
+
+
+@pytest.mark.parametrize(
+    ("strict", "name", "dtype", "offered"),
+    [
+        (True, "w", torch.float32, "w"),  # the module's own tensor
+        (False, "w", torch.float16, None),  # converted by load, from the staging buffer
+        (False, "unknown", torch.float32, None),  # skipped by load
+        (True, "transposed", torch.float32, None),  # chunks cannot be written into a view
+        (True, "elsewhere", torch.float32, None),  # nor into memory off the CPU
+    ],
+)
+def test_target_offers_only_a_tensor_chunks_can_be_written_into(
+    strict: bool, name: str, dtype: torch.dtype, offered: str | None
+) -> None:
+    model = Odd()
+    got = ModuleSink(model, strict=strict).target(name, dtype, (6, 4))
+    if offered is None:
+        assert got is None
+    else:
+        assert got is not None and got.data_ptr() == getattr(model, offered).data_ptr()

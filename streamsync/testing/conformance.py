@@ -10,17 +10,20 @@ channel; pytest collects the ``test_*`` methods::
             return f"my://{tag}-{os.getpid()}"
 
 The tests are plain functions that run their own event loop (no async test plugin needed).
-Cross-process tests spawn sender and receiver with ``multiprocessing``'s *spawn* context;
-a transport registered by user code names the module that registers it in
-``setup_module``, which each child imports first. Children report plain data (digests of
-what they received, the name of what they raised) through a queue; tensors never cross.
+Cross-process tests run sender and receiver as fresh interpreters through
+:class:`streamsync.testing.peers.Peers`; a transport registered by user code names the
+module that registers it in ``setup_module``, which each child imports first. Children
+report plain data (digests of what they received, the name of what they raised, the points
+they reached) through a queue; tensors never cross. The tests that need a second process
+(SIGKILL of a peer) are skipped, with the reason, for in-process transports.
 
 What is checked: bit-exact round trip across processes (every wire dtype, a tensor larger
 than a bucket, two syncs on one channel), order, fan-out to two receivers, backpressure (a
-receiver that does not release stops the sender), close versus broken peer, timeouts on a
-silent peer, SIGKILL of either side mid-sync (the survivor raises
-:class:`~streamsync.PeerBrokenError` within twice the timeout), and no resources left behind
-(file descriptors, ``/dev/shm`` entries, the paths ``resource_paths`` names).
+receiver that does not release stops a two-slot sender at exactly two buckets in flight),
+close versus broken peer, timeouts on a silent peer, SIGKILL of either side mid-sync (the
+survivor raises :class:`~streamsync.PeerBrokenError` within twice the timeout), and no
+resources left behind (file descriptors, ``/dev/shm`` entries, the paths ``resource_paths``
+names).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import contextlib
 import gc
 import hashlib
 import importlib
-import multiprocessing
 import os
 import signal
 import time
@@ -42,6 +44,7 @@ import torch
 
 import streamsync as ss
 from streamsync.bucket import BucketBuilder
+from streamsync.testing.peers import Peers
 from streamsync.transports import open_receiver, open_sender
 from streamsync.wire import Abort
 
@@ -113,6 +116,13 @@ async def _slow_source(seed: int, delay: float) -> AsyncIterator[tuple[str, torc
 
 
 # -- child processes -----------------------------------------------------------------
+def _skip(reason: str) -> None:
+    # Imported here: children preload this module, and they do not need pytest.
+    import pytest
+
+    pytest.skip(reason)
+
+
 def _child(role: str, setup: str, args: dict[str, Any], results: Any) -> None:
     """Entry point of a spawned side: run it and put a plain dict on ``results``."""
     if setup:
@@ -178,8 +188,12 @@ class TransportConformance:
     setup_module: str = ""
     #: Seconds of every wait in the suite's syncs.
     timeout: float = 5.0
-    #: Most buckets a sender may have in flight to a receiver that never releases.
-    max_in_flight: int = 16
+    #: Options that give a sender a ring of two slots (see :attr:`max_in_flight`).
+    two_slots: dict[str, Any] = {"slots": 2}  # noqa: RUF012 - read-only default
+    #: Buckets a sender opened with :attr:`two_slots` has in flight to a receiver that never
+    #: releases: exactly this many, no fewer, no more. A transport whose ring differs (say,
+    #: a slot held back for itself) overrides it with its own exact number, saying why.
+    max_in_flight: int = 2
     #: How children start: a fresh interpreter either way; "forkserver" (with torch and
     #: streamsync preloaded) starts them in a fraction of the time "spawn" takes.
     start_method: str = "forkserver"
@@ -200,42 +214,32 @@ class TransportConformance:
         return []
 
     # -- harness ---------------------------------------------------------------------
-    def _spawn(self, role: str, results: Any, **args: Any) -> Any:
-        ctx = self._context()
+    def _peers(self) -> Peers:
+        """The children of one test: fresh interpreters with this suite and the user's
+        ``setup_module`` preloaded; leaving the ``with`` block joins them (kills them if
+        the test failed)."""
+        return Peers(__name__, self.setup_module, start_method=self.start_method)
+
+    def _spawn(self, peers: Peers, role: str, **args: Any) -> Any:
         options = self.receiver_options if role == "receiver" else self.sender_options
         args = {"timeout": self.timeout, "syncs": 1, "options": options, **args}
-        proc = ctx.Process(target=_child, args=(role, self.setup_module, args, results))
-        proc.start()
-        return proc
-
-    def _context(self) -> Any:
-        if self.start_method == "forkserver":
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(
-                ["torch", "streamsync", __name__, *filter(None, [self.setup_module])]
-            )
-            return ctx
-        return multiprocessing.get_context(self.start_method)
+        return peers.spawn(_child, role, self.setup_module, args)
 
     @staticmethod
-    def _wait_for(
-        results: Any, key: str, value: Any, timeout: float = _CONNECT_S
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            item: dict[str, Any] = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            if item.get(key) == value:
-                return item
-            if item.get("ok") is False:
-                raise AssertionError(f"a child failed: {item}")
+    def _reached(peers: Peers, event: str, timeout: float = _CONNECT_S) -> None:
+        """Wait until a child reports ``event``; a child failing first fails the test."""
+        item = peers.get(
+            lambda i: i.get("event") == event or i.get("ok") is False, timeout, f"{event!r} event"
+        )
+        if item.get("ok") is False:
+            raise AssertionError(f"a child failed: {item}")
 
     @staticmethod
-    def _finish(procs: Sequence[Any]) -> None:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+    def _outcomes(peers: Peers, count: int, timeout: float) -> list[dict[str, Any]]:
+        """The final reports of ``count`` children, in the order they finished."""
+        return [
+            peers.get(lambda i: "role" in i, timeout, "a child's outcome") for _ in range(count)
+        ]
 
     def _check_gone(self, url: str, shm_before: set[str]) -> None:
         gc.collect()
@@ -251,20 +255,13 @@ class TransportConformance:
             out = asyncio.run(self._in_process(url, receivers=1, syncs=2))
             assert out == [[_expected(0), _expected(1)]]
             return
-        results = self._context().Queue()
-        rx = self._spawn("receiver", results, url=url, syncs=2)
-        tx = self._spawn("sender", results, url=url, syncs=2)
-        try:
-            done: dict[str, dict[str, Any]] = {}
-            while len(done) < 2:
-                item = results.get(timeout=_CONNECT_S + 30)
-                if "role" in item:
-                    done[item["role"]] = item
+        with self._peers() as peers:
+            self._spawn(peers, "receiver", url=url, syncs=2)
+            self._spawn(peers, "sender", url=url, syncs=2)
+            done = {item["role"]: item for item in self._outcomes(peers, 2, _CONNECT_S + 30)}
             assert done["sender"]["ok"], done["sender"]
             assert done["receiver"]["ok"], done["receiver"]
             assert done["receiver"]["syncs"] == [_expected(0), _expected(1)]
-        finally:
-            self._finish([rx, tx])
 
     def test_fan_out_to_two_receivers(self) -> None:
         url = self.make_url("fanout")
@@ -272,9 +269,9 @@ class TransportConformance:
             out = asyncio.run(self._in_process(url, receivers=2, syncs=1))
             assert out == [[_expected(0)], [_expected(0)]]
             return
-        results = self._context().Queue()
-        procs = [self._spawn("receiver", results, url=url) for _ in range(2)]
-        try:
+        with self._peers() as peers:
+            for _ in range(2):
+                self._spawn(peers, "receiver", url=url)
 
             async def send() -> None:
                 tx_url = self.with_receivers(url, 2)
@@ -282,23 +279,16 @@ class TransportConformance:
                     tx_url, connect_timeout=_CONNECT_S, **self.sender_options
                 ) as tx:
                     for _ in range(2):
-                        await anyio.to_thread.run_sync(self._wait_for, results, "event", "joined")
+                        await anyio.to_thread.run_sync(self._reached, peers, "joined")
                     report = await ss.send(
                         conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
                     )
                     assert report.receivers == 2
 
             asyncio.run(send())
-            finals: list[dict[str, Any]] = []
-            while len(finals) < 2:
-                item = results.get(timeout=30)
-                if "role" in item:
-                    finals.append(item)
-            for item in finals:
+            for item in self._outcomes(peers, 2, 30):
                 assert item["ok"], item
                 assert item["syncs"] == [_expected(0)]
-        finally:
-            self._finish(procs)
 
     async def _in_process(self, url: str, *, receivers: int, syncs: int) -> list[list[list[str]]]:
         sinks = [_HashingSink() for _ in range(receivers)]
@@ -335,18 +325,20 @@ class TransportConformance:
         async def run() -> None:
             builder = BucketBuilder(1024)
             buckets = [b for i in range(40) for b in builder.add(f"t{i}", torch.full((200,), i))]
+            options = {**self.sender_options, **self.two_slots}
             async with (
-                open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx,
+                open_sender(url, connect_timeout=_CONNECT_S, **options) as tx,
                 open_receiver(url, **self.receiver_options) as rx,
             ):
-                received: list[int] = []
+                arrivals, arrived = anyio.create_memory_object_stream[int](len(buckets))
 
                 async def hold() -> None:  # receives, never releases
                     while True:
                         incoming = await rx.receive(timeout=30)
-                        received.append(getattr(incoming.message, "seq", -1))
+                        arrivals.send_nowait(getattr(incoming.message, "seq", -1))
 
                 accepted = 0
+                received: list[int] = []
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(hold)
                     try:
@@ -355,11 +347,22 @@ class TransportConformance:
                             accepted += 1
                     except ss.SyncTimeoutError:
                         pass
-                    await anyio.sleep(0.2)
+                    # Every accepted bucket reaches the receiver...
+                    with anyio.fail_after(self.timeout):
+                        while len(received) < accepted:
+                            received.append(await arrived.receive())
+                    # ...and nothing else does while the sender is stopped.
+                    with anyio.move_on_after(0.2):
+                        received.append(await arrived.receive())
                     tg.cancel_scope.cancel()
-                assert 1 <= accepted <= self.max_in_flight, f"{accepted} buckets in flight"
+                assert accepted == self.max_in_flight, (
+                    f"{accepted} buckets in flight; a ring of two slots must stop at "
+                    f"{self.max_in_flight}"
+                )
                 assert received == list(range(accepted)), received
                 await tx.abort(Abort(1, "test over"))
+                arrivals.close()
+                arrived.close()
 
         asyncio.run(run())
 
@@ -400,7 +403,6 @@ class TransportConformance:
                 rx = open_receiver(url, **self.receiver_options)
                 await rx.__aenter__()
                 await rx.aclose()
-                await anyio.sleep(0.05)
                 start = time.monotonic()
                 try:
                     await ss.send(
@@ -478,22 +480,22 @@ class TransportConformance:
 
     def test_sigkill_of_the_receiver_mid_sync(self) -> None:
         if not self.cross_process:
-            return
+            _skip("an in-process transport has no receiver process to kill")
         url = self.make_url("killrx")
         shm_before = _shm_entries()
-        results = self._context().Queue()
-        proc = self._spawn("receiver", results, url=url, delay=30.0)
+        peers = self._peers()
+        proc = self._spawn(peers, "receiver", url=url, delay=30.0)
         killed: list[float] = []
         caught: list[BaseException] = []
 
         async def kill_when_loading() -> None:
-            await anyio.to_thread.run_sync(self._wait_for, results, "event", "loading")
+            await anyio.to_thread.run_sync(self._reached, peers, "loading")
             os.kill(proc.pid, signal.SIGKILL)
             killed.append(time.monotonic())
 
         async def run() -> None:
             async with open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx:
-                await anyio.to_thread.run_sync(self._wait_for, results, "event", "joined")
+                await anyio.to_thread.run_sync(self._reached, peers, "joined")
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(kill_when_loading)
                     try:
@@ -504,20 +506,18 @@ class TransportConformance:
                     except ss.StreamsyncError as exc:
                         caught.append(exc)
 
-        try:
+        with peers:
             asyncio.run(run())
-        finally:
-            self._finish([proc])
         self._expect_death(caught[0] if caught else None, killed[0] if killed else None)
         self._check_gone(url, shm_before)
 
     def test_sigkill_of_the_sender_mid_sync(self) -> None:
         if not self.cross_process:
-            return
+            _skip("an in-process transport has no sender process to kill")
         url = self.make_url("killtx")
         shm_before = _shm_entries()
-        results = self._context().Queue()
-        proc = self._spawn("sender", results, url=url, delay=0.5, bucket_bytes=1024)
+        peers = self._peers()
+        proc = self._spawn(peers, "sender", url=url, delay=0.5, bucket_bytes=1024)
         killed: list[float] = []
         caught: list[BaseException] = []
 
@@ -534,9 +534,7 @@ class TransportConformance:
                 except ss.StreamsyncError as exc:
                     caught.append(exc)
 
-        try:
+        with peers:
             asyncio.run(run())
-        finally:
-            self._finish([proc])
         self._expect_death(caught[0] if caught else None, killed[0] if killed else None)
         self._check_gone(url, shm_before)

@@ -68,12 +68,12 @@ class Peers:
             if remaining <= 0:
                 raise AssertionError(f"no {what} within {timeout:g} s; got {self._seen}")
             try:
-                got: dict[str, Any] = self.results.get(timeout=remaining)
+                reported: dict[str, Any] = self.results.get(timeout=remaining)
             except queue.Empty:
                 continue
-            if match(got):
-                return got
-            self._seen.append(got)
+            if match(reported):
+                return reported
+            self._seen.append(reported)
 
     def collect(self, count: int, timeout: float) -> list[dict[str, Any]]:
         """The next ``count`` reports in arrival order (fewer if the time runs out)."""
