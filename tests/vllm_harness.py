@@ -3,10 +3,13 @@ outputs of the trainer's Transformers model."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+import anyio.from_thread
 import torch
 
 import streamsync as ss
@@ -20,7 +23,6 @@ from streamsync.testing.engine import (
     reference_outputs,
     sampling,
 )
-from streamsync.vllm._loop import LoopThread
 
 __all__ = [
     "MAX_TOKENS",
@@ -62,9 +64,30 @@ def shutdown(llm: Any) -> None:
     gc.collect()
 
 
-# The trainer's event loop lives for the whole session, as in a real training run: the
-# channels update_weights opens are reused by every later sync.
-TRAINER = LoopThread("trainer")
+T = TypeVar("T")
+
+
+class TrainerLoop:
+    """The trainer's event loop, alive for the whole session as in a real training run (the
+    channels ``update_weights`` opens are reused by every later sync), in a daemon thread
+    behind an anyio blocking portal."""
+
+    def __init__(self) -> None:
+        # Keep the context manager: collecting it would stop the portal.
+        self._portal_cm = anyio.from_thread.start_blocking_portal(name="trainer")
+        self._portal = self._portal_cm.__enter__()
+
+    def run(self, fn: Callable[[], Awaitable[T]], *, timeout: float) -> T:
+        """Run ``fn()`` on the loop; at most ``timeout`` seconds."""
+        future = self._portal.start_task_soon(fn)
+        done, _ = concurrent.futures.wait([future], timeout)
+        if not done:
+            future.cancel()
+            raise TimeoutError(f"the trainer's step did not finish within {timeout:g} s")
+        return future.result()
+
+
+TRAINER = TrainerLoop()
 
 
 def sync(llm: Any, trainer: torch.nn.Module, endpoint: str, **kwargs: Any) -> ss.SyncReport:
