@@ -311,9 +311,19 @@ class WeightSync:
         if send_error is not None:
             raise send_error
         assert report is not None
-        await self.client.after_sync()
+        merged = merge_worker_reports(report, results)
+        try:
+            with anyio.fail_after(self.timeout):
+                await self.client.after_sync()
+        except TimeoutError:
+            late = SyncTimeoutError(
+                f"the engine's after-sync hooks did not finish within {self.timeout:g} s; "
+                f"the sync from {self.endpoint} itself completed (exc.report)"
+            )
+            late.report = merged
+            raise late from None
         log("engine.sync", endpoint=self.endpoint, workers=len(results), sync_id=report.sync_id)
-        return merge_worker_reports(report, results)
+        return merged
 
 
 @dataclass
