@@ -3,17 +3,19 @@
 Engine workers are called synchronously, once per sync (vLLM's ``collective_rpc``).
 Transports keep sockets and slots open across syncs and those belong to one event loop, so
 every receive of a worker runs on the same long-lived loop, in a daemon thread behind an
-anyio blocking portal.
+anyio blocking portal (:class:`EventLoopThread`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
 from streamsync._log import log
 from streamsync.engine import WorkerOptions, WorkerResult
@@ -25,30 +27,60 @@ from streamsync.transports import Receiver, open_receiver
 
 T = TypeVar("T")
 
-__all__ = ["WorkerReceivers"]
+__all__ = ["EventLoopThread", "WorkerReceivers"]
+
+
+class EventLoopThread:
+    """One long-lived anyio event loop in a daemon thread, for synchronous callers.
+
+    Built on a :class:`~anyio.from_thread.BlockingPortal` but not on
+    ``start_blocking_portal``, whose context manager joins the thread when it is collected:
+    at interpreter exit that join would wait forever on a daemon thread already frozen.
+    """
+
+    def __init__(self, name: str = "streamsync-loop") -> None:
+        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+
+        async def main() -> None:
+            async with BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        self._thread = threading.Thread(target=anyio.run, args=(main,), name=name, daemon=True)
+        self._thread.start()
+        self._portal: BlockingPortal | None = ready.result(timeout=30)
+
+    def run(self, fn: Callable[[], Awaitable[T]], *, timeout: float, what: str = "call") -> T:
+        """Run ``fn()`` on the loop and wait for its result (at most ``timeout`` seconds;
+        then it is cancelled)."""
+        if self._portal is None:
+            raise RuntimeError(f"{self._thread.name}: the event loop thread was stopped")
+        future = self._portal.start_task_soon(fn)
+        done, _ = concurrent.futures.wait([future], timeout)
+        if not done:
+            future.cancel()
+            raise SyncTimeoutError(f"{what} did not finish within {timeout:g} s")
+        return future.result()
+
+    def stop(self, timeout: float = 10) -> None:
+        """Cancel what still runs on the loop and end its thread."""
+        portal, self._portal = self._portal, None
+        if portal is not None:
+            portal.start_task_soon(portal.stop, True)
+            self._thread.join(timeout)
 
 
 class WorkerReceivers:
-    """One receiver per endpoint for one engine worker, all on one event loop thread.
+    """One receiver per endpoint for one engine worker, all on one
+    :class:`EventLoopThread`.
 
     :meth:`receive` and :meth:`close` are plain (blocking) methods for the worker's RPC
     handlers; :meth:`shutdown` closes everything and stops the loop.
     """
 
     def __init__(self, name: str = "streamsync-worker") -> None:
-        self._portal_cm = start_blocking_portal(name=name)
-        self._portal: BlockingPortal | None = self._portal_cm.__enter__()
+        self._loop = EventLoopThread(name)
         self._receivers: dict[str, Receiver] = {}
-
-    def _run(self, fn: Callable[[], Awaitable[T]], *, timeout: float, what: str) -> T:
-        if self._portal is None:
-            raise RuntimeError("WorkerReceivers was shut down")
-        future = self._portal.start_task_soon(fn)
-        done, _ = concurrent.futures.wait([future], timeout)
-        if not done:
-            future.cancel()
-            raise SyncTimeoutError(f"worker-side {what} did not finish within {timeout:g} s")
-        return future.result()
 
     def receive(self, endpoint: str, options: WorkerOptions, sink: Sink) -> WorkerResult:
         """Receive one sync from ``endpoint`` into ``sink``. A streamsync error is returned in
@@ -78,7 +110,9 @@ class WorkerReceivers:
                 return await once()
 
         try:
-            report = self._run(run, timeout=timeout * 4, what=f"sync from {endpoint}")
+            report = self._loop.run(
+                run, timeout=timeout * 4, what=f"worker-side sync from {endpoint}"
+            )
         except StreamsyncError as exc:
             return WorkerResult.failed(exc)
         return WorkerResult.succeeded(report)
@@ -90,17 +124,15 @@ class WorkerReceivers:
         for name in names:
             receiver = self._receivers.pop(name, None)
             if receiver is not None:
-                self._run(receiver.aclose, timeout=10, what=f"close of {name}")
+                self._loop.run(receiver.aclose, timeout=10, what=f"worker-side close of {name}")
                 closed += 1
         return closed
 
     def shutdown(self) -> None:
         """Close every receiver and stop the loop thread."""
-        with contextlib.suppress(StreamsyncError):
+        with contextlib.suppress(StreamsyncError, RuntimeError):
             self.close()
-        if self._portal is not None:
-            self._portal = None
-            self._portal_cm.__exit__(None, None, None)
+        self._loop.stop()
 
     def __repr__(self) -> str:
         return f"WorkerReceivers(endpoints={list(self._receivers)!r})"

@@ -210,3 +210,28 @@ def test_update_engine_refuses_a_channel_from_another_event_loop(
     anyio.run(two_steps)
     with pytest.raises(ss.ConfigError, match="opened in another event loop"):
         anyio.run(step)
+
+
+def test_lifecycles_register_by_name_like_quirks() -> None:
+    from streamsync.vllm.lifecycles import LIFECYCLES, choose_lifecycle, register_lifecycle
+
+    @register_lifecycle
+    class Recording:
+        name = "recording"
+
+        def prepare(self, inst: Any) -> None:
+            pass
+
+        def load(self, inst: Any, tensors: Any) -> set[str]:
+            return set()
+
+        def finalize(self, inst: Any) -> None:
+            pass
+
+    try:
+        assert list(LIFECYCLES)[:2] == ["layerwise-reload", "direct-load"]  # preference
+        assert isinstance(choose_lifecycle("recording"), Recording)
+        with pytest.raises(ss.ConfigError, match="valid: layerwise-reload, direct-load, recording"):
+            choose_lifecycle("nope")
+    finally:
+        del LIFECYCLES["recording"]

@@ -3,13 +3,10 @@ outputs of the trainer's Transformers model."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import gc
 import os
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio.from_thread
 import torch
 
 import streamsync as ss
@@ -23,6 +20,7 @@ from streamsync.testing.engine import (
     reference_outputs,
     sampling,
 )
+from streamsync.worker import EventLoopThread
 
 __all__ = [
     "MAX_TOKENS",
@@ -64,30 +62,9 @@ def shutdown(llm: Any) -> None:
     gc.collect()
 
 
-T = TypeVar("T")
-
-
-class TrainerLoop:
-    """The trainer's event loop, alive for the whole session as in a real training run (the
-    channels ``update_weights`` opens are reused by every later sync), in a daemon thread
-    behind an anyio blocking portal."""
-
-    def __init__(self) -> None:
-        # Keep the context manager: collecting it would stop the portal.
-        self._portal_cm = anyio.from_thread.start_blocking_portal(name="trainer")
-        self._portal = self._portal_cm.__enter__()
-
-    def run(self, fn: Callable[[], Awaitable[T]], *, timeout: float) -> T:
-        """Run ``fn()`` on the loop; at most ``timeout`` seconds."""
-        future = self._portal.start_task_soon(fn)
-        done, _ = concurrent.futures.wait([future], timeout)
-        if not done:
-            future.cancel()
-            raise TimeoutError(f"the trainer's step did not finish within {timeout:g} s")
-        return future.result()
-
-
-TRAINER = TrainerLoop()
+# The trainer's event loop lives for the whole session, as in a real training run: the
+# channels update_weights opens are reused by every later sync.
+TRAINER = EventLoopThread("trainer")
 
 
 def sync(llm: Any, trainer: torch.nn.Module, endpoint: str, **kwargs: Any) -> ss.SyncReport:
