@@ -332,7 +332,9 @@ class _Cached:
     loop: Callable[[], object | None]
 
 
-# Per engine (dropped with it), per endpoint: the channels update_engine keeps open.
+# Per engine, per endpoint: the channels update_engine keeps open. A channel's client refers
+# to its engine, so an engine used here stays alive with its channel until the process ends
+# (as before this seam); collecting them would need an event loop to close the transport.
 _channels: weakref.WeakKeyDictionary[Any, dict[str, _Cached]] = weakref.WeakKeyDictionary()
 
 
