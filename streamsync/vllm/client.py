@@ -1,0 +1,162 @@
+"""The trainer side for vLLM: engine clients for ``LLM`` and ``AsyncLLM``, and
+``update_weights(llm, weights, endpoint=..., pipeline=...)``.
+
+A client runs the workers' receive through ``collective_rpc`` (in a thread for ``LLM``,
+awaited in a task for ``AsyncLLM``, so the sender is not blocked) and resets the prefix
+cache after a sync (its blocks hold what the old weights computed). ``collective_rpc``
+carries the endpoint and the :class:`~streamsync.engine.WorkerOptions` as plain values
+(msgpack when the engine core is another process) and brings back each worker's
+:class:`~streamsync.engine.WorkerResult` as plain values too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio.to_thread
+
+from streamsync.adapter import AdapterLike
+from streamsync.engine import (
+    EngineClient,
+    WorkerOptions,
+    WorkerResult,
+    update_engine,
+)
+from streamsync.engine import WeightSync as _EngineWeightSync
+from streamsync.errors import ConfigError
+from streamsync.report import SyncReport
+from streamsync.sync import DEFAULT_TIMEOUT
+
+__all__ = [
+    "AsyncLLMClient",
+    "LLMClient",
+    "WeightSync",
+    "update_weights",
+    "vllm_client",
+    "world_size",
+]
+
+_RECEIVE = "streamsync_receive"
+_CLOSE = "streamsync_close"
+
+
+def world_size(llm: Any) -> int:
+    """How many workers (receivers) an ``LLM`` or ``AsyncLLM`` has."""
+    engine = getattr(llm, "llm_engine", None)
+    config = getattr(engine, "vllm_config", None) or getattr(llm, "vllm_config", None)
+    if config is None:
+        raise ConfigError(f"{type(llm).__name__} is not a vLLM LLM or AsyncLLM (no vllm_config)")
+    return int(config.parallel_config.world_size)
+
+
+def _results(raw: list[Any]) -> list[WorkerResult]:
+    return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+
+
+class LLMClient:
+    """A synchronous vLLM ``LLM``: each RPC runs in a worker thread."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.receivers = world_size(llm)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        args = (endpoint, options.to_wire())
+        return _results(await self._call(lambda: self.llm.collective_rpc(_RECEIVE, args=args)))
+
+    async def after_sync(self) -> None:
+        await self._call(self.llm.reset_prefix_cache)
+
+    async def close_receivers(self, endpoint: str) -> int:
+        return sum(await self._call(lambda: self.llm.collective_rpc(_CLOSE, args=(endpoint,))))
+
+
+class AsyncLLMClient:
+    """A vLLM ``AsyncLLM`` (in-process or multi-process engine core): RPCs are awaited."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.receivers = world_size(llm)
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        args = (endpoint, options.to_wire())
+        return _results(list(await self.llm.collective_rpc(_RECEIVE, args=args)))
+
+    async def after_sync(self) -> None:
+        await self.llm.reset_prefix_cache()
+
+    async def close_receivers(self, endpoint: str) -> int:
+        return sum(await self.llm.collective_rpc(_CLOSE, args=(endpoint,)))
+
+
+def vllm_client(llm: Any) -> EngineClient:
+    """The engine client for a vLLM ``LLM`` or ``AsyncLLM``."""
+    if inspect.iscoroutinefunction(getattr(llm, "collective_rpc", None)):
+        return AsyncLLMClient(llm)
+    return LLMClient(llm)
+
+
+class WeightSync(_EngineWeightSync):
+    """A persistent channel into one vLLM engine (:class:`streamsync.engine.WeightSync` on
+    its :func:`vllm_client`): ``async with WeightSync(llm, endpoint) as sync:
+    await sync.update(weights)``."""
+
+    def __init__(
+        self,
+        llm: Any,
+        endpoint: str,
+        *,
+        pipeline: AdapterLike | None = None,
+        bucket_bytes: int = 64 << 20,
+        timeout: float = DEFAULT_TIMEOUT,
+        checksum: bool = False,
+        worker_options: WorkerOptions | Mapping[str, Any] | None = None,
+        **transport_options: Any,
+    ) -> None:
+        super().__init__(
+            vllm_client(llm),
+            endpoint,
+            pipeline=pipeline,
+            bucket_bytes=bucket_bytes,
+            timeout=timeout,
+            checksum=checksum,
+            worker_options=worker_options,
+            **transport_options,
+        )
+        self.llm = llm
+
+
+async def update_weights(
+    llm: Any,
+    weights: Any,
+    *,
+    endpoint: str,
+    pipeline: AdapterLike | None = None,
+    bucket_bytes: int = 64 << 20,
+    timeout: float = DEFAULT_TIMEOUT,
+    worker_options: WorkerOptions | Mapping[str, Any] | None = None,
+    **options: Any,
+) -> SyncReport:
+    """Sync ``weights`` into every worker (and model instance) of ``llm``.
+
+    The channel for (``llm``, ``endpoint``) is kept open for later calls, so its slots and
+    sockets are reused: call it from one long-lived event loop (another loop gets a
+    :class:`~streamsync.ConfigError`). To manage the channel yourself (or to run each step
+    in a fresh loop), use :class:`WeightSync`.
+    """
+    return await update_engine(
+        llm,
+        weights,
+        client=vllm_client,
+        endpoint=endpoint,
+        pipeline=pipeline,
+        bucket_bytes=bucket_bytes,
+        timeout=timeout,
+        worker_options=worker_options,
+        **options,
+    )

@@ -1,0 +1,153 @@
+"""Lifecycles: how a vLLM model instance is prepared, loaded and finalized, registered by
+name (next to the quirks of :mod:`streamsync.vllm.quirks`; users may register their own).
+
+- :class:`LayerwiseReload` (vLLM with ``model_executor/model_loader/reload``): restore each
+  layer's checkpoint layout, buffer its weights as they stream in, re-run
+  ``process_weights_after_loading`` per layer and copy the result into the *same storage*
+  (captured graphs stay valid).
+- :class:`DirectLoad` (older vLLM): ``load_weights`` straight into the live parameters, then
+  ``process_weights_after_loading`` once at the end.
+
+Workers choose one by name (``worker_options={"lifecycle": ...}``), so a lifecycle of your
+own must be registered in the worker process too (in a module the worker imports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import torch
+
+from streamsync.adapter import NamedTensor
+from streamsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from streamsync.vllm.sink import ModelInstance
+
+__all__ = [
+    "LIFECYCLES",
+    "DirectLoad",
+    "LayerwiseReload",
+    "Lifecycle",
+    "choose_lifecycle",
+    "register_lifecycle",
+]
+
+
+class Lifecycle(Protocol):
+    """How one instance is prepared, loaded and finalized."""
+
+    name: str
+
+    def prepare(self, inst: ModelInstance) -> None: ...
+
+    def load(self, inst: ModelInstance, tensors: Sequence[NamedTensor]) -> set[str]: ...
+
+    def finalize(self, inst: ModelInstance) -> None: ...
+
+
+#: Every known lifecycle class, by name, in order of preference.
+LIFECYCLES: dict[str, type[Lifecycle]] = {}
+
+L = TypeVar("L", bound=type[Lifecycle])
+
+
+def register_lifecycle(cls: L) -> L:
+    """Add a lifecycle class (a ``name`` and a constructor without arguments that raises
+    :class:`ImportError` where the installed vLLM lacks what it needs); a class decorator.
+    Registration order is the order :func:`choose_lifecycle` tries them in."""
+    LIFECYCLES[cls.name] = cls
+    return cls
+
+
+@register_lifecycle
+class LayerwiseReload:
+    """vLLM's layerwise reload: layers are re-materialised in checkpoint layout, loaded, and
+    processed (repacked, quantized) into their original storage as soon as complete."""
+
+    name = "layerwise-reload"
+
+    def __init__(self) -> None:
+        from vllm.model_executor.model_loader import reload
+
+        self._reload = reload
+
+    def prepare(self, inst: ModelInstance) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        # Metadata is recorded when vLLM loads the model; record it if it was not.
+        if not any(m in LAYERWISE_INFO for m in inst.model.modules()):
+            self._reload.record_metadata_for_reloading(inst.model)
+        self._reload.initialize_layerwise_reload(inst.model)
+
+    def load(self, inst: ModelInstance, tensors: Sequence[NamedTensor]) -> set[str]:
+        loaded = set(inst.model.load_weights(tensors))  # type: ignore[operator]
+        self._detach_pending(inst.model)
+        return loaded
+
+    @staticmethod
+    def _detach_pending(model: torch.nn.Module) -> None:
+        # A layer whose weights straddle buckets keeps the tensors it was given until it is
+        # complete; those are views of a transport slot that is about to be reused. Copy
+        # them now (only the pending layer's tensors, typically one layer's worth).
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        for module in model.modules():
+            info = LAYERWISE_INFO.get(module)
+            if info is None or not info.loaded_weights:
+                continue
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and key != "param"
+                        and not getattr(value, "_streamsync_owned", False)
+                    ):
+                        owned = value.clone()
+                        owned._streamsync_owned = True  # type: ignore[attr-defined]
+                        bound.arguments[key] = owned
+
+    def finalize(self, inst: ModelInstance) -> None:
+        self._reload.finalize_layerwise_reload(inst.model, inst.model_config)
+
+
+@register_lifecycle
+class DirectLoad:
+    """``load_weights`` into the live parameters, then ``process_weights_after_loading``.
+    Only correct where processing is idempotent on the checkpoint layout (older vLLM on GPU,
+    unquantized); on the CPU build of vLLM 0.32 it corrupts repacked linears."""
+
+    name = "direct-load"
+
+    def prepare(self, inst: ModelInstance) -> None:
+        pass
+
+    def load(self, inst: ModelInstance, tensors: Sequence[NamedTensor]) -> set[str]:
+        return set(inst.model.load_weights(tensors))  # type: ignore[operator]
+
+    def finalize(self, inst: ModelInstance) -> None:
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        device = next(inst.model.parameters()).device
+        process_weights_after_loading(inst.model, inst.model_config, device)
+
+
+def choose_lifecycle(name: str | None = None) -> Lifecycle:
+    """The named lifecycle, or the first registered one the installed vLLM offers."""
+    if name is not None:
+        try:
+            cls = LIFECYCLES[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown lifecycle {name!r}; valid: {', '.join(LIFECYCLES)}"
+            ) from None
+        return cls()
+    for cls in LIFECYCLES.values():
+        try:
+            return cls()
+        except ImportError:
+            continue
+    raise ConfigError(
+        f"no registered lifecycle works with this vLLM; tried {', '.join(LIFECYCLES)}"
+    )
