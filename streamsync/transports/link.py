@@ -1,30 +1,23 @@
-"""The link seam: frames between a sender and each of its receivers.
+"""The link seam: opaque frames between a sender and each of its receivers.
 
-A link moves opaque frames (encoded :class:`~streamsync.wire.WireCodec` envelopes) and,
-for a slot store with ``payload_frames``, a bucket's bytes after its header. It knows
-nothing of the protocol: :class:`~streamsync.transports.linked.LinkedSender` runs the
-handshake and the ring over it.
+A link knows nothing of the protocol: :class:`~streamsync.transports.linked.LinkedSender`
+runs the handshake and the ring over it. With a slot store whose ``payload_frames`` is true
+it also carries a bucket's bytes after its header. Lower-level failures are mapped with
+:func:`map_exceptions` at every boundary: a failed write raises
+:class:`~streamsync.PeerBrokenError`, a failed read :class:`LinkLost`.
 
-:class:`SenderLink` (the sender's end, one per channel):
+- :class:`SenderLink` (one per channel): ``open()`` binds (a taken address raises
+  :class:`~streamsync.ConfigError`; ``url`` then names the bound port); ``serve(events)``
+  runs in the channel's task group until cancelled, accepting receivers (each a
+  :class:`Peer`) and reporting their frames to :class:`LinkEvents`; ``send(peer, frame,
+  payload=None, fds=())``; ``all_joined()`` once every receiver joined; ``aclose()``.
+- :class:`ReceiverLink`: ``connect()`` (retried until the sender is there; bounded by the
+  caller), ``handshake(hello)`` (the answer and any descriptors passed with it),
+  ``send(frame)``, ``receive()`` (a frame and its payload), ``aclose()``.
 
-- ``await open()`` binds (a taken address raises :class:`~streamsync.ConfigError`); the
-  link's ``url`` then names the bound address (a port 0 becomes the real port);
-- ``await serve(events)`` runs in the channel's task group until cancelled: it accepts
-  receivers and reports each one's frames to ``events`` (:class:`LinkEvents`), every
-  receiver being a :class:`Peer`;
-- ``await send(peer, frame, payload=None, fds=())`` raises
-  :class:`~streamsync.PeerBrokenError` when the peer is unreachable;
-- ``all_joined()`` is called once every receiver joined; ``await aclose()`` releases all.
-
-:class:`ReceiverLink` (a receiver's end): ``await connect()`` (retried until the sender is
-there; bounded by the caller), ``await handshake(hello)`` (the answer and any descriptors
-passed with it), ``await send(frame)``, ``await receive()`` (a frame and its payload, or
-None; :class:`LinkLost` when the link ends), ``await aclose()``.
-
-Lower-level failures are mapped to these with :func:`map_exceptions` at every boundary.
 Here: :class:`UnixLink`/:class:`UnixDialer`, length-prefixed frames over abstract unix
-stream sockets (anyio streams; descriptors ride on the ``Welcome``), owner-only
-(``SO_PEERCRED``). ``zmq+*://`` adds its link in :mod:`streamsync.transports.zeromq`.
+sockets, owner-only (``SO_PEERCRED``). ``zmq+*://`` adds its link in
+:mod:`streamsync.transports.zeromq`.
 """
 
 from __future__ import annotations
@@ -68,6 +61,7 @@ __all__ = [
 MAX_FRAME_BYTES = 64 << 20
 _PREFIX = struct.Struct(">I")
 _CRED = struct.Struct("3i")
+Fds = tuple[int, ...]
 
 
 class LinkLost(Exception):
@@ -153,11 +147,7 @@ class SenderLink(ABC):
 
     @abstractmethod
     async def send(
-        self,
-        peer: Peer,
-        frame: bytes,
-        payload: torch.Tensor | None = None,
-        fds: tuple[int, ...] = (),
+        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
     ) -> None: ...
 
     def all_joined(self) -> None:  # noqa: B027 - optional hook
@@ -221,7 +211,7 @@ class _Framed:
         self._buf = bytearray()
         self._lock = anyio.Lock(fast_acquire=True)
 
-    async def send(self, frame: bytes, fds: tuple[int, ...], context: str) -> None:
+    async def send(self, frame: bytes, fds: Fds, context: str) -> None:
         data = _PREFIX.pack(len(frame)) + frame
         async with self._lock:
             with map_exceptions(WRITE_ERRORS, f"{context}the peer's socket is gone"):
@@ -286,9 +276,9 @@ class UnixLink(SenderLink):
     """Sender end over an abstract unix socket: one stream per receiver, its reader a task
     in the channel's group. Carries no payload frames (compose with a shared store)."""
 
-    def __init__(self, url: str, address: str, *, receivers: int, timeout: float) -> None:
-        self.url = url
-        self.address = address
+    def __init__(self, scheme: str, name: str, *, receivers: int, timeout: float) -> None:
+        self.url = f"{scheme}://{name}"
+        self.address = unix_address(scheme, name)
         self.receivers = receivers
         self.timeout = timeout  # for a newcomer's Hello
         self._listener: SocketListener | None = None
@@ -341,14 +331,9 @@ class UnixLink(SenderLink):
             await link.aclose()
 
     async def send(
-        self,
-        peer: Peer,
-        frame: bytes,
-        payload: torch.Tensor | None = None,
-        fds: tuple[int, ...] = (),
+        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
     ) -> None:
-        link: _Framed = peer.handle
-        await link.send(frame, fds, f"{self.url}: {peer.describe or peer.who}: ")
+        await peer.handle.send(frame, fds, f"{self.url}: {peer.describe or peer.who}: ")
 
     async def aclose(self) -> None:
         if self._listener is not None:
@@ -360,9 +345,9 @@ class UnixLink(SenderLink):
 class UnixDialer(ReceiverLink):
     """Receiver end over an abstract unix socket."""
 
-    def __init__(self, url: str, address: str) -> None:
-        self.url = url
-        self.address = address
+    def __init__(self, scheme: str, name: str) -> None:
+        self.url = f"{scheme}://{name}"
+        self.address = unix_address(scheme, name)
         self._link: _Framed | None = None
 
     async def connect(self) -> None:

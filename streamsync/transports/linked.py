@@ -1,16 +1,11 @@
 """The ring protocol between processes: a link (frames) composed with a slot store (bytes).
 
-A transport between processes is one file that builds a :class:`LinkedSender` from a
-:class:`~streamsync.transports.link.SenderLink` and a
-:class:`~streamsync.transports.slots.SlotStore`, and a :class:`LinkedReceiver` from a
-:class:`~streamsync.transports.link.ReceiverLink` and a
-:class:`~streamsync.transports.slots.SlotView` (see :mod:`streamsync.transports.shm`).
-
-These run the handshake (:mod:`streamsync.transports.handshake`) when a receiver joins,
+A transport between processes builds a :class:`LinkedSender` from a ``SenderLink`` and a
+``SlotStore``, and a :class:`LinkedReceiver` from a ``ReceiverLink`` and a ``SlotView``
+(see :mod:`streamsync.transports.shm`). They run the handshake when a receiver joins,
 authenticate every later frame with the session's codec, and keep one reader per link in
-a task group the channel owns; readers never raise: what they meet becomes ``on_broken`` on
-the sender and a queued exception on the receiver. A refused receiver gets a ``Bye`` saying
-why and the sender raises the refusal from the rendezvous of its next sync.
+the channel's task group; readers never raise: what they meet becomes ``on_broken`` on the
+sender and a queued exception on the receiver.
 """
 
 from __future__ import annotations

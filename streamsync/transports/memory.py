@@ -1,12 +1,8 @@
 """``memory://NAME``: an in-process transport for tests and single-process setups.
 
-It runs the same slot-ring protocol as the process transports (bounded ring, per-slot acks,
-fan-out, end-of-sync reports), so a slow receiver applies backpressure exactly as it would
-over shared memory. Sender and receivers meet by name within one process. It composes
-:class:`~streamsync.transports.slots.HostSlots` (receivers read the sender's slots by
-reference) with in-process inboxes in place of a link: messages travel as objects.
-
-URL options: ``receivers`` (default 1), ``slots`` (default 2), ``slot_bytes``.
+The slot-ring protocol of the process transports (so backpressure, fan-out and reports
+behave the same) over :class:`~streamsync.transports.slots.HostSlots`, read by reference;
+messages travel as objects through per-receiver inboxes. Sender and receivers meet by name.
 """
 
 from __future__ import annotations
@@ -46,10 +42,7 @@ _channels: dict[str, _Channel] = {}
 
 
 def _channel(name: str) -> _Channel:
-    chan = _channels.get(name)
-    if chan is None:
-        chan = _channels[name] = _Channel(name)
-    return chan
+    return _channels.setdefault(name, _Channel(name))
 
 
 def _forget_if_unused(chan: _Channel) -> None:
