@@ -232,8 +232,7 @@ class _Progress:
     """How far one sync got on the receiving side."""
 
     sync_id: int
-    #: The bucket whose slot this side holds; released even if the sync fails on it, since
-    #: the sender reuses a slot only once every receiver has acked it.
+    #: The bucket whose slot this side holds: released even if the sync fails on it.
     held: BucketHeader | None
     # A sync's clock starts at its first message: idle time before it is the trainer's.
     start: float = field(default_factory=time.perf_counter)

@@ -132,18 +132,15 @@ _loaded = False
 
 
 def _load_builtin() -> None:
-    # Each transport module registers itself; heavy ones import their dependencies lazily.
+    # A built-in transport's module is imported when a channel of it is opened; it imports
+    # only the standard library and torch then (pyzmq and CUDA when the channel opens).
     global _loaded
     if _loaded:
         return
     _loaded = True
-    from streamsync.transports import memory
-
-    register("memory", memory.sender_from_url, memory.receiver_from_url)
-    # The modules behind these import only the standard library and torch at import time;
-    # pyzmq and CUDA are imported when a channel opens.
-    lazy = {"shm": "shm", "zmq+tcp": "zeromq", "zmq+ipc": "zeromq", "cuda-ipc": "cuda_ipc"}
-    for scheme, module in lazy.items():
+    modules = {"zmq+tcp": "zeromq", "zmq+ipc": "zeromq", "cuda-ipc": "cuda_ipc"}
+    for scheme in ("memory", "shm", *modules):
+        module = modules.get(scheme, scheme)
         register(scheme, _lazy(module, "sender_from_url"), _lazy(module, "receiver_from_url"))
 
 

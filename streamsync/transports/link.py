@@ -119,19 +119,15 @@ class LinkEvents(Protocol):
 
     async def on_frame(self, peer: Peer, frame: bytes) -> bool:
         """A frame from ``peer`` (its first is its ``Hello``); False: drop the peer."""
-        ...
 
     async def on_refused(self, peer: Peer, exc: StreamsyncError) -> None:
         """The link itself refuses ``peer`` (wrong owner, malformed first message)."""
-        ...
 
     def on_lost(self, peer: Peer, detail: str) -> None:
         """``peer``'s link ended."""
-        ...
 
     def on_broken(self, exc: StreamsyncError) -> None:
         """A peer sent something the link cannot carry on from."""
-        ...
 
 
 class SenderLink(ABC):
@@ -249,23 +245,20 @@ class _Framed:
                         data, more = await self.stream.receive_fds(1 << 16, 4)
                         fds += more
                     else:
-                        data = await self._receive_some()
+                        # What is already here is read at once; the stream waits for more
+                        # (yielding to the loop first).
+                        try:
+                            data = self.raw.recv(1 << 16)
+                        except BlockingIOError:
+                            data = await self.stream.receive(1 << 16)
+                        if not data:
+                            raise LinkLost("connection closed")
                 self._buf += data
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         return frame, fds
-
-    async def _receive_some(self) -> bytes:
-        # What is already here is read at once; the stream waits for more (as above).
-        try:
-            data = self.raw.recv(1 << 16)
-        except BlockingIOError:
-            return await self.stream.receive(1 << 16)
-        if not data:
-            raise LinkLost("connection closed")
-        return data
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):

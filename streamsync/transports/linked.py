@@ -235,8 +235,7 @@ _Item = tuple[Message, torch.Tensor | None] | StreamsyncError
 
 class LinkedReceiver(RingReceiver):
     """Receiver side of the ring over ``link``, reaching the slots through ``view``; its
-    reader queues what the sender says (so a dead sender is noticed even while a sink
-    loads)."""
+    reader queues what the sender says (a dead sender is noticed even while a sink loads)."""
 
     def __init__(
         self,
@@ -303,7 +302,12 @@ class LinkedReceiver(RingReceiver):
             while True:
                 frame, payload = await self.link.receive()
                 msg = self._session.decode(frame)
-                data = self._data(msg, payload) if isinstance(msg, BucketHeader) else None
+                data = None
+                if isinstance(msg, BucketHeader):
+                    try:
+                        data = self.view.data(msg, payload)
+                    except StreamsyncError as exc:
+                        raise type(exc)(f"{self.url}: {exc}") from None
                 self._queue_in.send_nowait((msg, data))
                 if isinstance(msg, Bye):
                     return
@@ -322,12 +326,6 @@ class LinkedReceiver(RingReceiver):
                 self._queue_in.send_nowait(
                     PeerBrokenError(f"{self.url}: link to the sender failed: {exc!r}")
                 )
-
-    def _data(self, header: BucketHeader, payload: object) -> torch.Tensor:
-        try:
-            return self.view.data(header, payload)
-        except StreamsyncError as exc:
-            raise type(exc)(f"{self.url}: {exc}") from None
 
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
         try:

@@ -26,23 +26,17 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryReceiver", "MemorySender"]
 
-_Inbox = tuple[MemoryObjectSendStream[Message], MemoryObjectReceiveStream[Message]]
-
 
 @dataclass
 class _Channel:
     name: str
     sender: MemorySender | None = None
-    inboxes: list[_Inbox] = field(default_factory=list)
+    inboxes: list[MemoryObjectSendStream[Message]] = field(default_factory=list)
     receivers: list[MemoryReceiver | None] = field(default_factory=list)
     joined: anyio.Event | None = None
 
 
 _channels: dict[str, _Channel] = {}
-
-
-def _channel(name: str) -> _Channel:
-    return _channels.setdefault(name, _Channel(name))
 
 
 def _forget_if_unused(chan: _Channel) -> None:
@@ -70,7 +64,7 @@ class MemorySender(RingSender):
         self._chan: _Channel | None = None
 
     async def open(self) -> None:
-        chan = _channel(self.name)
+        chan = _channels.setdefault(self.name, _Channel(self.name))
         if chan.sender is not None:
             raise ConfigError(f"memory://{self.name} already has a sender")
         chan.sender = self
@@ -99,7 +93,7 @@ class MemorySender(RingSender):
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:
         assert self._chan is not None
-        for index, (send, _) in enumerate(self._chan.inboxes[: self.receivers]):
+        for index, send in enumerate(self._chan.inboxes[: self.receivers]):
             try:
                 send.send_nowait(msg)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -111,7 +105,7 @@ class MemorySender(RingSender):
             return
         chan = self._chan
         if chan is not None and chan.sender is self:
-            for send, _ in chan.inboxes:
+            for send in chan.inboxes:
                 with contextlib.suppress(
                     anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock
                 ):
@@ -134,11 +128,11 @@ class MemoryReceiver(RingReceiver):
         self._inbox: MemoryObjectReceiveStream[Message] | None = None
 
     async def open(self) -> None:
-        chan = _channel(self.name)
+        chan = _channels.setdefault(self.name, _Channel(self.name))
         send, recv = anyio.create_memory_object_stream[Message](math.inf)
         self._index = len(chan.receivers)
         chan.receivers.append(self)
-        chan.inboxes.append((send, recv))
+        chan.inboxes.append(send)
         self._chan = chan
         self._inbox = recv
         if chan.joined is not None:

@@ -101,11 +101,6 @@ class SlotRing:
             )
         self._owed[ack.slot].discard(ack.receiver)
 
-    @property
-    def busy(self) -> int:
-        """Slots still waiting for acks."""
-        return sum(1 for owed in self._owed if owed)
-
 
 class RingSender(Sender):
     """Sender half of the ring protocol over ``store``; transports provide the messaging."""
