@@ -246,8 +246,15 @@ class _Progress:
 
 async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncReport:
     state = receiver.state
-    incoming = await _first_message(receiver, timeout)
-    first = incoming.message
+    # The first message of the next sync, skipping leftovers of a sync that already failed
+    # here (the sender's abort, buckets still in flight).
+    while True:
+        incoming = await receiver.receive(timeout=timeout)
+        first = incoming.message
+        if first.sync_id != state.failed_sync_id:
+            break
+        if isinstance(first, BucketHeader):
+            await receiver.release(first)
     sync = _Progress(first.sync_id, first if isinstance(first, BucketHeader) else None)
     try:
         if state.last_sync_id is not None and sync.sync_id <= state.last_sync_id:
@@ -271,19 +278,6 @@ async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncRep
     )
     state.last_sync_id = sync.sync_id
     return _done(report)
-
-
-async def _first_message(receiver: Receiver, timeout: float) -> Incoming:
-    """The first message of the next sync, skipping leftovers of a sync that already failed
-    here (the sender's abort, buckets still in flight)."""
-    while True:
-        incoming = await receiver.receive(timeout=timeout)
-        msg = incoming.message
-        if msg.sync_id == receiver.state.failed_sync_id:
-            if isinstance(msg, BucketHeader):
-                await receiver.release(msg)
-            continue
-        return incoming
 
 
 async def _phase(sync: _Progress, name: str, fn: Callable[[], Any]) -> Any:

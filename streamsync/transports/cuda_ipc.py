@@ -79,8 +79,7 @@ def _uuid(index: int) -> str:
 
 
 class CudaSlots(SlotStore):
-    """Sender side: one device buffer of every slot, exported once, and one interprocess
-    event per slot recorded once the slot is packed."""
+    """Sender side: one exported device buffer of every slot, and an event per slot."""
 
     def __init__(
         self, slots: int, slot_bytes: int, *, url: str, device: int | str | torch.device | None
@@ -139,8 +138,7 @@ class CudaSlots(SlotStore):
 
 
 class CudaView(SlotView):
-    """Receiver side: the sender's ring rebuilt on the same physical device; a stream
-    waits on a slot's event before reading it, and an ack waits for the sink's copies."""
+    """Receiver side: the sender's ring rebuilt on the same physical device."""
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -103,8 +103,7 @@ def map_exceptions(
 
 @dataclass(eq=False)
 class Peer:
-    """One receiver as the sender sees it: the link's handle; once it joined, its index and
-    session codec."""
+    """One receiver as the sender sees it (its index and codec once it joined)."""
 
     who: str
     handle: Any = None
@@ -245,8 +244,7 @@ class _Framed:
                         data, more = await self.stream.receive_fds(1 << 16, 4)
                         fds += more
                     else:
-                        # What is already here is read at once; the stream waits for more
-                        # (yielding to the loop first).
+                        # Likewise: what is here is read now; the stream waits for more.
                         try:
                             data = self.raw.recv(1 << 16)
                         except BlockingIOError:
@@ -266,8 +264,7 @@ class _Framed:
 
 
 class UnixLink(SenderLink):
-    """Sender end over an abstract unix socket: one stream per receiver, its reader a task
-    in the channel's group. Carries no payload frames (compose with a shared store)."""
+    """Sender end over an abstract unix socket, one stream per receiver (no payload frames)."""
 
     def __init__(self, scheme: str, name: str, *, receivers: int, timeout: float) -> None:
         self.url = f"{scheme}://{name}"

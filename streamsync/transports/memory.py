@@ -160,8 +160,7 @@ class MemoryReceiver(RingReceiver):
 
     async def _post(self, msg: Ack | Done | Failed) -> None:
         chan = self._chan
-        # Like a socket whose peer left: the reply is dropped here, and what the sender said
-        # last (its abort, its goodbye) is read from the inbox by the next receive.
+        # As over a socket whose peer left: the reply is dropped; the next receive says why.
         if chan is not None and chan.sender is not None:
             chan.sender.on_reply(msg)
 

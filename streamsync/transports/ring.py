@@ -116,7 +116,6 @@ class RingSender(Sender):
         self._sync_id: int | None = None
         self._failed: Failed | None = None
         self._departed: dict[int, str] = {}
-        self._closed = False
         self._stats = SenderStatistics()
 
     # -- transport hooks ---------------------------------------------------------------

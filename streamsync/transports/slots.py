@@ -32,8 +32,7 @@ __all__ = ["HostSlots", "MemfdSlots", "MemfdView", "PayloadView", "Shared", "Slo
 
 @dataclass(frozen=True)
 class Shared:
-    """What a joining receiver is sent to reach the slots (``Welcome.segment`` and
-    ``Welcome.layout``, and descriptors passed with it)."""
+    """What a joining receiver is sent to reach the slots (with the ``Welcome``)."""
 
     segment: str = ""
     layout: bytes = b""
@@ -90,8 +89,7 @@ class SlotView(ABC):
 
 
 class HostSlots(SlotStore):
-    """Private, page-aligned host buffers (bytes travel as payload frames, or by reference
-    within one process)."""
+    """Private, page-aligned host buffers (bytes travel as payload frames)."""
 
     payload_frames = True
 
@@ -130,8 +128,7 @@ class PayloadView(SlotView):
 
 
 class MemfdSlots(SlotStore):
-    """One anonymous shared-memory file (``memfd``, mode 0600) holding every slot, mapped and
-    pre-faulted once; its descriptor goes to each receiver with the ``Welcome``."""
+    """One anonymous 0600 ``memfd`` holding every slot, mapped and pre-faulted once."""
 
     def __init__(self, slots: int, slot_bytes: int, *, name: str) -> None:
         super().__init__(slots, slot_bytes)

@@ -158,8 +158,7 @@ def _send_errors() -> dict[type[BaseException], type[BaseException]]:
 
 
 class ZmqLink(SenderLink):
-    """Sender end: one ROUTER socket (fan-out by receiver identity, replies come back on
-    it) and a disconnect monitor."""
+    """Sender end: one ROUTER socket and its disconnect monitor."""
 
     def __init__(self, scheme: str, target: str, *, hwm: int, heartbeat: float) -> None:
         self.url = f"{scheme}://{target}"
