@@ -1,12 +1,9 @@
 """The task group a channel owns for its background readers.
 
-A channel outlives the task that opened it: tests close a sender while its receiver, opened
-after it in the same ``async with``, is still open, and a vLLM worker opens a receiver in one
-call and closes it in another. An anyio task group entered in ``open()`` and exited in
-``aclose()`` would have to be exited by the same task, in LIFO order, so the channel's group
-is hosted by a task of its own. Starting that one host task is the only thing here that
-anyio has no primitive for (it has no detached tasks; trio has ``spawn_system_task``);
-everything that runs in the group is plain anyio.
+A channel outlives the task that opened it (a vLLM worker opens a receiver in one call and
+closes it in another), while an anyio task group must be exited by the task that entered
+it. So the group is hosted by a task of its own: starting it is the one thing anyio has no
+primitive for (no detached tasks); everything in the group is plain anyio.
 """
 
 from __future__ import annotations

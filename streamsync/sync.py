@@ -40,11 +40,6 @@ DEFAULT_TIMEOUT = 60.0
 _sync_ids = itertools.count(time.time_ns() // 1000)
 
 
-def next_sync_id() -> int:
-    """A fresh sync id, larger than any this process (or an earlier one) handed out."""
-    return next(_sync_ids)
-
-
 async def send(
     weights: Any,
     endpoint: str | Sender,
@@ -95,7 +90,7 @@ async def send(
         weights if isinstance(weights, AsyncIterable) else named_tensors(weights)
     )
     chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
-    sid = next_sync_id() if sync_id is None else sync_id
+    sid = next(_sync_ids) if sync_id is None else sync_id
     return await _send(chain(stream), sender, sid, timeout=timeout, checksum=checksum)
 
 
@@ -108,94 +103,91 @@ async def _send(
     start = time.perf_counter()
     seq = tensors = nbytes = 0
     source_s = send_s = 0.0
-    async with reading(buckets) as items:
-        try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    bucket = await anext(items)
-                except StopAsyncIteration:
-                    break
-                t1 = time.perf_counter()
-                await sender.send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
-                source_s += t1 - t0
-                send_s += time.perf_counter() - t1
-                seq += 1
-                tensors += bucket.tensors
-                nbytes += bucket.nbytes
-                del bucket  # packed: its source tensors may go before the next one fills
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
-            _add_send_counts(exc, seq, tensors, nbytes, start)
-            raise
-    log(
-        "sync.send",
-        sync_id=sync_id,
-        bytes=nbytes,
-        buckets=seq,
-        tensors=tensors,
-        seconds=round(send_s, 6),
-        source_seconds=round(source_s, 6),
-    )
-    phases = {"source": source_s, "send": send_s}
-    after = sender.statistics()
-    if before is not None and after is not None:
-        # What ``send`` was made of: waiting for a free slot, packing, handing it over.
-        phases["wait"] = after.wait_seconds - before.wait_seconds
-        phases["pack"] = after.pack_seconds - before.pack_seconds
-        phases["publish"] = after.publish_seconds - before.publish_seconds
-    t2 = time.perf_counter()
     try:
+        async with reading(buckets) as items:
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    try:
+                        bucket = await anext(items)
+                    except StopAsyncIteration:
+                        break
+                    t1 = time.perf_counter()
+                    await sender.send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
+                    source_s += t1 - t0
+                    send_s += time.perf_counter() - t1
+                    seq += 1
+                    tensors += bucket.tensors
+                    nbytes += bucket.nbytes
+                    del bucket  # packed: its source tensors may go before the next one fills
+            except BaseException as exc:
+                with anyio.CancelScope(shield=True):
+                    await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+                raise
+        log(
+            "sync.send",
+            sync_id=sync_id,
+            bytes=nbytes,
+            buckets=seq,
+            tensors=tensors,
+            seconds=round(send_s, 6),
+            source_seconds=round(source_s, 6),
+        )
+        phases = {"source": source_s, "send": send_s}
+        after = sender.statistics()
+        if before is not None and after is not None:
+            # What ``send`` was made of: waiting for a free slot, packing, handing it over.
+            phases["wait"] = after.wait_seconds - before.wait_seconds
+            phases["pack"] = after.pack_seconds - before.pack_seconds
+            phases["publish"] = after.publish_seconds - before.publish_seconds
+        t2 = time.perf_counter()
         dones = await sender.end(End(sync_id, seq, tensors, nbytes), timeout=timeout)
     except BaseException as exc:
-        _add_send_counts(exc, seq, tensors, nbytes, start)
+        # Complete the partial report a receiver's failure carries with what this side sent.
+        report = getattr(exc, "report", None)
+        if isinstance(exc, StreamsyncError) and report is not None and report.side == "send":
+            exc.report = msgspec.structs.replace(
+                report,
+                tensors=tensors,
+                nbytes=nbytes,
+                buckets=seq,
+                seconds=time.perf_counter() - start,
+            )
         raise
     end_s = time.perf_counter() - t2
-    total = time.perf_counter() - start
     log("sync.end", sync_id=sync_id, receivers=len(dones), seconds=round(end_s, 6))
-    instances = {
-        f"receiver{d.receiver}": LoadResult(loaded=d.loaded, missing=d.missing) for d in dones
-    }
-    loaded = sorted({n for d in dones for n in d.loaded})
     missing = sorted(set.intersection(*(set(d.missing) for d in dones))) if dones else []
-    report = SyncReport(
-        sync_id=sync_id,
-        side="send",
-        tensors=tensors,
-        nbytes=nbytes,
-        buckets=seq,
-        seconds=total,
-        phases={**phases, "end": end_s},
-        loaded=tuple(loaded),
-        missing=tuple(missing),
-        instances=instances,
-        receivers=len(dones),
+    return _done(
+        SyncReport(
+            sync_id=sync_id,
+            side="send",
+            tensors=tensors,
+            nbytes=nbytes,
+            buckets=seq,
+            seconds=time.perf_counter() - start,
+            phases={**phases, "end": end_s},
+            loaded=tuple(sorted({n for d in dones for n in d.loaded})),
+            missing=tuple(missing),
+            instances={
+                f"receiver{d.receiver}": LoadResult(loaded=d.loaded, missing=d.missing)
+                for d in dones
+            },
+            receivers=len(dones),
+        )
     )
+
+
+def _done(report: SyncReport) -> SyncReport:
+    """Log a finished sync's report (either side) and return it."""
     log(
         "sync.done",
-        side="send",
-        sync_id=sync_id,
-        bytes=nbytes,
-        seconds=round(total, 6),
+        side=report.side,
+        sync_id=report.sync_id,
+        bytes=report.nbytes,
+        seconds=round(report.seconds, 6),
         gbps=round(report.gbps, 3),
     )
     return report
-
-
-def _add_send_counts(
-    exc: BaseException, buckets: int, tensors: int, nbytes: int, start: float
-) -> None:
-    """Complete the partial report a receiver's failure carries with what this side sent."""
-    report = getattr(exc, "report", None)
-    if isinstance(exc, StreamsyncError) and report is not None and report.side == "send":
-        exc.report = msgspec.structs.replace(
-            report,
-            tensors=tensors,
-            nbytes=nbytes,
-            buckets=buckets,
-            seconds=time.perf_counter() - start,
-        )
 
 
 async def receive(
@@ -240,8 +232,7 @@ class _Progress:
     """How far one sync got on the receiving side."""
 
     sync_id: int
-    #: The bucket whose slot this side holds; released even if the sync fails on it, since
-    #: the sender reuses a slot only once every receiver has acked it.
+    #: The bucket whose slot this side holds: released even if the sync fails on it.
     held: BucketHeader | None
     # A sync's clock starts at its first message: idle time before it is the trainer's.
     start: float = field(default_factory=time.perf_counter)
@@ -255,8 +246,15 @@ class _Progress:
 
 async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncReport:
     state = receiver.state
-    incoming = await _first_message(receiver, timeout)
-    first = incoming.message
+    # The first message of the next sync, skipping leftovers of a sync that already failed
+    # here (the sender's abort, buckets still in flight).
+    while True:
+        incoming = await receiver.receive(timeout=timeout)
+        first = incoming.message
+        if first.sync_id != state.failed_sync_id:
+            break
+        if isinstance(first, BucketHeader):
+            await receiver.release(first)
     sync = _Progress(first.sync_id, first if isinstance(first, BucketHeader) else None)
     try:
         if state.last_sync_id is not None and sync.sync_id <= state.last_sync_id:
@@ -271,7 +269,6 @@ async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncRep
     except BaseException as exc:
         await _fail(receiver, sync, exc, timeout)
         raise
-    sync.phases["wait"] = sync.wait_s
     loaded = result if isinstance(result, LoadResult) else LoadResult(loaded=tuple(sync.applied))
     report = _receive_report(sync, loaded, True)
     await receiver.reply(
@@ -280,28 +277,7 @@ async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncRep
         )
     )
     state.last_sync_id = sync.sync_id
-    log(
-        "sync.done",
-        side="receive",
-        sync_id=sync.sync_id,
-        bytes=sync.nbytes,
-        seconds=round(report.seconds, 6),
-        gbps=round(report.gbps, 3),
-    )
-    return report
-
-
-async def _first_message(receiver: Receiver, timeout: float) -> Incoming:
-    """The first message of the next sync, skipping leftovers of a sync that already failed
-    here (the sender's abort, buckets still in flight)."""
-    while True:
-        incoming = await receiver.receive(timeout=timeout)
-        msg = incoming.message
-        if msg.sync_id == receiver.state.failed_sync_id:
-            if isinstance(msg, BucketHeader):
-                await receiver.release(msg)
-            continue
-        return incoming
+    return _done(report)
 
 
 async def _phase(sync: _Progress, name: str, fn: Callable[[], Any]) -> Any:
@@ -359,13 +335,11 @@ async def _fail(receiver: Receiver, sync: _Progress, exc: BaseException, timeout
     """Record the failure here, attach the partial report and tell the sender."""
     state = receiver.state
     state.failed_sync_id = sync.sync_id
-    sync.phases["load"] = sync.load_s
-    sync.phases["wait"] = sync.wait_s
     # Chunks written straight into the sink's tensors changed them too.
     seen = set(sync.applied)
     sync.applied.extend(n for n in state.unpacker.touched if n not in seen)
     if isinstance(exc, StreamsyncError):
-        exc.report = _receive_report(sync, None, False)
+        exc.report = _receive_report(sync, LoadResult(loaded=tuple(sync.applied)), False)
     with (
         anyio.CancelScope(shield=True),
         anyio.move_on_after(min(timeout, 5.0)),
@@ -380,7 +354,7 @@ async def _fail(receiver: Receiver, sync: _Progress, exc: BaseException, timeout
             await receiver.reply(failed)
 
 
-def _receive_report(sync: _Progress, result: LoadResult | None, complete: bool) -> SyncReport:
+def _receive_report(sync: _Progress, result: LoadResult, complete: bool) -> SyncReport:
     return SyncReport(
         sync_id=sync.sync_id,
         side="receive",
@@ -388,10 +362,10 @@ def _receive_report(sync: _Progress, result: LoadResult | None, complete: bool) 
         nbytes=sync.nbytes,
         buckets=sync.buckets,
         seconds=time.perf_counter() - sync.start,
-        phases=sync.phases,
+        phases={**sync.phases, "load": sync.load_s, "wait": sync.wait_s},
         complete=complete,
-        loaded=result.loaded if result is not None else tuple(sync.applied),
-        missing=result.missing if result is not None else (),
-        unexpected=result.unexpected if result is not None else (),
-        instances=result.instances if result is not None else {},
+        loaded=result.loaded,
+        missing=result.missing,
+        unexpected=result.unexpected,
+        instances=result.instances,
     )

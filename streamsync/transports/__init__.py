@@ -25,13 +25,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from streamsync.errors import ConfigError
-from streamsync.transports.base import (
-    Incoming,
-    Receiver,
-    ReceiverState,
-    Sender,
-    SenderStatistics,
-)
+from streamsync.transports.base import Incoming, Receiver, ReceiverState, Sender, SenderStatistics
 
 __all__ = [
     "Endpoint",
@@ -138,22 +132,16 @@ _loaded = False
 
 
 def _load_builtin() -> None:
-    # Each transport module registers itself; heavy ones import their dependencies lazily.
+    # A built-in transport's module is imported when a channel of it is opened; it imports
+    # only the standard library and torch then (pyzmq and CUDA when the channel opens).
     global _loaded
     if _loaded:
         return
     _loaded = True
-    from streamsync.transports import memory
-
-    register("memory", memory.sender_from_url, memory.receiver_from_url)
-    # The modules behind these import only the standard library and torch at import time;
-    # pyzmq and CUDA are imported when a channel opens.
-    register("shm", _lazy("shm", "sender_from_url"), _lazy("shm", "receiver_from_url"))
-    for scheme in ("zmq+tcp", "zmq+ipc"):
-        register(scheme, _lazy("zeromq", "sender_from_url"), _lazy("zeromq", "receiver_from_url"))
-    register(
-        "cuda-ipc", _lazy("cuda_ipc", "sender_from_url"), _lazy("cuda_ipc", "receiver_from_url")
-    )
+    modules = {"zmq+tcp": "zeromq", "zmq+ipc": "zeromq", "cuda-ipc": "cuda_ipc"}
+    for scheme in ("memory", "shm", *modules):
+        module = modules.get(scheme, scheme)
+        register(scheme, _lazy(module, "sender_from_url"), _lazy(module, "receiver_from_url"))
 
 
 def _lazy(module: str, factory: str) -> Callable[[Endpoint, dict[str, Any]], Any]:

@@ -1,15 +1,11 @@
 """The transport ABC pair: :class:`Sender` and :class:`Receiver`.
 
-A transport moves buckets from one sender to one or more receivers through a ring of slots.
-The sender packs a bucket into a free slot and announces it; each receiver reads it, hands
-the tensors to its sink and acknowledges the slot, which the sender may reuse once every
-receiver has acknowledged it. After the last bucket the sender announces the end of the sync
-and waits for every receiver's report.
-
-Both sides are async context managers and every wait takes a timeout. Using a side after
-*this* process closed it raises :class:`~streamsync.ClosedError`; the peer going away raises
-:class:`~streamsync.PeerBrokenError`; the peer closing cleanly between syncs ends the
-receiver's iteration (:class:`~streamsync.EndOfStream` from :meth:`Receiver.receive`).
+The sender packs a bucket into a free slot of a ring and announces it; each receiver hands
+it to its sink and acks the slot, reusable once every receiver acked it. After the last
+bucket the sender announces the end and waits for every receiver's report. Every wait takes
+a timeout. A side used after this process closed it raises :class:`~streamsync.ClosedError`;
+the peer going away raises :class:`~streamsync.PeerBrokenError`; the peer closing cleanly
+between syncs ends the receiver's iteration (:class:`~streamsync.EndOfStream`).
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Self
 
 import torch
@@ -40,8 +35,7 @@ class Incoming:
 @dataclass(frozen=True, slots=True)
 class SenderStatistics:
     """A sender's running totals across every sync on its channel (subtract two snapshots
-    for one sync): how long it waited for free slots, packed buckets into them, and handed
-    them to the transport."""
+    for one sync): seconds waiting for free slots, packing, handing over."""
 
     buckets: int = 0
     wait_seconds: float = 0.0
@@ -58,12 +52,7 @@ class _Resource(ABC):
         self._opened = True
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def open(self) -> None:  # noqa: B027 - optional hook
@@ -107,10 +96,8 @@ class Sender(_Resource):
 
     @abstractmethod
     async def end(self, end: End, *, timeout: float) -> list[Done]:
-        """Announce the end of a sync and wait for every receiver's report.
-
-        Raises :class:`~streamsync.ReceiverFailedError` if any receiver failed.
-        """
+        """Announce the end of a sync and wait for every receiver's report (raises
+        :class:`~streamsync.ReceiverFailedError` if any receiver failed)."""
 
     @abstractmethod
     async def abort(self, abort: Abort) -> None:
@@ -130,12 +117,7 @@ class ReceiverState:
 
 
 class Receiver(_Resource):
-    """Receive side of a channel.
-
-    :func:`~streamsync.receive` needs :meth:`receive`, :meth:`release`, :meth:`reply`, the
-    receiver's :attr:`index` among the sender's receivers (it goes into every ack and
-    report) and :attr:`state`, the protocol state it keeps here between syncs.
-    """
+    """Receive side of a channel."""
 
     _index = 0
     _state: ReceiverState | None = None
@@ -154,8 +136,8 @@ class Receiver(_Resource):
 
     @abstractmethod
     async def receive(self, *, timeout: float) -> Incoming:
-        """The next bucket, end or abort. Raises :class:`~streamsync.EndOfStream` when the
-        sender closed the channel between syncs."""
+        """The next bucket, end or abort (:class:`~streamsync.EndOfStream`: the sender
+        closed the channel between syncs)."""
 
     @abstractmethod
     async def release(self, header: BucketHeader) -> None:

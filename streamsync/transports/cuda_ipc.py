@@ -1,21 +1,12 @@
 """``cuda-ipc://NAME``: a ring of CUDA buffers shared between processes on one machine.
 
-Bytes: the sender allocates one device buffer of ``slots`` x ``slot_bytes`` once and exports
-it once (``torch.multiprocessing.reductions.reduce_tensor``); only the handle's fields travel,
-as a msgspec struct inside the authenticated ``Welcome`` (never pickle). Each receiver
-rebuilds it once, on the local index of the same physical device (matched by UUID, so
-``CUDA_VISIBLE_DEVICES`` may differ between the processes). A bucket is packed into a slot
-on the device; the sink reads a device view of it.
-
-Synchronisation uses CUDA events, never a device-wide synchronise: the sender records one
-interprocess event per slot after packing it, and a receiver's stream waits on that event
-before reading the slot; a receiver acks a slot only after an event it recorded behind its
-sink's copies has completed.
-
-Composes :class:`CudaSlots`/:class:`CudaView` with the unix link of ``shm://``: messages,
-rendezvous, peer death and owner-only access are those of ``shm://`` (an abstract unix
-socket per receiver). URL options: ``receivers``, ``slots``, ``slot_bytes``; keyword
-arguments: ``device`` (sender), ``secret``, ``connect_timeout``.
+The sender allocates and exports one device buffer of every slot once; only the handle's
+fields travel, as a msgspec struct in the authenticated ``Welcome`` (never pickle). Each
+receiver rebuilds it on the local index of the same physical device (matched by UUID).
+CUDA events, never a device-wide synchronise: a receiver's stream waits on the slot's
+interprocess event before reading it, and acks only after its sink's copies completed.
+Messages ride the unix link of ``shm://``. URL options: ``receivers``, ``slots``,
+``slot_bytes``; keyword arguments: ``device`` (sender), ``secret``, ``connect_timeout``.
 """
 
 # torch's CUDA IPC helpers are untyped.
@@ -30,9 +21,9 @@ import msgspec
 import torch
 
 from streamsync.errors import ConfigError, WireFormatError
-from streamsync.transports.link import UnixDialer, UnixLink, unix_address
+from streamsync.transports.link import UnixDialer, UnixLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
-from streamsync.transports.slots import Shared, SlotStore, SlotView
+from streamsync.transports.slots import Shared, SlotStore, SlotView, _slot
 from streamsync.wire import BucketHeader, Welcome
 
 if TYPE_CHECKING:
@@ -88,8 +79,7 @@ def _uuid(index: int) -> str:
 
 
 class CudaSlots(SlotStore):
-    """Sender side: one device buffer of every slot, exported once, and one interprocess
-    event per slot recorded once the slot is packed."""
+    """Sender side: one exported device buffer of every slot, and an event per slot."""
 
     def __init__(
         self, slots: int, slot_bytes: int, *, url: str, device: int | str | torch.device | None
@@ -148,8 +138,7 @@ class CudaSlots(SlotStore):
 
 
 class CudaView(SlotView):
-    """Receiver side: the sender's ring rebuilt on the same physical device; a stream
-    waits on a slot's event before reading it, and an ack waits for the sink's copies."""
+    """Receiver side: the sender's ring rebuilt on the same physical device."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -198,12 +187,9 @@ class CudaView(SlotView):
         self._events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in ring.slot_events]
 
     def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
-        if not 0 <= header.slot < len(self._slots):
-            raise WireFormatError(
-                f"bucket {header.seq} is in slot {header.slot}; the ring has {len(self._slots)}"
-            )
+        slot = _slot(self._slots, header)
         torch.cuda.current_stream(self.device).wait_event(self._events[header.slot])
-        return self._slots[header.slot]
+        return slot
 
     def release(self, header: BucketHeader) -> None:
         # Ack only once the sink's copies out of the slot are done (this stream only).
@@ -220,16 +206,14 @@ def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
     """``cuda-ipc://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override
     (``device``: the sender's GPU, default the current one)."""
     opts = endpoint.sender_options(kwargs)
-    url, timeout = f"cuda-ipc://{endpoint.target}", opts.get("connect_timeout", 60.0)
-    address = unix_address("cuda-ipc", endpoint.target)
-    link = UnixLink(url, address, receivers=opts["receivers"], timeout=timeout)
+    timeout = opts.get("connect_timeout", 60.0)
+    link = UnixLink("cuda-ipc", endpoint.target, receivers=opts["receivers"], timeout=timeout)
     device = opts.pop("device", None)
-    store = CudaSlots(opts.pop("slots"), opts.pop("slot_bytes"), url=url, device=device)
+    store = CudaSlots(opts.pop("slots"), opts.pop("slot_bytes"), url=link.url, device=device)
     return LinkedSender(link, store, **opts)
 
 
 def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
     """``cuda-ipc://NAME``."""
-    url = f"cuda-ipc://{endpoint.target}"
-    link = UnixDialer(url, unix_address("cuda-ipc", endpoint.target))
-    return LinkedReceiver(link, CudaView(url), **kwargs)
+    link = UnixDialer("cuda-ipc", endpoint.target)
+    return LinkedReceiver(link, CudaView(link.url), **kwargs)

@@ -1,16 +1,10 @@
-"""The handshake every linked transport runs when a receiver joins, as small functions.
+"""The handshake every linked transport runs when a receiver joins.
 
-1. The receiver sends ``Hello`` with a fresh nonce (:func:`hello`), authenticated by the
-   channel's shared secret when there is one.
-2. The sender checks it (:func:`check_hello`), assigns the receiver an index and answers
-   ``Welcome`` (:func:`welcome`) with the slot layout, its own nonce and the receiver's nonce
-   echoed, so that a recorded ``Welcome`` cannot be replayed.
-3. The receiver checks the answer (:func:`accept`). From then on both sides authenticate
-   every frame with a key derived from the secret and both nonces (:func:`session_codec`),
-   so frames of another session cannot be replayed either.
-
-A refused receiver gets a ``Bye`` saying why (:func:`refusal`) and raises the sender's
-reason as the same exception class (:func:`refused`).
+The receiver sends ``Hello`` with a fresh nonce; the sender checks it, assigns an index and
+answers ``Welcome`` with the slot layout, its own nonce and the receiver's echoed (no replayed
+``Welcome``). From then on both sides authenticate every frame with a key derived from the
+secret and both nonces (:func:`session_codec`). A refused receiver gets a ``Bye`` saying why
+and raises the sender's reason as the same exception class.
 """
 
 from __future__ import annotations

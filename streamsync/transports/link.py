@@ -1,30 +1,23 @@
-"""The link seam: frames between a sender and each of its receivers.
+"""The link seam: opaque frames between a sender and each of its receivers.
 
-A link moves opaque frames (encoded :class:`~streamsync.wire.WireCodec` envelopes) and,
-for a slot store with ``payload_frames``, a bucket's bytes after its header. It knows
-nothing of the protocol: :class:`~streamsync.transports.linked.LinkedSender` runs the
-handshake and the ring over it.
+A link knows nothing of the protocol: :class:`~streamsync.transports.linked.LinkedSender`
+runs the handshake and the ring over it. With a slot store whose ``payload_frames`` is true
+it also carries a bucket's bytes after its header. Lower-level failures are mapped with
+:func:`map_exceptions` at every boundary: a failed write raises
+:class:`~streamsync.PeerBrokenError`, a failed read :class:`LinkLost`.
 
-:class:`SenderLink` (the sender's end, one per channel):
+- :class:`SenderLink` (one per channel): ``open()`` binds (a taken address raises
+  :class:`~streamsync.ConfigError`; ``url`` then names the bound port); ``serve(events)``
+  runs in the channel's task group until cancelled, accepting receivers (each a
+  :class:`Peer`) and reporting their frames to :class:`LinkEvents`; ``send(peer, frame,
+  payload=None, fds=())``; ``all_joined()`` once every receiver joined; ``aclose()``.
+- :class:`ReceiverLink`: ``connect()`` (retried until the sender is there; bounded by the
+  caller), ``handshake(hello)`` (the answer and any descriptors passed with it),
+  ``send(frame)``, ``receive()`` (a frame and its payload), ``aclose()``.
 
-- ``await open()`` binds (a taken address raises :class:`~streamsync.ConfigError`); the
-  link's ``url`` then names the bound address (a port 0 becomes the real port);
-- ``await serve(events)`` runs in the channel's task group until cancelled: it accepts
-  receivers and reports each one's frames to ``events`` (:class:`LinkEvents`), every
-  receiver being a :class:`Peer`;
-- ``await send(peer, frame, payload=None, fds=())`` raises
-  :class:`~streamsync.PeerBrokenError` when the peer is unreachable;
-- ``all_joined()`` is called once every receiver joined; ``await aclose()`` releases all.
-
-:class:`ReceiverLink` (a receiver's end): ``await connect()`` (retried until the sender is
-there; bounded by the caller), ``await handshake(hello)`` (the answer and any descriptors
-passed with it), ``await send(frame)``, ``await receive()`` (a frame and its payload, or
-None; :class:`LinkLost` when the link ends), ``await aclose()``.
-
-Lower-level failures are mapped to these with :func:`map_exceptions` at every boundary.
 Here: :class:`UnixLink`/:class:`UnixDialer`, length-prefixed frames over abstract unix
-stream sockets (anyio streams; descriptors ride on the ``Welcome``), owner-only
-(``SO_PEERCRED``). ``zmq+*://`` adds its link in :mod:`streamsync.transports.zeromq`.
+sockets, owner-only (``SO_PEERCRED``). ``zmq+*://`` adds its link in
+:mod:`streamsync.transports.zeromq`.
 """
 
 from __future__ import annotations
@@ -68,6 +61,7 @@ __all__ = [
 MAX_FRAME_BYTES = 64 << 20
 _PREFIX = struct.Struct(">I")
 _CRED = struct.Struct("3i")
+Fds = tuple[int, ...]
 
 
 class LinkLost(Exception):
@@ -109,8 +103,7 @@ def map_exceptions(
 
 @dataclass(eq=False)
 class Peer:
-    """One receiver as the sender sees it: the link's handle; once it joined, its index and
-    session codec."""
+    """One receiver as the sender sees it (its index and codec once it joined)."""
 
     who: str
     handle: Any = None
@@ -125,19 +118,15 @@ class LinkEvents(Protocol):
 
     async def on_frame(self, peer: Peer, frame: bytes) -> bool:
         """A frame from ``peer`` (its first is its ``Hello``); False: drop the peer."""
-        ...
 
     async def on_refused(self, peer: Peer, exc: StreamsyncError) -> None:
         """The link itself refuses ``peer`` (wrong owner, malformed first message)."""
-        ...
 
     def on_lost(self, peer: Peer, detail: str) -> None:
         """``peer``'s link ended."""
-        ...
 
     def on_broken(self, exc: StreamsyncError) -> None:
         """A peer sent something the link cannot carry on from."""
-        ...
 
 
 class SenderLink(ABC):
@@ -153,11 +142,7 @@ class SenderLink(ABC):
 
     @abstractmethod
     async def send(
-        self,
-        peer: Peer,
-        frame: bytes,
-        payload: torch.Tensor | None = None,
-        fds: tuple[int, ...] = (),
+        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
     ) -> None: ...
 
     def all_joined(self) -> None:  # noqa: B027 - optional hook
@@ -221,7 +206,7 @@ class _Framed:
         self._buf = bytearray()
         self._lock = anyio.Lock(fast_acquire=True)
 
-    async def send(self, frame: bytes, fds: tuple[int, ...], context: str) -> None:
+    async def send(self, frame: bytes, fds: Fds, context: str) -> None:
         data = _PREFIX.pack(len(frame)) + frame
         async with self._lock:
             with map_exceptions(WRITE_ERRORS, f"{context}the peer's socket is gone"):
@@ -259,7 +244,13 @@ class _Framed:
                         data, more = await self.stream.receive_fds(1 << 16, 4)
                         fds += more
                     else:
-                        data = await self._receive_some()
+                        # Likewise: what is here is read now; the stream waits for more.
+                        try:
+                            data = self.raw.recv(1 << 16)
+                        except BlockingIOError:
+                            data = await self.stream.receive(1 << 16)
+                        if not data:
+                            raise LinkLost("connection closed")
                 self._buf += data
         except BaseException:
             for fd in fds:
@@ -267,28 +258,17 @@ class _Framed:
             raise
         return frame, fds
 
-    async def _receive_some(self) -> bytes:
-        # What is already here is read at once; the stream waits for more (as above).
-        try:
-            data = self.raw.recv(1 << 16)
-        except BlockingIOError:
-            return await self.stream.receive(1 << 16)
-        if not data:
-            raise LinkLost("connection closed")
-        return data
-
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
             await self.stream.aclose()
 
 
 class UnixLink(SenderLink):
-    """Sender end over an abstract unix socket: one stream per receiver, its reader a task
-    in the channel's group. Carries no payload frames (compose with a shared store)."""
+    """Sender end over an abstract unix socket, one stream per receiver (no payload frames)."""
 
-    def __init__(self, url: str, address: str, *, receivers: int, timeout: float) -> None:
-        self.url = url
-        self.address = address
+    def __init__(self, scheme: str, name: str, *, receivers: int, timeout: float) -> None:
+        self.url = f"{scheme}://{name}"
+        self.address = unix_address(scheme, name)
         self.receivers = receivers
         self.timeout = timeout  # for a newcomer's Hello
         self._listener: SocketListener | None = None
@@ -341,14 +321,9 @@ class UnixLink(SenderLink):
             await link.aclose()
 
     async def send(
-        self,
-        peer: Peer,
-        frame: bytes,
-        payload: torch.Tensor | None = None,
-        fds: tuple[int, ...] = (),
+        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
     ) -> None:
-        link: _Framed = peer.handle
-        await link.send(frame, fds, f"{self.url}: {peer.describe or peer.who}: ")
+        await peer.handle.send(frame, fds, f"{self.url}: {peer.describe or peer.who}: ")
 
     async def aclose(self) -> None:
         if self._listener is not None:
@@ -360,9 +335,9 @@ class UnixLink(SenderLink):
 class UnixDialer(ReceiverLink):
     """Receiver end over an abstract unix socket."""
 
-    def __init__(self, url: str, address: str) -> None:
-        self.url = url
-        self.address = address
+    def __init__(self, scheme: str, name: str) -> None:
+        self.url = f"{scheme}://{name}"
+        self.address = unix_address(scheme, name)
         self._link: _Framed | None = None
 
     async def connect(self) -> None:

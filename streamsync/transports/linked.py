@@ -1,16 +1,11 @@
 """The ring protocol between processes: a link (frames) composed with a slot store (bytes).
 
-A transport between processes is one file that builds a :class:`LinkedSender` from a
-:class:`~streamsync.transports.link.SenderLink` and a
-:class:`~streamsync.transports.slots.SlotStore`, and a :class:`LinkedReceiver` from a
-:class:`~streamsync.transports.link.ReceiverLink` and a
-:class:`~streamsync.transports.slots.SlotView` (see :mod:`streamsync.transports.shm`).
-
-These run the handshake (:mod:`streamsync.transports.handshake`) when a receiver joins,
+A transport between processes builds a :class:`LinkedSender` from a ``SenderLink`` and a
+``SlotStore``, and a :class:`LinkedReceiver` from a ``ReceiverLink`` and a ``SlotView``
+(see :mod:`streamsync.transports.shm`). They run the handshake when a receiver joins,
 authenticate every later frame with the session's codec, and keep one reader per link in
-a task group the channel owns; readers never raise: what they meet becomes ``on_broken`` on
-the sender and a queued exception on the receiver. A refused receiver gets a ``Bye`` saying
-why and the sender raises the refusal from the rendezvous of its next sync.
+the channel's task group; readers never raise: what they meet becomes ``on_broken`` on the
+sender and a queued exception on the receiver.
 """
 
 from __future__ import annotations
@@ -240,8 +235,7 @@ _Item = tuple[Message, torch.Tensor | None] | StreamsyncError
 
 class LinkedReceiver(RingReceiver):
     """Receiver side of the ring over ``link``, reaching the slots through ``view``; its
-    reader queues what the sender says (so a dead sender is noticed even while a sink
-    loads)."""
+    reader queues what the sender says (a dead sender is noticed even while a sink loads)."""
 
     def __init__(
         self,
@@ -308,7 +302,12 @@ class LinkedReceiver(RingReceiver):
             while True:
                 frame, payload = await self.link.receive()
                 msg = self._session.decode(frame)
-                data = self._data(msg, payload) if isinstance(msg, BucketHeader) else None
+                data = None
+                if isinstance(msg, BucketHeader):
+                    try:
+                        data = self.view.data(msg, payload)
+                    except StreamsyncError as exc:
+                        raise type(exc)(f"{self.url}: {exc}") from None
                 self._queue_in.send_nowait((msg, data))
                 if isinstance(msg, Bye):
                     return
@@ -327,12 +326,6 @@ class LinkedReceiver(RingReceiver):
                 self._queue_in.send_nowait(
                     PeerBrokenError(f"{self.url}: link to the sender failed: {exc!r}")
                 )
-
-    def _data(self, header: BucketHeader, payload: object) -> torch.Tensor:
-        try:
-            return self.view.data(header, payload)
-        except StreamsyncError as exc:
-            raise type(exc)(f"{self.url}: {exc}") from None
 
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
         try:

@@ -1,12 +1,8 @@
 """``memory://NAME``: an in-process transport for tests and single-process setups.
 
-It runs the same slot-ring protocol as the process transports (bounded ring, per-slot acks,
-fan-out, end-of-sync reports), so a slow receiver applies backpressure exactly as it would
-over shared memory. Sender and receivers meet by name within one process. It composes
-:class:`~streamsync.transports.slots.HostSlots` (receivers read the sender's slots by
-reference) with in-process inboxes in place of a link: messages travel as objects.
-
-URL options: ``receivers`` (default 1), ``slots`` (default 2), ``slot_bytes``.
+The slot-ring protocol of the process transports (so backpressure, fan-out and reports
+behave the same) over :class:`~streamsync.transports.slots.HostSlots`, read by reference;
+messages travel as objects through per-receiver inboxes. Sender and receivers meet by name.
 """
 
 from __future__ import annotations
@@ -30,26 +26,17 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryReceiver", "MemorySender"]
 
-_Inbox = tuple[MemoryObjectSendStream[Message], MemoryObjectReceiveStream[Message]]
-
 
 @dataclass
 class _Channel:
     name: str
     sender: MemorySender | None = None
-    inboxes: list[_Inbox] = field(default_factory=list)
+    inboxes: list[MemoryObjectSendStream[Message]] = field(default_factory=list)
     receivers: list[MemoryReceiver | None] = field(default_factory=list)
     joined: anyio.Event | None = None
 
 
 _channels: dict[str, _Channel] = {}
-
-
-def _channel(name: str) -> _Channel:
-    chan = _channels.get(name)
-    if chan is None:
-        chan = _channels[name] = _Channel(name)
-    return chan
 
 
 def _forget_if_unused(chan: _Channel) -> None:
@@ -77,7 +64,7 @@ class MemorySender(RingSender):
         self._chan: _Channel | None = None
 
     async def open(self) -> None:
-        chan = _channel(self.name)
+        chan = _channels.setdefault(self.name, _Channel(self.name))
         if chan.sender is not None:
             raise ConfigError(f"memory://{self.name} already has a sender")
         chan.sender = self
@@ -106,7 +93,7 @@ class MemorySender(RingSender):
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:
         assert self._chan is not None
-        for index, (send, _) in enumerate(self._chan.inboxes[: self.receivers]):
+        for index, send in enumerate(self._chan.inboxes[: self.receivers]):
             try:
                 send.send_nowait(msg)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -118,7 +105,7 @@ class MemorySender(RingSender):
             return
         chan = self._chan
         if chan is not None and chan.sender is self:
-            for send, _ in chan.inboxes:
+            for send in chan.inboxes:
                 with contextlib.suppress(
                     anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock
                 ):
@@ -141,11 +128,11 @@ class MemoryReceiver(RingReceiver):
         self._inbox: MemoryObjectReceiveStream[Message] | None = None
 
     async def open(self) -> None:
-        chan = _channel(self.name)
+        chan = _channels.setdefault(self.name, _Channel(self.name))
         send, recv = anyio.create_memory_object_stream[Message](math.inf)
         self._index = len(chan.receivers)
         chan.receivers.append(self)
-        chan.inboxes.append((send, recv))
+        chan.inboxes.append(send)
         self._chan = chan
         self._inbox = recv
         if chan.joined is not None:
@@ -173,8 +160,7 @@ class MemoryReceiver(RingReceiver):
 
     async def _post(self, msg: Ack | Done | Failed) -> None:
         chan = self._chan
-        # Like a socket whose peer left: the reply is dropped here, and what the sender said
-        # last (its abort, its goodbye) is read from the inbox by the next receive.
+        # As over a socket whose peer left: the reply is dropped; the next receive says why.
         if chan is not None and chan.sender is not None:
             chan.sender.on_reply(msg)
 

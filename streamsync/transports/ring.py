@@ -1,12 +1,9 @@
 """The slot-ring protocol every transport shares: slot accounting with per-receiver acks,
 receivers' reports, failure propagation.
 
-:class:`RingSender` owns a :class:`~streamsync.transports.slots.SlotStore` (where bucket
-bytes live) and packs each bucket into a free slot; a transport implements ``_publish``
-(deliver a message and a bucket's bytes to every receiver) and feeds what receivers send
-back into :meth:`RingSender.on_reply` and a lost receiver into :meth:`RingSender.on_broken`.
-:class:`RingReceiver` needs ``_next`` and ``_post``. Transports between processes get both
-from :mod:`streamsync.transports.linked`, which runs them over a link.
+A transport implements :meth:`RingSender._publish` and feeds what receivers send back into
+:meth:`RingSender.on_reply` (a lost receiver into ``on_broken``); :class:`RingReceiver`
+needs ``_next`` and ``_post``. :mod:`streamsync.transports.linked` runs both over a link.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ _LAST_LOOK_S = 0.05
 
 
 class _Signal:
-    """A level-triggered wake-up for waiters that re-check a condition (anyio has no
-    condition variable without a lock)."""
+    """A level-triggered wake-up for waiters that re-check a condition."""
 
     def __init__(self) -> None:
         self._event: anyio.Event | None = None
@@ -105,11 +101,6 @@ class SlotRing:
             )
         self._owed[ack.slot].discard(ack.receiver)
 
-    @property
-    def busy(self) -> int:
-        """Slots still waiting for acks."""
-        return sum(1 for owed in self._owed if owed)
-
 
 class RingSender(Sender):
     """Sender half of the ring protocol over ``store``; transports provide the messaging."""
@@ -125,7 +116,6 @@ class RingSender(Sender):
         self._sync_id: int | None = None
         self._failed: Failed | None = None
         self._departed: dict[int, str] = {}
-        self._closed = False
         self._stats = SenderStatistics()
 
     # -- transport hooks ---------------------------------------------------------------
@@ -140,7 +130,7 @@ class RingSender(Sender):
         """Deliver ``msg`` (and a bucket's packed bytes) to every receiver."""
 
     async def _await_receivers(self, timeout: float) -> None:
-        """Wait until every receiver has joined (transports with a rendezvous override)."""
+        """Wait until every receiver has joined (a transport's rendezvous)."""
 
     async def wait_ready(self, *, timeout: float) -> None:
         self._check()
@@ -191,9 +181,7 @@ class RingSender(Sender):
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
     ) -> None:
         if seq == 0:
-            self._begin(sync_id)
-            self._check()
-            await self._await_receivers(timeout)
+            await self._begin(sync_id, timeout)
         self._check()
         if bucket.nbytes > self.slot_bytes:
             raise StreamsyncError(
@@ -228,7 +216,7 @@ class RingSender(Sender):
             stats.publish_seconds + (time.perf_counter() - t2),
         )
 
-    def _begin(self, sync_id: int) -> None:
+    async def _begin(self, sync_id: int, timeout: float) -> None:
         if self._sync_id is not None:
             raise SyncInProgressError(
                 f"sync {sync_id} started while sync {self._sync_id} is still running "
@@ -237,13 +225,13 @@ class RingSender(Sender):
         self._sync_id = sync_id
         self._reports = {}
         self._failed = None
+        self._check()
+        await self._await_receivers(timeout)
 
     async def end(self, end: End, *, timeout: float) -> list[Done]:
         try:
             if end.buckets == 0:
-                self._begin(end.sync_id)
-                self._check()
-                await self._await_receivers(timeout)
+                await self._begin(end.sync_id, timeout)
             self._check()
             await self._publish(end, None)
 
@@ -288,8 +276,7 @@ class RingReceiver(Receiver):
 
     @abstractmethod
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
-        """The next message from the sender and, for a bucket, its bytes. Raises
-        ``EndOfStream`` if the sender closed cleanly, ``PeerBrokenError`` if it vanished."""
+        """The next message from the sender and, for a bucket, its bytes."""
 
     @abstractmethod
     async def _post(self, msg: Ack | Done | Failed) -> None:

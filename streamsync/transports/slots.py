@@ -1,21 +1,14 @@
 """The slot-store seam: where a channel's bucket bytes live.
 
-A :class:`SlotStore` is the sender's side: it allocates ``slots`` buffers of ``slot_bytes``
-once per channel (:meth:`~SlotStore.open`), hands the ring protocol a writable uint8 view of
-each (:meth:`~SlotStore.slot`), says what a joining receiver needs to reach them
-(:meth:`~SlotStore.shared`: a segment name, an opaque layout and file descriptors, all sent
-with the ``Welcome``), and is told when a slot holds a complete bucket
-(:meth:`~SlotStore.filled`). When :attr:`~SlotStore.payload_frames` is true the slots are
-private to the sender and a bucket's bytes travel over the link after its header.
+:class:`SlotStore` (sender) allocates the slots once per channel, hands the ring a writable
+uint8 view of each, says what a joining receiver needs to reach them (:class:`Shared`, sent
+with the ``Welcome``) and is told when a slot holds a complete bucket. With
+``payload_frames`` the slots are private and a bucket's bytes travel over the link after its
+header. :class:`SlotView` (receiver) attaches to what the ``Welcome`` described, returns a
+bucket's bytes and is told before a slot is acked.
 
-A :class:`SlotView` is the receiver's side: it attaches to what the ``Welcome`` described
-(:meth:`~SlotView.attach`), returns a bucket's bytes (:meth:`~SlotView.data`: a view of the
-shared slot, or of the payload frame) and is told before a slot is acked
-(:meth:`~SlotView.release`).
-
-Here: :class:`MemfdSlots`/:class:`MemfdView` (one anonymous shared-memory file, ``shm://``)
-and :class:`HostSlots`/:class:`PayloadView` (private host buffers, bytes as payload frames,
-``zmq+*://``). ``cuda-ipc://`` adds its device ring in :mod:`streamsync.transports.cuda_ipc`.
+Here: :class:`MemfdSlots`/:class:`MemfdView` (``shm://``) and
+:class:`HostSlots`/:class:`PayloadView` (``zmq+*://``); ``cuda-ipc://`` adds its own.
 """
 
 from __future__ import annotations
@@ -39,8 +32,7 @@ __all__ = ["HostSlots", "MemfdSlots", "MemfdView", "PayloadView", "Shared", "Slo
 
 @dataclass(frozen=True)
 class Shared:
-    """What a joining receiver is sent to reach the slots (``Welcome.segment`` and
-    ``Welcome.layout``, and descriptors passed with it)."""
+    """What a joining receiver is sent to reach the slots (with the ``Welcome``)."""
 
     segment: str = ""
     layout: bytes = b""
@@ -97,8 +89,7 @@ class SlotView(ABC):
 
 
 class HostSlots(SlotStore):
-    """Private, page-aligned host buffers (bytes travel as payload frames, or by reference
-    within one process)."""
+    """Private, page-aligned host buffers (bytes travel as payload frames)."""
 
     payload_frames = True
 
@@ -137,8 +128,7 @@ class PayloadView(SlotView):
 
 
 class MemfdSlots(SlotStore):
-    """One anonymous shared-memory file (``memfd``, mode 0600) holding every slot, mapped and
-    pre-faulted once; its descriptor goes to each receiver with the ``Welcome``."""
+    """One anonymous 0600 ``memfd`` holding every slot, mapped and pre-faulted once."""
 
     def __init__(self, slots: int, slot_bytes: int, *, name: str) -> None:
         super().__init__(slots, slot_bytes)
@@ -197,14 +187,18 @@ class MemfdView(SlotView):
         self._slots = _views(mm, welcome.slots, welcome.slot_bytes)
 
     def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
-        if not 0 <= header.slot < len(self._slots):
-            raise WireFormatError(
-                f"bucket {header.seq} is in slot {header.slot}; the ring has {len(self._slots)}"
-            )
-        return self._slots[header.slot]
+        return _slot(self._slots, header)
 
     def close(self) -> None:
         self._slots = []
+
+
+def _slot(slots: list[torch.Tensor], header: BucketHeader) -> torch.Tensor:
+    if not 0 <= header.slot < len(slots):
+        raise WireFormatError(
+            f"bucket {header.seq} is in slot {header.slot}; the ring has {len(slots)}"
+        )
+    return slots[header.slot]
 
 
 def _views(mm: mmap.mmap, slots: int, slot_bytes: int) -> list[torch.Tensor]:

@@ -1,31 +1,19 @@
-"""``zmq+tcp://HOST:PORT`` and ``zmq+ipc://PATH``: the slot ring over ZeroMQ; the transport
-that crosses machines.
+"""``zmq+tcp://HOST:PORT`` and ``zmq+ipc://PATH``: the slot ring over ZeroMQ, across machines.
 
-Bytes: the sender packs a bucket into one of its ``slots`` local buffers (allocated once) and
-sends it to every receiver as a two-frame message, metadata frame then the slot's bytes,
-without copying (``copy=False``); the slot is reused only after every receiver acked it, so
-ZeroMQ has finished with the bytes by then. A receiver hands its sink views of the received
-frame (no copy). High-water marks of a few messages per peer add ZeroMQ's own backpressure
-under the ring's.
+Composes :class:`~streamsync.transports.slots.HostSlots` with a ZeroMQ link: a ROUTER on the
+sender (binds; fan-out by identity) and a DEALER per receiver, plain pyzmq sockets woken by
+anyio on their ``zmq.FD``. A bucket goes as a metadata frame and the slot's bytes, without
+copying; the slot is reused only after every receiver acked it. A dead peer is seen by
+socket monitors (at once for a killed process, after 3 heartbeats for a vanished machine).
 
-Composes :class:`~streamsync.transports.slots.HostSlots` with a ZeroMQ link (plain pyzmq
-sockets in non-blocking mode, woken by anyio on their edge-triggered ``zmq.FD``).
+Security: tcp binds 127.0.0.1 unless HOST says otherwise (``*``: every interface); a secret
+authenticates every message by HMAC (payloads are not encrypted). An ipc socket file is 0600
+and removed once every receiver joined; a bare name lives in a 0700 per-user directory,
+``@name`` is abstract.
 
-Messages: one ROUTER socket on the sender (binds; fan-out by receiver identity, replies come
-back on it) and a DEALER per receiver (connects). A dead peer is seen through socket
-monitors (the connection drops: at once for a killed process, after ``heartbeat`` x 3
-seconds of ZeroMQ heartbeats for a vanished machine) and raised as
-:class:`~streamsync.PeerBrokenError`.
-
-Security: tcp binds 127.0.0.1 unless HOST says otherwise (``*`` for every interface); pass
-``secret=`` (or set ``$STREAMSYNC_SECRET``) to authenticate peers with HMAC over every
-message; the payload bytes are not encrypted. An ipc socket file is made 0600 and removed as
-soon as every receiver joined; a bare name lives in a 0700 per-user directory, ``@name`` is
-an abstract socket (no file at all).
-
-URL options: ``receivers`` (default 1), ``slots`` (default 2), ``slot_bytes`` (default
-64 MiB). Keyword arguments: ``secret``, ``connect_timeout``, ``heartbeat`` (seconds, default
-1.0). Port 0 binds a free port; the sender's ``url`` then names it.
+URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
+``connect_timeout``, ``heartbeat`` (seconds, default 1.0). Port 0 binds a free port; the
+sender's ``url`` then names it.
 """
 
 from __future__ import annotations
@@ -41,6 +29,7 @@ from anyio.abc import TaskGroup
 
 from streamsync.errors import ConfigError, PeerBrokenError, WireFormatError
 from streamsync.transports.link import (
+    Fds,
     LinkEvents,
     LinkLost,
     Peer,
@@ -96,13 +85,12 @@ def zmq_address(scheme: str, target: str, *, bind: bool) -> str:
     raise ConfigError(f"{scheme}://{target}: not a ZeroMQ scheme; use zmq+tcp or zmq+ipc")
 
 
-def _ipc_file(address: str) -> str | None:
-    if address.startswith("ipc://") and not address.startswith("ipc://@"):
-        return address[len("ipc://") :]
-    return None
+def _open(kind: int, *, hwm: int, heartbeat: float) -> tuple[Any, _Socket, _Socket]:
+    """A ZeroMQ context, a tuned socket of ``kind`` in it, and its disconnect monitor."""
+    import zmq
 
-
-def _tune(sock: Any, zmq: Any, *, hwm: int, heartbeat: float) -> None:
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(kind)
     ms = max(1, int(heartbeat * 1000))
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
@@ -110,6 +98,7 @@ def _tune(sock: Any, zmq: Any, *, hwm: int, heartbeat: float) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ms)
     sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ms)
     sock.setsockopt(zmq.LINGER, 1000)
+    return ctx, _Socket(sock), _Socket(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
 
 
 class _Socket:
@@ -120,21 +109,18 @@ class _Socket:
     def __init__(self, sock: Any) -> None:
         import zmq
 
+        self.zmq = zmq
         self.sock = sock
         self._fd: int = sock.getsockopt(zmq.FD)
         self._sleep: anyio.CancelScope | None = None
 
     def _ready(self) -> bool:
-        import zmq
-
-        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self.sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN)
 
     def try_recv(self) -> list[Any] | None:
-        import zmq
-
         try:
-            return list(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
-        except zmq.Again:
+            return list(self.sock.recv_multipart(self.zmq.NOBLOCK, copy=False))
+        except self.zmq.Again:
             return None
 
     async def wait(self) -> None:
@@ -153,13 +139,13 @@ class _Socket:
         return parts
 
     async def send(self, parts: list[Any]) -> None:
-        import zmq
-
         while True:
             try:
-                self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                self.sock.send_multipart(parts, self.zmq.NOBLOCK, copy=False)
                 break
-            except zmq.Again:  # the peer's high-water mark: back off (rare; the ring bounds it)
+            except (
+                self.zmq.Again
+            ):  # the peer's high-water mark: back off (rare; the ring bounds it)
                 await anyio.sleep(0.001)
         if self._sleep is not None and self._ready():
             self._sleep.cancel()
@@ -172,16 +158,12 @@ def _send_errors() -> dict[type[BaseException], type[BaseException]]:
 
 
 class ZmqLink(SenderLink):
-    """Sender end: one ROUTER socket (fan-out by receiver identity, replies come back on
-    it) and a disconnect monitor."""
+    """Sender end: one ROUTER socket and its disconnect monitor."""
 
-    def __init__(self, url: str, *, hwm: int, heartbeat: float) -> None:
-        from streamsync.transports import parse_endpoint
-
-        self.url = url
-        endpoint = parse_endpoint(url)
-        self._scheme = endpoint.scheme
-        self.address = zmq_address(endpoint.scheme, endpoint.target, bind=True)
+    def __init__(self, scheme: str, target: str, *, hwm: int, heartbeat: float) -> None:
+        self.url = f"{scheme}://{target}"
+        self._scheme, self._target = scheme, target
+        self.address = zmq_address(scheme, target, bind=True)
         self.hwm = hwm
         self.heartbeat = heartbeat
         self._ctx: Any = None
@@ -194,25 +176,24 @@ class ZmqLink(SenderLink):
     async def open(self) -> None:
         import zmq
 
-        self._ctx = zmq.Context(io_threads=1)
-        sock = self._ctx.socket(zmq.ROUTER)
-        self._sock = _Socket(sock)
+        self._ctx, self._sock, self._monitor = _open(
+            zmq.ROUTER, hwm=self.hwm, heartbeat=self.heartbeat
+        )
+        sock = self._sock.sock
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable receiver raises
         # Anyone who can reach the port can send: a peer announcing a bigger message is
         # dropped before ZeroMQ allocates it (receivers only send hellos, acks and reports).
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
-        _tune(sock, zmq, hwm=self.hwm, heartbeat=self.heartbeat)
-        self._monitor = _Socket(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         try:
             sock.bind(self.address)
         except zmq.ZMQError as exc:
             raise ConfigError(f"{self.url}: cannot bind {self.address}: {exc}") from exc
         bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._file = _ipc_file(bound)
-        if self._file is not None:
+        if bound.startswith("ipc://") and not bound.startswith("ipc://@"):
+            self._file = bound.removeprefix("ipc://")
             os.chmod(self._file, 0o600)
         if self._scheme == "zmq+tcp" and self.address.endswith(":0"):
-            host = self.url.split("://", 1)[1].rpartition(":")[0]
+            host = self._target.rpartition(":")[0]
             self.url = f"zmq+tcp://{host}:{bound.rpartition(':')[2]}"
 
     async def serve(self, events: LinkEvents) -> None:
@@ -265,11 +246,7 @@ class ZmqLink(SenderLink):
             self._by_fd[int(parts[-1].get(zmq.SRCFD))] = peer
 
     async def send(
-        self,
-        peer: Peer,
-        frame: bytes,
-        payload: torch.Tensor | None = None,
-        fds: tuple[int, ...] = (),
+        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
     ) -> None:
         assert self._sock is not None
         parts: list[Any] = [peer.handle, frame]
@@ -296,12 +273,9 @@ class ZmqLink(SenderLink):
 class ZmqDialer(ReceiverLink):
     """Receiver end: a DEALER socket and its disconnect monitor."""
 
-    def __init__(self, url: str, *, heartbeat: float) -> None:
-        from streamsync.transports import parse_endpoint
-
-        self.url = url
-        endpoint = parse_endpoint(url)
-        self.address = zmq_address(endpoint.scheme, endpoint.target, bind=False)
+    def __init__(self, scheme: str, target: str, *, heartbeat: float) -> None:
+        self.url = f"{scheme}://{target}"
+        self.address = zmq_address(scheme, target, bind=False)
         self.heartbeat = heartbeat
         self._ctx: Any = None
         self._sock: _Socket | None = None
@@ -311,12 +285,8 @@ class ZmqDialer(ReceiverLink):
     async def connect(self) -> None:
         import zmq
 
-        self._ctx = zmq.Context(io_threads=1)
-        sock = self._ctx.socket(zmq.DEALER)
-        self._sock = _Socket(sock)
-        _tune(sock, zmq, hwm=64, heartbeat=self.heartbeat)
-        self._monitor = _Socket(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
-        sock.connect(self.address)  # queued until the sender binds
+        self._ctx, self._sock, self._monitor = _open(zmq.DEALER, hwm=64, heartbeat=self.heartbeat)
+        self._sock.sock.connect(self.address)  # queued until the sender binds
 
     async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
         await self.send(hello)
@@ -363,12 +333,12 @@ async def _close(sock: _Socket | None, monitor: _Socket | None, ctx: Any) -> Non
 def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
     """``zmq+tcp://HOST:PORT?receivers=&slots=&slot_bytes=`` or ``zmq+ipc://PATH?...``."""
     opts = endpoint.sender_options(kwargs)
-    url, heartbeat = f"{endpoint.scheme}://{endpoint.target}", opts.pop("heartbeat", 1.0)
-    link = ZmqLink(url, hwm=2 * opts["slots"] + 8, heartbeat=heartbeat)
+    heartbeat = opts.pop("heartbeat", 1.0)
+    link = ZmqLink(endpoint.scheme, endpoint.target, hwm=2 * opts["slots"] + 8, heartbeat=heartbeat)
     return LinkedSender(link, HostSlots(opts.pop("slots"), opts.pop("slot_bytes")), **opts)
 
 
 def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
     """``zmq+tcp://HOST:PORT`` or ``zmq+ipc://PATH``."""
-    url, heartbeat = f"{endpoint.scheme}://{endpoint.target}", kwargs.pop("heartbeat", 1.0)
-    return LinkedReceiver(ZmqDialer(url, heartbeat=heartbeat), PayloadView(), **kwargs)
+    link = ZmqDialer(endpoint.scheme, endpoint.target, heartbeat=kwargs.pop("heartbeat", 1.0))
+    return LinkedReceiver(link, PayloadView(), **kwargs)
