@@ -511,7 +511,8 @@ class TransportConformance:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(kill_when_loading)
                     # Bucket 0 loads for 30 s: the sender waits for a slot when it dies.
-                    return await _caught(self._send(tx, bucket_bytes=1024))
+                    caught = await _caught(self._send(tx, bucket_bytes=1024))
+            return caught
 
         self._survives_sigkill("killrx", "receiver", send, delay=30.0)
 
