@@ -67,10 +67,6 @@ async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def _shape(t: torch.Size | Sequence[int]) -> list[int]:
-    return list(t)
-
-
 class ModuleSink:
     """Copies received tensors into a module's parameters and persistent buffers, in place,
     by state-dict name.
@@ -116,8 +112,7 @@ class ModuleSink:
             return None
         if tuple(dst.shape) != tuple(shape):
             raise ShapeMismatchError(
-                f"tensor {name!r}: received shape {list(shape)}, "
-                f"the module's is {_shape(dst.shape)}"
+                f"tensor {name!r}: received shape {list(shape)}, the module's is {list(dst.shape)}"
             )
         if dst.dtype != dtype and self.strict:
             raise DtypeMismatchError(

@@ -35,14 +35,9 @@ async def _from_iterable(pairs: Iterable[Any]) -> AsyncIterator[NamedTensor]:
 
 
 async def _from_async(pairs: AsyncIterable[Any]) -> AsyncIterator[NamedTensor]:
-    iterator = aiter(pairs)
-    try:
-        async for item in iterator:
+    async with reading(pairs) as items:
+        async for item in items:
             yield _check(item)
-    finally:
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _check(item: Any) -> NamedTensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,12 @@ class FakeConfig:
     tie_word_embeddings: bool = False
 
 
+def _random(cfg: FakeConfig | None, dtype: torch.dtype, seed: int) -> Iterator[NamedTensor]:
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in _shapes(cfg or FakeConfig()):
+        yield name, torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
 def _shapes(cfg: FakeConfig) -> Iterable[tuple[str, tuple[int, ...]]]:
     return qwen3_shapes(
         vocab=cfg.vocab_size,
@@ -56,22 +62,15 @@ def fake_state_dict(
     cfg: FakeConfig | None = None, *, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """A random state dict named like Transformers' Qwen3 (or Qwen3-MoE) model."""
-    cfg = cfg or FakeConfig()
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        name: torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
-        for name, shape in _shapes(cfg)
-    }
+    return dict(_random(cfg, dtype, seed))
 
 
 async def fake_named_tensors(
     cfg: FakeConfig | None = None, *, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> AsyncIterator[NamedTensor]:
     """The same tensors as :func:`fake_state_dict`, made one at a time."""
-    cfg = cfg or FakeConfig()
-    gen = torch.Generator().manual_seed(seed)
-    for name, shape in _shapes(cfg):
-        yield name, torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    for item in _random(cfg, dtype, seed):
+        yield item
 
 
 class FakeVllmModel(torch.nn.Module):
