@@ -257,21 +257,15 @@ class Unpacker:
     def __init__(self, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
         self.max_tensor_bytes = max_tensor_bytes
         self._staging: torch.Tensor | None = None
-        self._pending: _Pending | None = None
-        self._names: set[str] = set()
-        self._sync_id: int | None = None
-        self._seq = 0
-        self._tensors = 0
-        self._nbytes = 0
         self._completed_here = False
+        self.begin(None)
+
+    def begin(self, sync_id: int | None) -> None:
+        """Start a new sync: forget what the previous one received."""
         #: Names whose bytes went straight into a sink's tensor during this sync.
         self.touched: list[str] = []
-
-    def begin(self, sync_id: int) -> None:
-        """Start a new sync: forget what the previous one received."""
-        self.touched = []
-        self._pending = None
-        self._names = set()
+        self._pending: _Pending | None = None
+        self._names: set[str] = set()
         self._sync_id = sync_id
         self._seq = 0
         self._tensors = 0

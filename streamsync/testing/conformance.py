@@ -9,13 +9,9 @@ channel; pytest collects the ``test_*`` methods::
         def make_url(self, tag: str) -> str:
             return f"my://{tag}-{os.getpid()}"
 
-The tests are plain functions that run their own event loop (no async test plugin needed).
-Cross-process tests run sender and receiver as fresh interpreters through
-:class:`streamsync.testing.peers.Peers`; a transport registered by user code names the
-module that registers it in ``setup_module``, which each child imports first. Children
-report plain data (digests of what they received, the name of what they raised, the points
-they reached) through a queue; tensors never cross. The tests that need a second process
-(SIGKILL of a peer) are skipped, with the reason, for in-process transports.
+The tests run their own event loop (no async test plugin needed). Cross-process tests run
+each side in a fresh interpreter (:class:`streamsync.testing.peers.Peers`) that reports
+plain data, never tensors; the SIGKILL tests are skipped for in-process transports.
 
 What is checked: bit-exact round trip across processes (every wire dtype, a tensor larger
 than a bucket, two syncs on one channel), order, fan-out to two receivers, backpressure (a
@@ -116,19 +112,13 @@ async def _slow_source(seed: int, delay: float) -> AsyncIterator[tuple[str, torc
 
 
 # -- child processes -----------------------------------------------------------------
-def _skip(reason: str) -> None:
-    # Imported here: children preload this module, and they do not need pytest.
-    import pytest
-
-    pytest.skip(reason)
-
-
 def _child(role: str, setup: str, args: dict[str, Any], results: Any) -> None:
     """Entry point of a spawned side: run it and put a plain dict on ``results``."""
     if setup:
         importlib.import_module(setup)
     try:
-        out: dict[str, Any] = asyncio.run(_SIDES[role](args, results))
+        side = _receiver_side if role == "receiver" else _sender_side
+        out: dict[str, Any] = asyncio.run(side(args, results))
         results.put({"role": role, "ok": True, **out})
     except BaseException as exc:
         results.put({"role": role, "ok": False, "error": type(exc).__name__, "message": str(exc)})
@@ -155,12 +145,6 @@ async def _sender_side(args: dict[str, Any], results: Any) -> dict[str, Any]:
             size = args.get("bucket_bytes", _BUCKET_BYTES)
             await ss.send(weights, tx, bucket_bytes=size, timeout=args["timeout"])
     return {}
-
-
-_SIDES: dict[str, Callable[[dict[str, Any], Any], Coroutine[Any, Any, dict[str, Any]]]] = {
-    "receiver": _receiver_side,
-    "sender": _sender_side,
-}
 
 
 async def _raises(
@@ -480,7 +464,9 @@ class TransportConformance:
         """Spawn the ``victim`` side, run ``survivor(url, peers, kill)`` here, and check that
         what it caught is the peer's death, within twice the timeout, leaving nothing behind."""
         if not self.cross_process:
-            _skip(f"an in-process transport has no {victim} process to kill")
+            import pytest  # here: children preload this module, and they do not need pytest
+
+            pytest.skip(f"an in-process transport has no {victim} process to kill")
         url = self.make_url(tag)
         shm_before = _shm_entries()
         peers = self._peers()
