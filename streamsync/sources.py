@@ -52,18 +52,6 @@ def _check(item: Any) -> NamedTensor:
     return name, _full(tensor)
 
 
-def _check_rank(rank: int) -> None:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError(
-            f"named_tensors(rank={rank}) is a collective call: initialise the default "
-            "process group first, or pass rank=None in a single process"
-        )
-    world = dist.get_world_size()
-    if not (isinstance(rank, int) and 0 <= rank < world):
-        raise ConfigError(f"named_tensors(rank={rank!r}): use a rank in 0..{world - 1}")
-
-
 async def _on_rank(stream: AsyncIterator[NamedTensor], rank: int) -> AsyncIterator[NamedTensor]:
     # Every rank walks the same tensors in the same order, so the gathers inside the stream
     # (DTensor.full_tensor, a collective) match up; only the sending rank passes them on.
@@ -92,7 +80,15 @@ def named_tensors(obj: Any, *, rank: int | None = None) -> AsyncIterator[NamedTe
     (``async for _ in named_tensors(model, rank=k): pass``).
     """
     if rank is not None:
-        _check_rank(rank)
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"named_tensors(rank={rank}) is a collective call: initialise the default "
+                "process group first, or pass rank=None in a single process"
+            )
+        world = dist.get_world_size()
+        if not (isinstance(rank, int) and 0 <= rank < world):
+            raise ConfigError(f"named_tensors(rank={rank!r}): use a rank in 0..{world - 1}")
         return _on_rank(named_tensors(obj), rank)
     if isinstance(obj, torch.nn.Module):
         return _from_module(obj)

@@ -143,9 +143,7 @@ class BufferRouter:
         self._targets: dict[str, dict[str, torch.Tensor]] = {}
         self._registered: set[str] = set()
         for label, module in self.instances.items():
-            targets: dict[str, torch.Tensor] = {
-                name: param for name, param in module.named_parameters(remove_duplicate=False)
-            }
+            targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
             for name, buf in module.named_buffers(remove_duplicate=False):
                 targets[name] = buf
                 self._registered.add(name)

@@ -88,26 +88,19 @@ class FakeVllmModel(torch.nn.Module):
         q = cfg.num_attention_heads * cfg.head_dim
         kv = cfg.num_key_value_heads * cfg.head_dim
         self._shards = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-        shapes: dict[str, tuple[int, ...]] = {}
+        self._params = torch.nn.ParameterDict()
         for name, shape in _shapes(cfg):
             for fused, shard, _ in VLLM_STACKED:
                 if f".{shard}." in name:
                     name = name.replace(shard, fused)
                     rows = q + 2 * kv if fused == "qkv_proj" else 2 * cfg.intermediate_size
                     shape = (rows, shape[1])
-            shapes[name] = shape
-        self._params = torch.nn.ParameterDict()
-        self._names = {}
-        for name, shape in shapes.items():
-            key = name.replace(".", "__")
-            self._params[key] = torch.nn.Parameter(
-                torch.zeros(shape, dtype=dtype), requires_grad=False
-            )
-            self._names[name] = key
+            zeros = torch.zeros(shape, dtype=dtype)
+            self._params[name.replace(".", "__")] = torch.nn.Parameter(zeros, requires_grad=False)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The fused parameters by their vLLM names."""
-        return {name: self._params[key] for name, key in self._names.items()}
+        return {key.replace("__", "."): param for key, param in self._params.items()}
 
     def load_weights(self, weights: Iterable[NamedTensor]) -> set[str]:
         """Copy checkpoint-named tensors into the fused parameters; returns the names of
