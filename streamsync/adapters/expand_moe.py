@@ -1,11 +1,8 @@
 """``expand_moe(when=..., model_type=...)``: packed MoE experts into per-expert checkpoint keys.
 
-Transformers ≥ 5 keeps the experts of an MoE layer packed in two 3-D parameters,
-``...mlp.experts.gate_up_proj`` ``[E, 2·I, H]`` (gate half first along dim 1) and
-``...mlp.experts.down_proj`` ``[E, H, I]``, named without a ``.weight`` suffix (other versions
-and FSDP wrappers may add one; both are accepted). vLLM before 0.25 only loads the per-expert
-checkpoint keys, ``...mlp.experts.{e}.gate_proj.weight`` and so on. This adapter yields those
-keys expert by expert, as views of the packed tensor (no copy, no dict of the layer).
+Transformers ≥ 5 keeps the experts of an MoE layer packed (:mod:`streamsync.moe_names`);
+vLLM before 0.25 only loads the per-expert checkpoint keys. This adapter yields those keys
+expert by expert, as views of the packed tensor (no copy, no dict of the layer).
 
 The checkpoint keys depend on the model family, keyed by Transformers' ``config.model_type``
 in :data:`RULES` (no ``model_type``: the Qwen-style rule; an unknown one: nothing expanded,
