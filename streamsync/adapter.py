@@ -9,11 +9,9 @@ whose first argument is its source, made pipeable by :func:`adapter`::
             if pred(name):
                 yield name, tensor
 
-``select(pred)`` is then a :class:`Stage`: ``select(pred)(source)`` runs it, ``a | b`` composes
-(``a`` first) into a :class:`Chain`, and a plain function with the adapter signature composes
-too, on either side of ``|``. Every stage reads its source through :func:`reading`, applied
-here once, so a stage that stops early (or fails, or is closed) closes its source and an
-abandoned pipeline releases what its source holds.
+``select(pred)`` is then a :class:`Stage`: ``select(pred)(source)`` runs it and ``a | b``
+composes (``a`` first, plain functions too) into a :class:`Chain`. A stage that stops early,
+fails or is closed closes its source (:func:`reading`).
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ async def _guarded(stage: AdapterLike, source: AsyncIterable[Any]) -> AsyncItera
 
 
 class Adapter:
-    """Base class of adapters: what composes with ``|``. The stages :func:`adapter`
-    functions make are adapters; a subclass written by hand does the work in
+    """Base class of what composes with ``|``; a subclass written by hand works in
     ``__call__(source)`` and reads its source through :func:`reading` itself."""
 
     def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
@@ -90,10 +87,9 @@ Fuse: TypeAlias = Callable[["Stage", Adapter], "Adapter | None"]
 
 
 class Stage(Adapter):
-    """An adapter function applied to its configuration, ready for a source: what calling
-    an :func:`adapter` function returns. ``op`` is that function and ``config`` the keyword
-    arguments it is run with (also readable as attributes: ``bucket(4096).bucket_bytes``),
-    which is how :class:`Chain` recognises stages that fuse."""
+    """What calling an :func:`adapter` function returns: ``op``, that function, and
+    ``config``, the keyword arguments it runs with (also attributes, as in
+    ``bucket(4096).bucket_bytes``, which is how :class:`Chain` recognises stages that fuse)."""
 
     def __init__(self, op: Operator[Any], config: Mapping[str, Any], shown: str) -> None:
         self.op, self.config, self._shown = op, dict(config), shown
@@ -115,9 +111,8 @@ class Stage(Adapter):
 
 
 class Operator(Generic[P]):
-    """An adapter function made pipeable by :func:`adapter`. Calling it with its
-    configuration (the arguments after ``source``) checks that configuration at once and
-    returns a :class:`Stage`; ``isinstance(x, op)`` is true of the stages it made."""
+    """An adapter function made pipeable by :func:`adapter`: calling it returns a
+    :class:`Stage`; ``isinstance(x, op)`` is true of the stages it made."""
 
     def __init__(
         self,

@@ -1,11 +1,5 @@
 """The bucket format: named tensors packed into one contiguous byte buffer plus msgspec
-metadata.
-
-Sender side, :class:`BucketBuilder` groups tensors into :class:`Bucket` plans that hold
-references to the source tensors and are packed straight into a transport's slot (one copy;
-a fused cast converts during that copy). Receiver side, :class:`Unpacker` validates untrusted
-headers against the slot, turns entries into views of the slot, and reassembles tensors that
-were split into chunks across consecutive buckets.
+metadata, built by :class:`BucketBuilder` (sender) and checked by :class:`Unpacker` (receiver).
 
 Every entry starts at a multiple of :data:`ALIGN` bytes, so a view of any dtype is legal
 whatever came before it (a bf16 tensor of odd length followed by an fp32 one).
@@ -18,16 +12,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
+import msgspec
 import torch
 import xxhash
 
 from streamsync.dtypes import dtype_from_name, dtype_name
-from streamsync.errors import (
-    ChecksumError,
-    ConfigError,
-    DuplicateTensorError,
-    WireFormatError,
-)
+from streamsync.errors import ChecksumError, ConfigError, DuplicateTensorError, WireFormatError
 from streamsync.wire import BucketHeader, End, Entry
 
 __all__ = [
@@ -88,10 +78,8 @@ class _Part:
 
 @dataclass(slots=True)
 class Bucket:
-    """A bucket not yet packed: its entries and the tensors their bytes come from.
-
-    ``tensors`` counts the tensors whose last (or only) piece is in this bucket.
-    """
+    """A bucket not yet packed: its entries and the tensors their bytes come from (copied
+    straight into a slot); ``tensors`` counts those whose last (or only) piece is in it."""
 
     entries: list[Entry] = field(default_factory=list)
     parts: list[_Part] = field(default_factory=list)
@@ -120,7 +108,7 @@ class Bucket:
             else:
                 dst.copy_(part.source[part.start : part.stop])
             if checksum:
-                entry = _with_checksum(entry, region)
+                entry = msgspec.structs.replace(entry, checksum=_digest(region))
             out.append(entry)
         return out
 
@@ -140,21 +128,6 @@ class PackedBucket:
     tensors: int = 0
 
 
-def _with_checksum(entry: Entry, region: torch.Tensor) -> Entry:
-    digest = _digest(region)
-    return Entry(
-        entry.name,
-        entry.dtype,
-        entry.shape,
-        entry.offset,
-        entry.nbytes,
-        entry.chunk,
-        entry.chunks,
-        entry.tensor_offset,
-        digest,
-    )
-
-
 class BucketBuilder:
     """Groups named tensors into buckets of at most ``bucket_bytes``.
 
@@ -165,12 +138,7 @@ class BucketBuilder:
     copy would have.
     """
 
-    def __init__(
-        self,
-        bucket_bytes: int,
-        *,
-        cast: CastRule | None = None,
-    ) -> None:
+    def __init__(self, bucket_bytes: int, *, cast: CastRule | None = None) -> None:
         if bucket_bytes < MIN_BUCKET_BYTES:
             raise ConfigError(
                 f"bucket_bytes={bucket_bytes} is too small; use at least {MIN_BUCKET_BYTES}"
@@ -195,28 +163,20 @@ class BucketBuilder:
         shape = tuple(tensor.shape)
         nbytes = tensor.numel() * itemsize
         offset = align_up(self._current.nbytes)
-        if offset + nbytes <= self.bucket_bytes:
-            self._place(Entry(name, wire_dtype, shape, offset, nbytes), _Part(tensor, 0, 0, True))
-            self._current.tensors += 1
+        if nbytes > self.bucket_bytes:
+            yield from self._add_chunked(name, tensor.reshape(-1), wire_dtype, shape, itemsize)
             return
-        if nbytes <= self.bucket_bytes:
+        if offset + nbytes > self.bucket_bytes:
             # Fits in a bucket of its own: close the current one first.
-            if self._current.entries:
-                yield self._flush_current()
-            self._place(Entry(name, wire_dtype, shape, 0, nbytes), _Part(tensor, 0, 0, True))
-            self._current.tensors += 1
-            return
-        yield from self._add_chunked(name, tensor, wire_dtype, shape, itemsize)
+            yield self._flush_current()
+            offset = 0
+        self._place(Entry(name, wire_dtype, shape, offset, nbytes), _Part(tensor, 0, 0, True))
+        self._current.tensors += 1
 
     def _add_chunked(
-        self,
-        name: str,
-        tensor: torch.Tensor,
-        wire_dtype: str,
-        shape: tuple[int, ...],
-        itemsize: int,
+        self, name: str, flat: torch.Tensor, wire_dtype: str, shape: tuple[int, ...], itemsize: int
     ) -> Iterator[Bucket]:
-        flat = tensor.reshape(-1)  # one copy at most (non-contiguous input), kept for all chunks
+        # ``flat``: one copy at most (non-contiguous input), kept for all chunks.
         room = self.bucket_bytes - align_up(self._current.nbytes)
         # The receiver reassembles into one staging buffer: a chunked tensor must not start
         # in the bucket where the previous chunked tensor ends.
@@ -261,9 +221,7 @@ class BucketBuilder:
 
     def flush(self) -> Bucket | None:
         """The last, partly filled bucket, if any tensor is in it."""
-        if not self._current.entries:
-            return None
-        return self._flush_current()
+        return self._flush_current() if self._current.entries else None
 
 
 @dataclass(slots=True)
@@ -299,21 +257,15 @@ class Unpacker:
     def __init__(self, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
         self.max_tensor_bytes = max_tensor_bytes
         self._staging: torch.Tensor | None = None
-        self._pending: _Pending | None = None
-        self._names: set[str] = set()
-        self._sync_id: int | None = None
-        self._seq = 0
-        self._tensors = 0
-        self._nbytes = 0
         self._completed_here = False
+        self.begin(None)
+
+    def begin(self, sync_id: int | None) -> None:
+        """Start a new sync: forget what the previous one received."""
         #: Names whose bytes went straight into a sink's tensor during this sync.
         self.touched: list[str] = []
-
-    def begin(self, sync_id: int) -> None:
-        """Start a new sync: forget what the previous one received."""
-        self.touched = []
-        self._pending = None
-        self._names = set()
+        self._pending: _Pending | None = None
+        self._names: set[str] = set()
         self._sync_id = sync_id
         self._seq = 0
         self._tensors = 0
@@ -420,7 +372,7 @@ class Unpacker:
         dtype: torch.dtype,
         itemsize: int,
         region: torch.Tensor,
-        target: TargetFn | None = None,
+        target: TargetFn | None,
     ) -> NamedTensor | None:
         pending = self._pending
         if entry.chunk == 0:

@@ -1,11 +1,12 @@
-"""``streamsync demo``: the main job. Sync a trainer into a real vLLM engine on this CPU
-machine, step after step, and verify every step.
+"""Sync a trainer into a real vLLM engine on this CPU machine, step after step,
+and verify every step.
 
-It builds a tiny random-weight model locally (or takes ``--model DIR``), starts vLLM on it,
-and for each step perturbs the trainer's weights (a stand-in for a training step), streams
-them through the default adapter chain over the transport, and checks that the engine's
-greedy tokens equal the trainer model's and its prompt logprobs match.
-"""
+Builds a tiny random-weight model (or loads --model DIR) and starts vLLM on
+it. Each step perturbs the trainer's weights (a stand-in for a training step),
+streams them through the default adapter chain over --transport, and checks
+that the engine's greedy tokens equal the trainer's and that its prompt
+logprobs match. With --engine fake, a vLLM-style fake model in this process
+takes the engine's place, over memory:// (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -28,24 +29,12 @@ __all__ = ["add_parser", "run"]
 LOGPROB_TOL = 1e-4
 
 
-DESCRIPTION = """\
-Sync a trainer into a real vLLM engine on this CPU machine, step after step,
-and verify every step.
-
-Builds a tiny random-weight model (or loads --model DIR) and starts vLLM on
-it. Each step perturbs the trainer's weights (a stand-in for a training step),
-streams them through the default adapter chain over --transport, and checks
-that the engine's greedy tokens equal the trainer's and that its prompt
-logprobs match. With --engine fake, a vLLM-style fake model in this process
-takes the engine's place, over memory:// (no vLLM needed)."""
-
-
 def add_parser(sub: Any) -> None:
     """Register the ``demo`` subcommand."""
     demo = sub.add_parser(
         "demo",
         help="sync a trainer into a real vLLM engine on CPU, several steps, verify each",
-        description=DESCRIPTION,
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--steps", type=int, default=3, help="sync steps (default 3)")
@@ -61,7 +50,6 @@ def add_parser(sub: Any) -> None:
     demo.add_argument(
         "--transport",
         metavar="URL",
-        default=None,
         help="transport URL, e.g. zmq+tcp://127.0.0.1:5555 (default: shm://streamsync-demo-<pid>;"
         " memory://demo with --engine fake)",
     )

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
 import streamsync as ss
@@ -39,12 +41,9 @@ def demo_fake(args: argparse.Namespace) -> int:
             out["rx"] = await ss.receive(url, LoadWeightsSink(engine), timeout=args.timeout)
 
         async def tx() -> None:
+            size, timeout = args.bucket_bytes, args.timeout
             out["tx"] = await ss.send(
-                trainer,
-                url,
-                pipeline=pipeline,
-                bucket_bytes=args.bucket_bytes,
-                timeout=args.timeout,
+                trainer, url, pipeline=pipeline, bucket_bytes=size, timeout=timeout
             )
 
         async with anyio.create_task_group() as tg:
@@ -55,16 +54,16 @@ def demo_fake(args: argparse.Namespace) -> int:
     for index in range(args.steps):
         report, ok = anyio.run(step, index)
         failed |= not ok
-        line = (
+        sys.stdout.write(
             f"step {index + 1}/{args.steps}: {report.nbytes / 2**20:.2f} MiB, "
             f"{report.seconds * 1e3:.1f} ms, {report.gbps:.2f} GB/s, "
-            f"verified={'yes' if ok else 'NO'}"
+            f"verified={'yes' if ok else 'NO'}\n"
         )
-        sys.stdout.write(line + "\n")
-        reports.append({"step": index + 1, "verified": ok, **_as_dict(report)})
+        data: dict[str, Any] = msgspec.to_builtins(report)
+        data.pop("loaded", None)
+        reports.append({"step": index + 1, "verified": ok, **data, "gbps": report.gbps})
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(reports, fh, indent=2)
+        Path(args.json).write_text(json.dumps(reports, indent=2))
     return 1 if failed else 0
 
 
@@ -80,12 +79,3 @@ def _verify(trainer: dict[str, torch.Tensor], engine: FakeVllmModel) -> bool:
         if not torch.equal(param, want.to(param.dtype)):
             return False
     return True
-
-
-def _as_dict(report: ss.SyncReport) -> dict[str, Any]:
-    import msgspec
-
-    data: dict[str, Any] = msgspec.to_builtins(report)
-    data.pop("loaded", None)
-    data["gbps"] = report.gbps
-    return data

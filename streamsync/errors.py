@@ -37,10 +37,7 @@ __all__ = [
 
 
 class StreamsyncError(Exception):
-    """Base class of every streamsync error.
-
-    ``report`` is set when the error ended a sync after some tensors had been applied.
-    """
+    """Base class of every streamsync error; ``report``: see the module docstring."""
 
     report: SyncReport | None = None
 

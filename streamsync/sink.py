@@ -7,13 +7,8 @@ a plain or an ``async`` function.
 
 **The tensors handed to ``load`` are views into a transport slot that is reused as soon as
 ``load`` returns.** A sink must copy what it keeps; keeping a view is how an engine ends up
-with another bucket's bytes in its weights.
-
-A sink may also offer ``target(name, dtype, shape)`` (it is then a :class:`TargetSink`): the
-(contiguous, CPU) tensor it will hold that tensor in. The chunks of a tensor larger than a
-bucket are then written straight into it instead of a staging buffer, and ``load`` receives
-that same tensor. Its content is undefined if the sync fails before the tensor is complete;
-the partial report then lists the name among those applied.
+with another bucket's bytes in its weights. A sink may also offer ``target`` (a
+:class:`TargetSink`).
 """
 
 from __future__ import annotations
@@ -52,8 +47,11 @@ class Sink(Protocol):
 
 @runtime_checkable
 class TargetSink(Sink, Protocol):
-    """A sink that also offers ``target``: the (contiguous, CPU) tensor it will hold a
-    tensor in, so a chunked tensor is written straight into it (``None``: stage it)."""
+    """A sink that also offers ``target(name, dtype, shape)``: the (contiguous, CPU) tensor
+    it will hold that tensor in (``None``: stage it). The chunks of a tensor larger than a
+    bucket are then written straight into it, and ``load`` receives that same tensor. Its
+    content is undefined if the sync fails before it is complete; the partial report then
+    lists the name among those applied."""
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The sink's own tensor for ``name``, or ``None``."""
@@ -65,10 +63,6 @@ async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
     if inspect.isawaitable(result):
         result = await result
     return result
-
-
-def _shape(t: torch.Size | Sequence[int]) -> list[int]:
-    return list(t)
 
 
 class ModuleSink:
@@ -116,8 +110,7 @@ class ModuleSink:
             return None
         if tuple(dst.shape) != tuple(shape):
             raise ShapeMismatchError(
-                f"tensor {name!r}: received shape {list(shape)}, "
-                f"the module's is {_shape(dst.shape)}"
+                f"tensor {name!r}: received shape {list(shape)}, the module's is {list(dst.shape)}"
             )
         if dst.dtype != dtype and self.strict:
             raise DtypeMismatchError(

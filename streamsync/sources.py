@@ -35,14 +35,9 @@ async def _from_iterable(pairs: Iterable[Any]) -> AsyncIterator[NamedTensor]:
 
 
 async def _from_async(pairs: AsyncIterable[Any]) -> AsyncIterator[NamedTensor]:
-    iterator = aiter(pairs)
-    try:
-        async for item in iterator:
+    async with reading(pairs) as items:
+        async for item in items:
             yield _check(item)
-    finally:
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _check(item: Any) -> NamedTensor:
@@ -55,18 +50,6 @@ def _check(item: Any) -> NamedTensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
     return name, _full(tensor)
-
-
-def _check_rank(rank: int) -> None:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError(
-            f"named_tensors(rank={rank}) is a collective call: initialise the default "
-            "process group first, or pass rank=None in a single process"
-        )
-    world = dist.get_world_size()
-    if not (isinstance(rank, int) and 0 <= rank < world):
-        raise ConfigError(f"named_tensors(rank={rank!r}): use a rank in 0..{world - 1}")
 
 
 async def _on_rank(stream: AsyncIterator[NamedTensor], rank: int) -> AsyncIterator[NamedTensor]:
@@ -97,7 +80,15 @@ def named_tensors(obj: Any, *, rank: int | None = None) -> AsyncIterator[NamedTe
     (``async for _ in named_tensors(model, rank=k): pass``).
     """
     if rank is not None:
-        _check_rank(rank)
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"named_tensors(rank={rank}) is a collective call: initialise the default "
+                "process group first, or pass rank=None in a single process"
+            )
+        world = dist.get_world_size()
+        if not (isinstance(rank, int) and 0 <= rank < world):
+            raise ConfigError(f"named_tensors(rank={rank!r}): use a rank in 0..{world - 1}")
         return _on_rank(named_tensors(obj), rank)
     if isinstance(obj, torch.nn.Module):
         return _from_module(obj)

@@ -208,18 +208,13 @@ class WireCodec:
             msg: Message = _body_decoder.decode(body)
         except _DECODE_ERRORS as exc:
             raise WireFormatError(f"malformed message body: {exc}") from exc
-        if isinstance(msg, BucketHeader):
-            _check_header(msg)
+        # Cheap checks of untrusted header fields; the Unpacker checks them against the slot.
+        for entry in msg.entries if isinstance(msg, BucketHeader) else ():
+            if len(entry.name) > MAX_NAME_LEN:
+                raise WireFormatError(f"tensor name of {len(entry.name)} characters is too long")
+            if len(entry.shape) > MAX_NDIM:
+                raise WireFormatError(
+                    f"tensor {entry.name!r} claims {len(entry.shape)} dimensions; "
+                    f"at most {MAX_NDIM}"
+                )
         return msg
-
-
-def _check_header(header: BucketHeader) -> None:
-    """Cheap sanity checks on untrusted header fields (the slot-bound checks live in
-    ``bucket.validate_header``, which knows the slot size)."""
-    for entry in header.entries:
-        if len(entry.name) > MAX_NAME_LEN:
-            raise WireFormatError(f"tensor name of {len(entry.name)} characters is too long")
-        if len(entry.shape) > MAX_NDIM:
-            raise WireFormatError(
-                f"tensor {entry.name!r} claims {len(entry.shape)} dimensions; at most {MAX_NDIM}"
-            )

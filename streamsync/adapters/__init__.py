@@ -24,12 +24,7 @@ from streamsync.adapters.expand_moe import expand_moe
 from streamsync.adapters.quantize_fp8 import quantize_fp8
 from streamsync.adapters.rename import rename
 from streamsync.adapters.select import select
-from streamsync.adapters.split_buffers import (
-    BufferRouter,
-    BufferSink,
-    apply_buffers,
-    split_buffers,
-)
+from streamsync.adapters.split_buffers import BufferRouter, BufferSink, apply_buffers, split_buffers
 
 __all__ = [
     "BufferRouter",

@@ -1,19 +1,13 @@
 """``expand_moe(when=..., model_type=...)``: packed MoE experts into per-expert checkpoint keys.
 
-Transformers ≥ 5 keeps the experts of an MoE layer packed in two 3-D parameters,
-``...mlp.experts.gate_up_proj`` ``[E, 2·I, H]`` (gate half first along dim 1) and
-``...mlp.experts.down_proj`` ``[E, H, I]``, named without a ``.weight`` suffix (other versions
-and FSDP wrappers may add one; both are accepted). vLLM before 0.25 only loads the per-expert
-checkpoint keys, ``...mlp.experts.{e}.gate_proj.weight`` and so on. This adapter yields those
-keys expert by expert, as views of the packed tensor (no copy, no dict of the layer).
+Transformers ≥ 5 keeps the experts of an MoE layer packed (:mod:`streamsync.moe_names`);
+vLLM before 0.25 only loads the per-expert checkpoint keys. This adapter yields those keys
+expert by expert, as views of the packed tensor (no copy, no dict of the layer).
 
-Which checkpoint keys a packed parameter becomes depends on the model family, keyed by
-Transformers' ``config.model_type``: each family has a small rule object in :data:`RULES`. A
-family whose checkpoints are themselves packed (GPT-OSS) has a rule that changes nothing; a
-``model_type`` with no rule passes everything through untouched, with a warning; no
-``model_type`` at all applies the Qwen-style rule. Every tensor that is not a packed layout
-the rule names passes through untouched, as do LoRA tensors (names containing ``lora_``), so
-an adapter-only sync is never expanded.
+The checkpoint keys depend on the model family, keyed by Transformers' ``config.model_type``
+in :data:`RULES` (no ``model_type``: the Qwen-style rule; an unknown one: nothing expanded,
+with a warning). Every other tensor passes through untouched, as do LoRA tensors (names
+containing ``lora_``), so an adapter-only sync is never expanded.
 """
 
 from __future__ import annotations
@@ -110,20 +104,18 @@ class QwenStyleRule(MoeRule):
     def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
         gate_up = _packed_block(name, tensor, "gate_up_proj")
         if gate_up is not None and tensor.shape[1] % 2 == 0:
-            return self._gate_up(self._experts(gate_up), tensor, tensor.shape[1] // 2)
+            block, inter = self._experts(gate_up), tensor.shape[1] // 2
+            halves = ((self.gate, slice(None, inter)), (self.up, slice(inter, None)))
+            return (
+                (expert_name(block, e, p), tensor[e, s])
+                for e in range(len(tensor))
+                for p, s in halves
+            )
         down = _packed_block(name, tensor, "down_proj")
         if down is not None:
-            return self._down(self._experts(down), tensor)
+            block = self._experts(down)
+            return ((expert_name(block, e, self.down), tensor[e]) for e in range(len(tensor)))
         return None
-
-    def _gate_up(self, block: str, tensor: torch.Tensor, inter: int) -> Iterator[NamedTensor]:
-        for e in range(tensor.shape[0]):
-            yield expert_name(block, e, self.gate), tensor[e, :inter]
-            yield expert_name(block, e, self.up), tensor[e, inter:]
-
-    def _down(self, block: str, tensor: torch.Tensor) -> Iterator[NamedTensor]:
-        for e in range(tensor.shape[0]):
-            yield expert_name(block, e, self.down), tensor[e]
 
 
 class MixtralRule(QwenStyleRule):
@@ -211,17 +203,9 @@ def _configure(when: When = "auto", model_type: str | None = None) -> dict[str, 
 async def expand_moe(
     source: AsyncIterable[NamedTensor], *, rule: MoeRule | None
 ) -> AsyncIterator[NamedTensor]:
-    """``expand_moe(when="auto", model_type=None)``: expands packed MoE experts into the
-    per-expert checkpoint keys vLLM < 0.25 loads, expert by expert; passes everything else
-    through.
-
-    ``when``: ``"auto"`` (expand iff the installed vLLM ≤ 0.24.0, unless the environment
-    variable ``STREAMSYNC_EXPAND_MOE`` says ``always`` or ``never``; see
-    :func:`should_expand`, decided when the stage is made), ``"always"`` or ``"never"`` (use
-    it, or leave this adapter out, for adapter-only LoRA syncs). ``model_type``:
-    Transformers' ``config.model_type``, which picks the family rule from :data:`RULES`;
-    ``None`` applies the Qwen-style rule.
-    """
+    """``expand_moe(when="auto", model_type=None)``: packed experts into per-expert keys
+    (module docstring). ``when``: see :func:`should_expand`, decided when the stage is made;
+    ``model_type`` picks the family rule from :data:`RULES`."""
     async for name, tensor in source:
         # LoRA tensors are adapters of a module, never a packed checkpoint layout.
         experts = None if rule is None or "lora_" in name else rule.expand(name, tensor)

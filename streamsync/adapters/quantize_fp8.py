@@ -9,10 +9,10 @@ quantizing the same weight again.
 
 Eligible: 2-D ``*.weight`` tensors of dtype float64/32/16 or bfloat16, and packed 3-D expert
 tensors (``*.experts.gate_up_proj`` / ``down_proj``, with or without ``.weight``), quantized
-per expert (their scale is ``<name>_scale_inv``, ``[E, ceil(N/128), ceil(K/128)]``). Skipped:
-embeddings, ``lm_head``, norms, biases, 1-D tensors, MoE routers (``mlp.gate``,
-``block_sparse_moe.gate``, ``router``, ``shared_expert_gate``) and whatever ``skip`` matches.
-Every skipped tensor passes through untouched.
+per expert (their scale is ``<name>_scale_inv``, ``[E, ceil(N/128), ceil(K/128)]``). Skipped,
+and passed through untouched: embeddings, ``lm_head``, norms, biases, 1-D tensors, MoE
+routers (``mlp.gate``, ``block_sparse_moe.gate``, ``router``, ``shared_expert_gate``) and
+whatever ``skip`` matches.
 """
 
 from __future__ import annotations
@@ -152,11 +152,8 @@ def _configure(
 async def quantize_fp8(
     source: AsyncIterable[NamedTensor], *, block: Block, skip: Callable[[str], bool] | None
 ) -> AsyncIterator[NamedTensor]:
-    """``quantize_fp8(block=(128, 128), skip=None)``: replaces each eligible weight by its
-    block-wise ``float8_e4m3fn`` form followed directly by its ``float32`` ``..._scale_inv``;
-    everything else passes through untouched (see the module docstring). ``skip``: a
-    predicate on names, a regex or regexes (searched) naming more tensors to leave alone, on
-    top of the default skips."""
+    """``quantize_fp8(block=(128, 128), skip=None)``: each eligible weight (module docstring),
+    then its scale; ``skip``: a predicate on names, or regexes (searched), of more to skip."""
     async for name, tensor in source:
         if not eligible(name, tensor, skip):
             yield name, tensor

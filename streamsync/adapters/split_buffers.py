@@ -1,27 +1,14 @@
 """``split_buffers(...)``: buffer updates applied by in-place copy, apart from ``load_weights``.
 
 Some models keep training-updated state in registered buffers (DeepSeek-V3's
-``e_score_correction_bias``), and the ``load_weights`` of many engine models drops such names
-or routes them wrongly. The fix is to take buffer updates out of what ``load_weights`` sees
-and copy them in place, shape-checked and cast to the receiving dtype, into **every** model
-instance the receiver serves (a main model and a drafter). Names travel unchanged.
-
-Which names are buffers can be decided on either side:
-
-- **Receiver side** (:class:`BufferRouter`, :func:`apply_buffers`, :class:`BufferSink`): a
-  name is a buffer if it is a registered buffer of any receiving instance. Nothing is needed
-  on the sender.
-- **Sender side** (this adapter, ``split_buffers(trainer_module)`` or
-  ``split_buffers(names)``): the trainer's own buffer names (persistent ones, those its
-  ``state_dict`` holds) are declared to the receiver in a small manifest, the tensor
-  :data:`MANIFEST_NAME` (UTF-8 JSON as ``uint8``), sent first; the stream then passes through
-  unchanged. The receiver's router then also treats those names as buffers, even where the
-  engine model holds them as parameters, or does not register them as buffers at all.
-
-A name found to be a buffer is copied into each instance that has a parameter or buffer of
-that name; instances without it (a drafter with fewer layers) are skipped. A receiver given
-the manifest uses the router (:class:`BufferSink` or the vLLM sink, which does);
-:class:`~streamsync.ModuleSink` copies buffers in place by name anyway and skips the
+``e_score_correction_bias``), which the ``load_weights`` of many engine models drops or
+routes wrongly. The receiver's :class:`BufferRouter` (used by :class:`BufferSink` and the vLLM
+sink) takes buffer updates out of what ``load_weights`` sees and copies them in place,
+shape-checked and cast, into each model instance it serves (a main model, a drafter) that has
+the name; names travel unchanged. A name is a buffer if any receiving instance registers it
+as one, or if the sender declared it with this adapter, in the manifest tensor
+:data:`MANIFEST_NAME` (UTF-8 JSON as ``uint8``) sent first, even where the engine holds it as
+a parameter. :class:`~streamsync.ModuleSink` copies buffers by name anyway and skips the
 manifest.
 """
 
@@ -102,10 +89,8 @@ def _configure(buffers: torch.nn.Module | Iterable[str]) -> dict[str, Any]:
 async def split_buffers(
     source: AsyncIterable[NamedTensor], *, names: frozenset[str]
 ) -> AsyncIterator[NamedTensor]:
-    """``split_buffers(module_or_names)``: sender side; declares the trainer's buffers (a
-    module's persistent buffers, or names) to the receiver in a manifest sent first, then
-    passes the stream through unchanged. The receiver's :class:`BufferSink` copies them in
-    place into every model instance."""
+    """``split_buffers(module_or_names)``: declares the trainer's buffers (a module's
+    persistent ones, or names) in a manifest sent first; passes the stream through."""
     yield MANIFEST_NAME, _encode(names)
     async for item in source:
         yield item
@@ -127,8 +112,7 @@ def _labelled(instances: Instances) -> dict[str, torch.nn.Module]:
 
 
 class BufferRouter:
-    """Receiver side: splits each bucket into buffer updates, copied in place into every
-    model instance that has the name, and the rest, returned for ``load_weights``.
+    """Splits each bucket into buffer updates, copied in place, and the rest.
 
     ``instances``: the receiving models, a sequence (labelled ``instance0``, ...) or a mapping
     of labels (``{"main": m, "drafter": d}``). ``buffers``: names to treat as buffers on top
@@ -159,9 +143,7 @@ class BufferRouter:
         self._targets: dict[str, dict[str, torch.Tensor]] = {}
         self._registered: set[str] = set()
         for label, module in self.instances.items():
-            targets: dict[str, torch.Tensor] = {
-                name: param for name, param in module.named_parameters(remove_duplicate=False)
-            }
+            targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
             for name, buf in module.named_buffers(remove_duplicate=False):
                 targets[name] = buf
                 self._registered.add(name)

@@ -9,13 +9,9 @@ channel; pytest collects the ``test_*`` methods::
         def make_url(self, tag: str) -> str:
             return f"my://{tag}-{os.getpid()}"
 
-The tests are plain functions that run their own event loop (no async test plugin needed).
-Cross-process tests run sender and receiver as fresh interpreters through
-:class:`streamsync.testing.peers.Peers`; a transport registered by user code names the
-module that registers it in ``setup_module``, which each child imports first. Children
-report plain data (digests of what they received, the name of what they raised, the points
-they reached) through a queue; tensors never cross. The tests that need a second process
-(SIGKILL of a peer) are skipped, with the reason, for in-process transports.
+The tests run their own event loop (no async test plugin needed). Cross-process tests run
+each side in a fresh interpreter (:class:`streamsync.testing.peers.Peers`) that reports
+plain data, never tensors; the SIGKILL tests are skipped for in-process transports.
 
 What is checked: bit-exact round trip across processes (every wire dtype, a tensor larger
 than a bucket, two syncs on one channel), order, fan-out to two receivers, backpressure (a
@@ -36,7 +32,7 @@ import importlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio
@@ -116,19 +112,13 @@ async def _slow_source(seed: int, delay: float) -> AsyncIterator[tuple[str, torc
 
 
 # -- child processes -----------------------------------------------------------------
-def _skip(reason: str) -> None:
-    # Imported here: children preload this module, and they do not need pytest.
-    import pytest
-
-    pytest.skip(reason)
-
-
 def _child(role: str, setup: str, args: dict[str, Any], results: Any) -> None:
     """Entry point of a spawned side: run it and put a plain dict on ``results``."""
     if setup:
         importlib.import_module(setup)
     try:
-        out: dict[str, Any] = asyncio.run(_SIDES[role](args, results))
+        side = _receiver_side if role == "receiver" else _sender_side
+        out: dict[str, Any] = asyncio.run(side(args, results))
         results.put({"role": role, "ok": True, **out})
     except BaseException as exc:
         results.put({"role": role, "ok": False, "error": type(exc).__name__, "message": str(exc)})
@@ -157,10 +147,25 @@ async def _sender_side(args: dict[str, Any], results: Any) -> dict[str, Any]:
     return {}
 
 
-_SIDES: dict[str, Callable[[dict[str, Any], Any], Coroutine[Any, Any, dict[str, Any]]]] = {
-    "receiver": _receiver_side,
-    "sender": _sender_side,
-}
+async def _raises(
+    exc: type[BaseException], failure: str, call: Callable[[], Any], limit: float
+) -> None:
+    """Fail with ``failure`` unless ``await call()`` raises ``exc`` within ``limit`` seconds."""
+    with anyio.fail_after(limit):
+        try:
+            await call()
+        except exc:
+            return
+    raise AssertionError(failure)
+
+
+async def _caught(awaitable: Awaitable[Any]) -> BaseException | None:
+    """The streamsync error ``awaitable`` raised, or ``None``."""
+    try:
+        await awaitable
+    except ss.StreamsyncError as exc:
+        return exc
+    return None
 
 
 def _open_fds() -> int:
@@ -225,6 +230,18 @@ class TransportConformance:
         args = {"timeout": self.timeout, "syncs": 1, "options": options, **args}
         return peers.spawn(_child, role, self.setup_module, args)
 
+    def _tx(self, url: str, **options: Any) -> Any:
+        """This suite's sender on ``url`` (:attr:`sender_options`, then ``options``)."""
+        return open_sender(url, connect_timeout=_CONNECT_S, **{**self.sender_options, **options})
+
+    def _rx(self, url: str, **options: Any) -> Any:
+        """This suite's receiver on ``url`` (:attr:`receiver_options` and ``options``)."""
+        return open_receiver(url, **self.receiver_options, **options)
+
+    async def _send(self, tx: Any, seed: int = 0, bucket_bytes: int = _BUCKET_BYTES) -> Any:
+        weights = conformance_weights(seed)
+        return await ss.send(weights, tx, bucket_bytes=bucket_bytes, timeout=self.timeout)
+
     @staticmethod
     def _reached(peers: Peers, event: str, timeout: float = _CONNECT_S) -> None:
         """Wait until a child reports ``event``; a child failing first fails the test."""
@@ -274,16 +291,10 @@ class TransportConformance:
                 self._spawn(peers, "receiver", url=url)
 
             async def send() -> None:
-                tx_url = self.with_receivers(url, 2)
-                async with open_sender(
-                    tx_url, connect_timeout=_CONNECT_S, **self.sender_options
-                ) as tx:
+                async with self._tx(self.with_receivers(url, 2)) as tx:
                     for _ in range(2):
                         await anyio.to_thread.run_sync(self._reached, peers, "joined")
-                    report = await ss.send(
-                        conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
-                    )
-                    assert report.receivers == 2
+                    assert (await self._send(tx)).receivers == 2
 
             asyncio.run(send())
             for item in self._outcomes(peers, 2, 30):
@@ -293,24 +304,17 @@ class TransportConformance:
     async def _in_process(self, url: str, *, receivers: int, syncs: int) -> list[list[list[str]]]:
         sinks = [_HashingSink() for _ in range(receivers)]
         got: list[list[list[str]]] = [[] for _ in range(receivers)]
-        async with open_sender(
-            self.with_receivers(url, receivers), connect_timeout=_CONNECT_S, **self.sender_options
-        ) as tx:
+        async with self._tx(self.with_receivers(url, receivers)) as tx:
 
             async def rx(i: int) -> None:
-                async with open_receiver(url, **self.receiver_options) as r:
+                async with self._rx(url) as r:
                     for _ in range(syncs):
                         await ss.receive(r, sinks[i], timeout=self.timeout)
                         got[i].append(list(sinks[i].digests))
 
             async def send() -> None:
                 for seed in range(syncs):
-                    await ss.send(
-                        conformance_weights(seed),
-                        tx,
-                        bucket_bytes=_BUCKET_BYTES,
-                        timeout=self.timeout,
-                    )
+                    await self._send(tx, seed)
 
             async with anyio.create_task_group() as tg:
                 for i in range(receivers):
@@ -325,11 +329,7 @@ class TransportConformance:
         async def run() -> None:
             builder = BucketBuilder(1024)
             buckets = [b for i in range(40) for b in builder.add(f"t{i}", torch.full((200,), i))]
-            options = {**self.sender_options, **self.two_slots}
-            async with (
-                open_sender(url, connect_timeout=_CONNECT_S, **options) as tx,
-                open_receiver(url, **self.receiver_options) as rx,
-            ):
+            async with self._tx(url, **self.two_slots) as tx, self._rx(url) as rx:
                 arrivals, arrived = anyio.create_memory_object_stream[int](len(buckets))
 
                 async def hold() -> None:  # receives, never releases
@@ -370,28 +370,24 @@ class TransportConformance:
         url = self.make_url("close")
 
         async def run() -> None:
-            tx = open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options)
-            rx = open_receiver(url, **self.receiver_options)
+            tx, rx = self._tx(url), self._rx(url)
             async with tx, rx:
-                sink = _HashingSink()
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(lambda: ss.receive(rx, sink, timeout=self.timeout))
-                    await ss.send(
-                        conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
-                    )
+                    tg.start_soon(lambda: ss.receive(rx, _HashingSink(), timeout=self.timeout))
+                    await self._send(tx)
                 await tx.aclose()
-                with anyio.fail_after(2 * self.timeout):
-                    try:
-                        await rx.receive(timeout=self.timeout)
-                    except ss.EndOfStream:
-                        pass
-                    else:
-                        raise AssertionError("receive after the sender closed did not end")
-            try:
-                await rx.receive(timeout=1)
-            except ss.ClosedError:
-                return
-            raise AssertionError("receive on a closed receiver did not raise ClosedError")
+                await _raises(
+                    ss.EndOfStream,
+                    "receive after the sender closed did not end",
+                    lambda: rx.receive(timeout=self.timeout),
+                    2 * self.timeout,
+                )
+            await _raises(
+                ss.ClosedError,
+                "receive on a closed receiver did not raise ClosedError",
+                lambda: rx.receive(timeout=1),
+                2 * self.timeout,
+            )
 
         asyncio.run(run())
 
@@ -399,52 +395,45 @@ class TransportConformance:
         url = self.make_url("leave")
 
         async def run() -> None:
-            async with open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx:
-                rx = open_receiver(url, **self.receiver_options)
+            async with self._tx(url) as tx:
+                rx = self._rx(url)
                 await rx.__aenter__()
                 await rx.aclose()
-                start = time.monotonic()
-                try:
-                    await ss.send(
-                        conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
-                    )
-                except ss.PeerBrokenError:
-                    assert time.monotonic() - start < 2 * self.timeout
-                    return
-                raise AssertionError("send to a receiver that left did not raise PeerBrokenError")
+                await _raises(
+                    ss.PeerBrokenError,
+                    "send to a receiver that left did not raise PeerBrokenError",
+                    lambda: self._send(tx),
+                    2 * self.timeout,
+                )
 
         asyncio.run(run())
 
     def test_timeouts_on_a_silent_peer(self) -> None:
         url = self.make_url("silent")
+        weights = conformance_weights(0)
 
         async def run() -> None:
-            async with (
-                open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx,
-                open_receiver(url, **self.receiver_options) as rx,
-            ):
-                with anyio.fail_after(5):
-                    try:
-                        await ss.receive(rx, _HashingSink(), timeout=0.3)
-                    except ss.SyncTimeoutError:
-                        pass
-                    else:
-                        raise AssertionError("receive from a silent sender did not time out")
+            async with self._tx(url) as tx, self._rx(url) as rx:
+                await _raises(
+                    ss.SyncTimeoutError,
+                    "receive from a silent sender did not time out",
+                    lambda: ss.receive(rx, _HashingSink(), timeout=0.3),
+                    5,
+                )
                 # The receiver never reads: no acks, no report.
-                with anyio.fail_after(5):
-                    try:
-                        await ss.send(conformance_weights(0), tx, bucket_bytes=1024, timeout=0.3)
-                    except ss.SyncTimeoutError:
-                        pass
-                    else:
-                        raise AssertionError("send to a silent receiver did not time out")
+                await _raises(
+                    ss.SyncTimeoutError,
+                    "send to a silent receiver did not time out",
+                    lambda: ss.send(weights, tx, bucket_bytes=1024, timeout=0.3),
+                    5,
+                )
             lonely = self.make_url("lonely")
-            with anyio.fail_after(5):
-                try:
-                    await ss.send({"w": torch.ones(1)}, lonely, timeout=0.3, **self.sender_options)
-                except ss.SyncTimeoutError:
-                    return
-                raise AssertionError("send with no receiver did not time out")
+            await _raises(
+                ss.SyncTimeoutError,
+                "send with no receiver did not time out",
+                lambda: ss.send({"w": torch.ones(1)}, lonely, timeout=0.3, **self.sender_options),
+                5,
+            )
 
         asyncio.run(run())
 
@@ -453,15 +442,9 @@ class TransportConformance:
         shm_before = _shm_entries()
 
         async def run() -> None:
-            async with (
-                open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx,
-                open_receiver(url, **self.receiver_options) as rx,
-                anyio.create_task_group() as tg,
-            ):
+            async with self._tx(url) as tx, self._rx(url) as rx, anyio.create_task_group() as tg:
                 tg.start_soon(lambda: ss.receive(rx, _HashingSink(), timeout=self.timeout))
-                await ss.send(
-                    conformance_weights(0), tx, bucket_bytes=_BUCKET_BYTES, timeout=self.timeout
-                )
+                await self._send(tx)
 
         asyncio.run(run())  # warms up imports and lazily created globals
         fds_before = _open_fds()
@@ -471,70 +454,58 @@ class TransportConformance:
         self._check_gone(url, shm_before)
 
     # -- SIGKILL mid-sync --------------------------------------------------------------
-    def _expect_death(self, exc: BaseException | None, killed_at: float | None) -> None:
-        assert killed_at is not None, "the child was not killed"
-        wanted = ss.PeerBrokenError if self.detects_peer_death else ss.StreamsyncError
-        assert isinstance(exc, wanted), f"expected {wanted.__name__}, got {exc!r}"
-        took = time.monotonic() - killed_at
-        assert took < 2 * self.timeout, f"the peer's death took {took:.1f} s to surface"
-
-    def test_sigkill_of_the_receiver_mid_sync(self) -> None:
+    def _survives_sigkill(
+        self,
+        tag: str,
+        victim: str,
+        survivor: Callable[..., Coroutine[Any, Any, BaseException | None]],
+        **args: Any,
+    ) -> None:
+        """Spawn the ``victim`` side, run ``survivor(url, peers, kill)`` here, and check that
+        what it caught is the peer's death, within twice the timeout, leaving nothing behind."""
         if not self.cross_process:
-            _skip("an in-process transport has no receiver process to kill")
-        url = self.make_url("killrx")
+            import pytest  # here: children preload this module, and they do not need pytest
+
+            pytest.skip(f"an in-process transport has no {victim} process to kill")
+        url = self.make_url(tag)
         shm_before = _shm_entries()
         peers = self._peers()
-        proc = self._spawn(peers, "receiver", url=url, delay=30.0)
+        proc = self._spawn(peers, victim, url=url, **args)
         killed: list[float] = []
-        caught: list[BaseException] = []
-
-        async def kill_when_loading() -> None:
-            await anyio.to_thread.run_sync(self._reached, peers, "loading")
-            os.kill(proc.pid, signal.SIGKILL)
-            killed.append(time.monotonic())
-
-        async def run() -> None:
-            async with open_sender(url, connect_timeout=_CONNECT_S, **self.sender_options) as tx:
-                await anyio.to_thread.run_sync(self._reached, peers, "joined")
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(kill_when_loading)
-                    try:
-                        # Bucket 0 loads for 30 s: the sender waits for a slot when it dies.
-                        await ss.send(
-                            conformance_weights(0), tx, bucket_bytes=1024, timeout=self.timeout
-                        )
-                    except ss.StreamsyncError as exc:
-                        caught.append(exc)
-
-        with peers:
-            asyncio.run(run())
-        self._expect_death(caught[0] if caught else None, killed[0] if killed else None)
-        self._check_gone(url, shm_before)
-
-    def test_sigkill_of_the_sender_mid_sync(self) -> None:
-        if not self.cross_process:
-            _skip("an in-process transport has no sender process to kill")
-        url = self.make_url("killtx")
-        shm_before = _shm_entries()
-        peers = self._peers()
-        proc = self._spawn(peers, "sender", url=url, delay=0.5, bucket_bytes=1024)
-        killed: list[float] = []
-        caught: list[BaseException] = []
 
         def kill() -> None:
             os.kill(proc.pid, signal.SIGKILL)
             killed.append(time.monotonic())
 
-        async def run() -> None:
-            async with open_receiver(
-                url, connect_timeout=_CONNECT_S, **self.receiver_options
-            ) as rx:
-                try:
-                    await ss.receive(rx, _HashingSink(on_first_load=kill), timeout=self.timeout)
-                except ss.StreamsyncError as exc:
-                    caught.append(exc)
-
         with peers:
-            asyncio.run(run())
-        self._expect_death(caught[0] if caught else None, killed[0] if killed else None)
+            exc = asyncio.run(survivor(url, peers, kill))
+        assert killed, "the child was not killed"
+        wanted = ss.PeerBrokenError if self.detects_peer_death else ss.StreamsyncError
+        assert isinstance(exc, wanted), f"expected {wanted.__name__}, got {exc!r}"
+        took = time.monotonic() - killed[0]
+        assert took < 2 * self.timeout, f"the peer's death took {took:.1f} s to surface"
         self._check_gone(url, shm_before)
+
+    def test_sigkill_of_the_receiver_mid_sync(self) -> None:
+        async def send(url: str, peers: Peers, kill: Callable[[], None]) -> BaseException | None:
+            async def kill_when_loading() -> None:
+                await anyio.to_thread.run_sync(self._reached, peers, "loading")
+                kill()
+
+            async with self._tx(url) as tx:
+                await anyio.to_thread.run_sync(self._reached, peers, "joined")
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(kill_when_loading)
+                    # Bucket 0 loads for 30 s: the sender waits for a slot when it dies.
+                    caught = await _caught(self._send(tx, bucket_bytes=1024))
+            return caught
+
+        self._survives_sigkill("killrx", "receiver", send, delay=30.0)
+
+    def test_sigkill_of_the_sender_mid_sync(self) -> None:
+        async def receive(url: str, peers: Peers, kill: Callable[[], None]) -> BaseException | None:
+            async with self._rx(url, connect_timeout=_CONNECT_S) as rx:
+                sink = _HashingSink(on_first_load=kill)
+                return await _caught(ss.receive(rx, sink, timeout=self.timeout))
+
+        self._survives_sigkill("killtx", "sender", receive, delay=0.5, bucket_bytes=1024)

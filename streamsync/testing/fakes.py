@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,12 @@ class FakeConfig:
     tie_word_embeddings: bool = False
 
 
+def _random(cfg: FakeConfig | None, dtype: torch.dtype, seed: int) -> Iterator[NamedTensor]:
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in _shapes(cfg or FakeConfig()):
+        yield name, torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
 def _shapes(cfg: FakeConfig) -> Iterable[tuple[str, tuple[int, ...]]]:
     return qwen3_shapes(
         vocab=cfg.vocab_size,
@@ -56,22 +62,15 @@ def fake_state_dict(
     cfg: FakeConfig | None = None, *, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """A random state dict named like Transformers' Qwen3 (or Qwen3-MoE) model."""
-    cfg = cfg or FakeConfig()
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        name: torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
-        for name, shape in _shapes(cfg)
-    }
+    return dict(_random(cfg, dtype, seed))
 
 
 async def fake_named_tensors(
     cfg: FakeConfig | None = None, *, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> AsyncIterator[NamedTensor]:
     """The same tensors as :func:`fake_state_dict`, made one at a time."""
-    cfg = cfg or FakeConfig()
-    gen = torch.Generator().manual_seed(seed)
-    for name, shape in _shapes(cfg):
-        yield name, torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    for item in _random(cfg, dtype, seed):
+        yield item
 
 
 class FakeVllmModel(torch.nn.Module):
@@ -89,26 +88,19 @@ class FakeVllmModel(torch.nn.Module):
         q = cfg.num_attention_heads * cfg.head_dim
         kv = cfg.num_key_value_heads * cfg.head_dim
         self._shards = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-        shapes: dict[str, tuple[int, ...]] = {}
+        self._params = torch.nn.ParameterDict()
         for name, shape in _shapes(cfg):
             for fused, shard, _ in VLLM_STACKED:
                 if f".{shard}." in name:
                     name = name.replace(shard, fused)
                     rows = q + 2 * kv if fused == "qkv_proj" else 2 * cfg.intermediate_size
                     shape = (rows, shape[1])
-            shapes[name] = shape
-        self._params = torch.nn.ParameterDict()
-        self._names = {}
-        for name, shape in shapes.items():
-            key = name.replace(".", "__")
-            self._params[key] = torch.nn.Parameter(
-                torch.zeros(shape, dtype=dtype), requires_grad=False
-            )
-            self._names[name] = key
+            zeros = torch.zeros(shape, dtype=dtype)
+            self._params[name.replace(".", "__")] = torch.nn.Parameter(zeros, requires_grad=False)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The fused parameters by their vLLM names."""
-        return {name: self._params[key] for name, key in self._names.items()}
+        return {key.replace("__", "."): param for key, param in self._params.items()}
 
     def load_weights(self, weights: Iterable[NamedTensor]) -> set[str]:
         """Copy checkpoint-named tensors into the fused parameters; returns the names of

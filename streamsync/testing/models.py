@@ -36,11 +36,10 @@ def tiny_config(kind: str = "dense", *, dtype: torch.dtype = torch.float32, laye
         pad_token_id=eos,
         dtype=dtype,
     )
-    if kind == "dense":
-        return Qwen3Config(intermediate_size=256, **common)
     if kind == "dense-fp8":
         # Block-FP8 (128x128) needs q, k and gate partitions divisible by 128.
         common.update(hidden_size=256, head_dim=128)
+    if kind in ("dense", "dense-fp8"):
         return Qwen3Config(intermediate_size=256, **common)
     if kind == "moe":
         return Qwen3MoeConfig(

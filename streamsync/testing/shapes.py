@@ -8,6 +8,7 @@ demo and the benchmark's synthetic models (:mod:`streamsync.bench.models`).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -74,32 +75,15 @@ def qwen3_layer(
 
 
 def qwen3_shapes(
-    *,
-    vocab: int,
-    layers: int,
-    hidden: int,
-    q_dim: int,
-    kv_dim: int,
-    head_dim: int,
-    intermediate: int = 0,
-    experts: int = 0,
-    moe_intermediate: int = 0,
-    tie_word_embeddings: bool = False,
+    *, vocab: int, layers: int, hidden: int, tie_word_embeddings: bool = False, **layer: Any
 ) -> Iterator[tuple[str, Shape]]:
     """Every tensor of a Qwen3 (or, with ``experts``, Qwen3-MoE) causal LM: the embedding,
-    ``layers`` decoder layers (:func:`qwen3_layer`), the final norm and the LM head."""
+    ``layers`` decoder layers (:func:`qwen3_layer`, given ``hidden`` and the other keyword
+    arguments), the final norm and the LM head."""
     yield "model.embed_tokens.weight", (vocab, hidden)
-    layer = qwen3_layer(
-        hidden=hidden,
-        q_dim=q_dim,
-        kv_dim=kv_dim,
-        head_dim=head_dim,
-        intermediate=intermediate,
-        experts=experts,
-        moe_intermediate=moe_intermediate,
-    )
+    table = qwen3_layer(hidden=hidden, **layer)
     for index in range(layers):
-        for name, shape in layer:
+        for name, shape in table:
             yield f"model.layers.{index}.{name}", shape
     yield "model.norm.weight", (hidden,)
     if not tie_word_embeddings:
