@@ -328,7 +328,11 @@ class WeightSync:
     # transport stays open on the channel's loop thread between calls.
     def __enter__(self) -> BlockingWeightSync:
         self._check_blocking("with WeightSync(...)", "async with WeightSync(...)")
-        anyio.run(self._ensure_sender)
+        try:
+            anyio.run(self._ensure_sender)
+        except BaseException:
+            self._stop_loop()
+            raise
         return BlockingWeightSync(self)
 
     def __exit__(self, *exc: object) -> None:
@@ -356,7 +360,12 @@ class WeightSync:
 
     # -- asynchronous form (any event loop) ---------------------------------------------
     async def __aenter__(self) -> WeightSync:
-        await self._ensure_sender()
+        try:
+            await self._ensure_sender()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._stop_loop)
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -365,12 +374,13 @@ class WeightSync:
     async def aclose(self) -> None:
         """Close the trainer side, then ask the workers to close theirs (best effort: the
         engine may be gone). A later sync reopens both."""
-        try:
-            await self._close_both()
-        finally:
-            loop = self._loop
-            if loop is not None and not loop.is_current():
-                await anyio.to_thread.run_sync(self._stop_loop)
+        with anyio.CancelScope(shield=True):  # every wait in here is bounded
+            try:
+                await self._close_both()
+            finally:
+                loop = self._loop
+                if loop is not None and not loop.is_current():
+                    await anyio.to_thread.run_sync(self._stop_loop)
 
     async def _close_both(self) -> None:
         await self._close_sender()
