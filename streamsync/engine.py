@@ -547,6 +547,9 @@ class WeightSync:
     async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
         try:
             with anyio.fail_after(self.timeout):
+                if len(engines) == 1:  # its own error, not in a group
+                    await self.clients[engines[0]].after_sync()
+                    return
                 async with anyio.create_task_group() as tg:
                     for e in engines:
                         tg.start_soon(self.clients[e].after_sync)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -315,11 +316,37 @@ def test_update_engine_fans_out_to_a_list_of_engines(engines: list[ThreadEngine]
             timeout=20,
         )
 
+    async def first_alone() -> ss.SyncReport:
+        return await update_engine(
+            handles[0],
+            ss.named_tensors(trainer),
+            client=lambda handle: clients[id(handle)],
+            endpoint=f"shm://engine-fan-{os.getpid()}",
+            timeout=20,
+        )
+
+    assert set(asyncio.run(first_alone()).instances) == {"worker0.main", "worker1.main"}
     for n in range(2):
         perturbed(trainer, n)
-        report = asyncio.run(step())
+        report = asyncio.run(step())  # other engines on that endpoint: a new channel
         assert report.complete and set(report.instances) == ENGINE_NAMES
         assert all(same_weights(trainer, m) for e in engines for m in e.modules)
+    assert [e.closed for e in engines] == [2, 0]  # the replaced channel was closed
+
+
+def test_in_process_vllm_engines_cannot_share_a_channel() -> None:
+    from streamsync.vllm import WeightSync as VllmWeightSync
+
+    class InprocClient:  # vLLM's in-process engine core client, by name
+        pass
+
+    def llm(core: object) -> Any:
+        config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config, engine_core=core))
+
+    with pytest.raises(ss.ConfigError, match=r"engines \[0, 2\] run their engine core"):
+        VllmWeightSync([llm(InprocClient()), llm(object()), llm(InprocClient())], "shm://x")
+    assert len(VllmWeightSync([llm(InprocClient()), llm(object())], "shm://x").clients) == 2
 
 
 def test_a_failing_engine_is_named(engines: list[ThreadEngine]) -> None:

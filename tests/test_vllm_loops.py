@@ -2,15 +2,18 @@
 
 A synchronous trainer (no ``async`` anywhere: ``with WeightSync(...)`` and a blocking
 ``sync.update``), ``asyncio.run(update_weights(...))`` once per step (a fresh event loop
-each time), and two engines fed from one trainer through one channel. Every step is
-verified: the engine's greedy tokens equal the trainer's and its prompt logprobs match
-within 1e-5 (fp32).
+each time), and two multi-process ``AsyncLLM`` engines fed from one trainer through one
+channel. Every step is verified: the engine's greedy tokens equal the trainer's and its
+prompt logprobs match within 1e-5 (fp32).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +21,15 @@ from typing import Any
 import pytest
 import torch
 from vllm_harness import (
+    PROMPTS,
+    TRAINER,
+    Outputs,
     assert_matches,
     engine_outputs,
     make_llm,
+    outputs_from,
     reference_outputs,
+    sampling,
     shutdown,
 )
 
@@ -80,35 +88,73 @@ def test_update_weights_in_a_fresh_event_loop_per_step(
     assert llm.collective_rpc("streamsync_close", args=(endpoint,)) == [1]
 
 
+async def generate(llm: Any) -> Outputs:
+    results = []
+    for prompt in PROMPTS:
+        final = None
+        async for out in llm.generate({"prompt_token_ids": prompt}, sampling(), str(uuid.uuid4())):
+            final = out
+        results.append(final)
+    return outputs_from(results)
+
+
 @pytest.mark.slow
-def test_two_engines_from_one_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two replicas, each with its engine core (and worker) in a process of its own, as
-    data-parallel replicas run. (Two in-process engines cannot load concurrently in one
-    process: vLLM keeps the current config in a process-wide global, and concurrent
-    reloads tripped an assertion inside vLLM in about one run in four.)"""
+def test_two_engines_from_one_trainer(tmp_path: Path) -> None:
+    """Two ``AsyncLLM`` replicas, each with its engine core (and worker) in a process of its
+    own, as data-parallel replicas run, fed by one channel. (Two in-process engines cannot
+    share a channel: vLLM keeps the current config in a process-wide global, and their
+    concurrent loads tripped an assertion inside vLLM; ``WeightSync`` refuses them.)"""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
     from streamsync.vllm import WeightSync
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     trainer = build_tiny_model(tmp_path / "first", "dense", seed=0)
     other = build_tiny_model(tmp_path / "second", "dense", seed=1)  # starts elsewhere
-    engines = [make_llm(str(tmp_path / "first"))]
+
+    def args(name: str) -> Any:
+        return AsyncEngineArgs(
+            model=str(tmp_path / name),
+            dtype="float32",
+            max_model_len=256,
+            enforce_eager=True,
+            max_num_seqs=4,
+            seed=0,
+            worker_extension_cls="streamsync.vllm.WorkerExtension",
+        )
+
+    engines: list[Any] = []
+
+    async def start(name: str) -> None:
+        engines.append(AsyncLLM.from_engine_args(args(name)))
+
     try:
-        engines.append(make_llm(str(tmp_path / "second")))
-        first, second = engines
-        assert_matches(engine_outputs(second), reference_outputs(other))  # its own weights
-        assert engine_outputs(first).tokens != engine_outputs(second).tokens
-        with WeightSync(engines, f"shm://loops-fan-{os.getpid()}", bucket_bytes=BUCKET) as sync:
-            for step in range(3):
-                perturb(trainer, seed=500 + step)
-                want = reference_outputs(trainer)
-                report = sync.update(ss.named_tensors(trainer))
-                assert report.complete and report.receivers == 2  # one sender, both engines
-                assert set(report.instances) == {"engine0.worker0.main", "engine1.worker0.main"}
-                assert all(r.missing == () for r in report.instances.values())
-                for llm in engines:
-                    assert_matches(engine_outputs(llm), want)
-        # Leaving the block closed every engine's receivers.
-        assert [llm.collective_rpc("streamsync_close") for llm in engines] == [[0], [0]]
+        for name in ("first", "second"):
+            TRAINER.run(functools.partial(start, name), timeout=300)
+        before = [TRAINER.run(functools.partial(generate, llm), timeout=120) for llm in engines]
+        assert_matches(before[1], reference_outputs(other))  # each serves its own weights
+        assert before[0].tokens != before[1].tokens
+        endpoint = f"shm://loops-fan-{os.getpid()}"
+
+        async def train() -> None:
+            async with WeightSync(engines, endpoint, bucket_bytes=BUCKET) as sync:
+                for step in range(3):
+                    perturb(trainer, seed=500 + step)
+                    want = reference_outputs(trainer)
+                    report = await sync.update(ss.named_tensors(trainer))
+                    assert report.complete and report.receivers == 2  # one sender, both engines
+                    names = {"engine0.worker0.main", "engine1.worker0.main"}
+                    assert set(report.instances) == names
+                    assert all(r.missing == () for r in report.instances.values())
+                    for llm in engines:
+                        assert_matches(await generate(llm), want)
+            # Leaving the block closed every engine's receivers.
+            closed = [await llm.collective_rpc("streamsync_close") for llm in engines]
+            assert closed == [[0], [0]]
+
+        TRAINER.run(train, timeout=600)
     finally:
         for llm in engines:
-            shutdown(llm)
+            llm.shutdown()
+        engines.clear()
+        gc.collect()

@@ -106,8 +106,26 @@ def vllm_client(llm: Any) -> EngineClient:
     return LLMClient(llm)
 
 
+def _in_process(llm: Any) -> bool:
+    """Whether ``llm``'s engine core (and so its workers) runs in this process."""
+    engine = getattr(llm, "llm_engine", llm)
+    return type(getattr(engine, "engine_core", None)).__name__ == "InprocClient"
+
+
 def _clients(llm: Any) -> EngineClient | list[EngineClient]:
-    return [vllm_client(one) for one in llm] if several(llm) else vllm_client(llm)
+    if not several(llm):
+        return vllm_client(llm)
+    local = [e for e, one in enumerate(llm) if _in_process(one)]
+    if len(local) > 1:
+        # vLLM keeps the current config in a process-wide global that every weight load
+        # sets, so two engines' workers in one process cannot load at the same time.
+        raise ConfigError(
+            f"engines {local} run their engine core in this process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0): their workers cannot load concurrently, "
+            "so one channel cannot feed them; start them with multiprocessing (vLLM's "
+            "default), or in processes of their own"
+        )
+    return [vllm_client(one) for one in llm]
 
 
 class WeightSync(_EngineWeightSync):
