@@ -44,7 +44,7 @@ from streamsync.errors import (
     WireFormatError,
     error_class,
 )
-from streamsync.loops import EventLoopThread, HostedSender
+from streamsync.loops import EventLoopThread, HostedSender, caller_cuda
 from streamsync.report import LoadResult, SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
 from streamsync.transports import Sender, open_sender
@@ -429,11 +429,14 @@ class WeightSync:
             opts.setdefault("receivers", self.receivers)
             opts.setdefault("slot_bytes", self.bucket_bytes)
             loop = self._host()
+            cuda = caller_cuda()
 
             async def opened() -> Sender:
-                # Made and opened on the channel's loop, which keeps its sockets and readers.
-                sender = open_sender(self.endpoint, **opts)
-                await sender.open()
+                # Made and opened on the channel's loop, which keeps its sockets and readers,
+                # on the caller's CUDA device (a cuda-ipc ring is allocated there).
+                with cuda():
+                    sender = open_sender(self.endpoint, **opts)
+                    await sender.open()
                 return sender
 
             inner = await loop.call(opened)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
+import torch
 from anyio.from_thread import BlockingPortal
 
 from streamsync.bucket import Bucket
@@ -29,7 +30,18 @@ from streamsync.wire import Abort, Done, End
 
 T = TypeVar("T")
 
-__all__ = ["EventLoopThread", "HostedSender"]
+__all__ = ["EventLoopThread", "HostedSender", "caller_cuda"]
+
+
+def caller_cuda() -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The calling thread's current CUDA stream (and so device), as a context manager to
+    enter on another thread: a hosted transport then allocates, packs and records its
+    events where the caller would have (a trainer's ``torch.cuda.set_device`` and stream
+    are per thread). A no-op where CUDA is not initialised."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return contextlib.nullcontext
+    stream = torch.cuda.current_stream()
+    return lambda: torch.cuda.stream(stream)
 
 
 class EventLoopThread:
@@ -121,9 +133,10 @@ class EventLoopThread:
 
 class HostedSender(Sender):
     """A :class:`~streamsync.transports.Sender` that lives on an :class:`EventLoopThread`:
-    every call is awaited from the caller's loop (any loop), and runs on the host's. The
-    source, the adapters and the bucketer stay on the caller's loop; the transport's sockets,
-    slots and readers stay on the host's for as long as the sender is open."""
+    every call is awaited from the caller's loop (any loop), and runs on the host's, under
+    the caller's CUDA stream (:func:`caller_cuda`). The source, the adapters and the
+    bucketer stay on the caller's loop; the transport's sockets, slots and readers stay on
+    the host's for as long as the sender is open."""
 
     def __init__(self, sender: Sender, loop: EventLoopThread) -> None:
         self.sender = sender
@@ -131,15 +144,24 @@ class HostedSender(Sender):
         self.receivers = sender.receivers
         self.slot_bytes = sender.slot_bytes
 
+    async def _hosted(self, fn: Callable[[], Awaitable[T]]) -> T:
+        cuda = caller_cuda()
+
+        async def run() -> T:
+            with cuda():
+                return await fn()
+
+        return await self.loop.call(run)
+
     async def open(self) -> None:
-        await self.loop.call(self.sender.open)
+        await self._hosted(self.sender.open)
 
     async def aclose(self) -> None:
         self._closed = True
-        await self.loop.call(self.sender.aclose)
+        await self._hosted(self.sender.aclose)
 
     async def wait_ready(self, *, timeout: float) -> None:
-        await self.loop.call(partial(self.sender.wait_ready, timeout=timeout))
+        await self._hosted(partial(self.sender.wait_ready, timeout=timeout))
 
     def statistics(self) -> SenderStatistics | None:
         return self.sender.statistics()  # a snapshot of plain numbers
@@ -147,15 +169,15 @@ class HostedSender(Sender):
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
     ) -> None:
-        await self.loop.call(
-            partial(self.sender.send, timeout=timeout, checksum=checksum), sync_id, seq, bucket
+        await self._hosted(
+            partial(self.sender.send, sync_id, seq, bucket, timeout=timeout, checksum=checksum)
         )
 
     async def end(self, end: End, *, timeout: float) -> list[Done]:
-        return await self.loop.call(partial(self.sender.end, timeout=timeout), end)
+        return await self._hosted(partial(self.sender.end, end, timeout=timeout))
 
     async def abort(self, abort: Abort) -> None:
-        await self.loop.call(self.sender.abort, abort)
+        await self._hosted(partial(self.sender.abort, abort))
 
     def __repr__(self) -> str:
         return f"HostedSender({self.sender!r}, loop={self.loop.name!r})"
