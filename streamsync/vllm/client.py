@@ -188,8 +188,9 @@ async def update_weights(
     sender; the report names ``engine<e>.worker<w>.<instance>``).
 
     The channel for (``llm``, ``endpoint``) is kept open for later calls, so its slots and
-    sockets are reused, and any event loop may call it: ``asyncio.run(update_weights(...))``
-    once per step works. Synchronous code can also hold the channel itself:
+    sockets are reused, and any event loop may call it, a fresh one per step included (a
+    synchronous trainer that runs each call in a new loop). Synchronous code can also hold
+    the channel itself:
     ``with WeightSync(llm, endpoint) as sync: sync.update(weights)``.
     """
     return await update_engine(
