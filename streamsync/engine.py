@@ -7,8 +7,11 @@ answer with one :class:`WorkerResult` each; the options they get are a
 :class:`WorkerOptions`. Both are versioned msgspec structs that cross the engine's RPC as
 plain values (``to_wire`` / ``from_wire``), never pickled.
 
-:class:`WeightSync` is the engine-agnostic channel: it runs the send beside the client's
-receive, merges the workers' reports and re-raises a worker's error under its own name. The
+:class:`WeightSync` is the engine-agnostic channel, into one engine or several from one
+stream (fan-out): it runs the send beside every client's receive, merges the workers'
+reports and re-raises a worker's error under its own name (and its engine's index). Its
+transport lives on a loop of its own, so synchronous code (``with`` and a blocking
+``update``) and any event loop (``async with`` and ``await update``) can drive it. The
 worker side keeps its receivers in a :class:`streamsync.worker.WorkerReceivers`. A second
 engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
 :class:`streamsync.vllm.sink.VllmSink`.
@@ -20,10 +23,12 @@ import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from functools import partial
+from typing import Any, Protocol, cast, runtime_checkable
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 
 from streamsync._log import log, warn
@@ -39,17 +44,21 @@ from streamsync.errors import (
     WireFormatError,
     error_class,
 )
-from streamsync.report import SyncReport
+from streamsync.loops import EventLoopThread, HostedSender, caller_cuda
+from streamsync.report import LoadResult, SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
 from streamsync.transports import Sender, open_sender
 
 __all__ = [
     "WORKER_PROTOCOL",
+    "BlockingWeightSync",
     "EngineClient",
     "WeightSync",
     "WorkerOptions",
     "WorkerResult",
+    "merge_engine_reports",
     "merge_worker_reports",
+    "several",
     "update_engine",
     "worker_failure",
 ]
@@ -136,14 +145,17 @@ class WorkerResult(msgspec.Struct, frozen=True, kw_only=True):
     def failed(cls, exc: StreamsyncError) -> WorkerResult:
         return cls(pid=os.getpid(), report=exc.report, error=type(exc).__name__, message=str(exc))
 
-    def exception(self, rank: int) -> StreamsyncError | None:
-        """The worker's error, re-created on this side (``None`` if it succeeded)."""
+    def exception(self, rank: int, *, engine: int | None = None) -> StreamsyncError | None:
+        """The worker's error, re-created on this side (``None`` if it succeeded); with
+        ``engine``, the message and ``exc.engine`` say which of several engines it was."""
         if self.error is None:
             return None
+        where = f"worker {rank}" if engine is None else f"engine {engine} worker {rank}"
         exc = error_class(self.error, ReceiverFailedError)(
-            f"worker {rank} (pid {self.pid}): {self.message}"
+            f"{where} (pid {self.pid}): {self.message}"
         )
         exc.report = self.report
+        exc.engine = engine
         return exc
 
     def to_wire(self) -> dict[str, Any]:
@@ -164,7 +176,12 @@ class WorkerResult(msgspec.Struct, frozen=True, kw_only=True):
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """The trainer's handle on one inference engine (see :mod:`streamsync.vllm.client`)."""
+    """The trainer's handle on one inference engine (see :mod:`streamsync.vllm.client`).
+
+    A client whose engine can only be driven from the event loop that created it (vLLM's
+    ``AsyncLLM``) also sets ``loop_bound = True``: :class:`WeightSync` then refuses its
+    blocking form, and the async form runs the client's calls on the caller's loop.
+    """
 
     @property
     def receivers(self) -> int:
@@ -181,10 +198,18 @@ class EngineClient(Protocol):
         """Close the workers' receivers for ``endpoint``; returns how many were open."""
 
 
-def worker_failure(results: Sequence[WorkerResult]) -> StreamsyncError | None:
-    """The first failed worker's error, by rank, or ``None``."""
+def several(engines: Any) -> bool:
+    """Whether ``engines`` is several engines (a list or tuple of them), not one."""
+    return isinstance(engines, list | tuple)
+
+
+def worker_failure(
+    results: Sequence[WorkerResult], *, engine: int | None = None
+) -> StreamsyncError | None:
+    """The first failed worker's error, by rank, or ``None`` (``engine``: which of several
+    engines these workers belong to, named in the error)."""
     for rank, result in enumerate(results):
-        exc = result.exception(rank)
+        exc = result.exception(rank, engine=engine)
         if exc is not None:
             return exc
     return None
@@ -192,22 +217,72 @@ def worker_failure(results: Sequence[WorkerResult]) -> StreamsyncError | None:
 
 def merge_worker_reports(report: SyncReport, results: Sequence[WorkerResult]) -> SyncReport:
     """The sender's ``report`` with each worker's model instances, as ``worker<rank>.<name>``."""
-    instances = {
-        f"worker{rank}.{name}": inst
+    return msgspec.structs.replace(report, instances=_instances("", results))
+
+
+def merge_engine_reports(
+    report: SyncReport, engines: Sequence[Sequence[WorkerResult]]
+) -> SyncReport:
+    """The sender's ``report`` of a fan-out with each engine's workers' model instances, as
+    ``engine<e>.worker<rank>.<name>``."""
+    instances: dict[str, LoadResult] = {}
+    for e, results in enumerate(engines):
+        instances.update(_instances(f"engine{e}.", results))
+    return msgspec.structs.replace(report, instances=instances)
+
+
+def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadResult]:
+    return {
+        f"{prefix}worker{rank}.{name}": inst
         for rank, result in enumerate(results)
         if result.report is not None
         for name, inst in result.report.instances.items()
     }
-    return msgspec.structs.replace(report, instances=instances)
+
+
+def _root_cause(errors: Sequence[StreamsyncError | None]) -> StreamsyncError | None:
+    """The error to raise for a failed sync: the first that is not the consequence of
+    another (a worker that timed out or lost the sender because a peer failed first)."""
+    found = [e for e in errors if e is not None]
+    causes = [e for e in found if not isinstance(e, SyncTimeoutError | PeerBrokenError)]
+    return causes[0] if causes else (found[0] if found else None)
+
+
+def _in_event_loop() -> bool:
+    try:
+        anyio.lowlevel.current_token()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
+    # The finalizer of a channel nobody closed: close its transport on its own loop, then
+    # stop that loop (without waiting: this may run on any thread).
+    loop.close_soon(*(sender.aclose for sender in senders))
 
 
 class WeightSync:
-    """A persistent trainer-side channel into one engine: the transport's slots and sockets
-    are created once and reused by every :meth:`update`; the workers keep theirs too."""
+    """A persistent trainer-side channel into one engine, or into several from one stream
+    and one sender (fan-out: pass a list of clients; every engine's workers receive).
+
+    The transport's slots and sockets are created once and reused by every sync; the
+    workers keep theirs too. They live on the channel's own :class:`EventLoopThread`, so
+    the channel serves any caller:
+
+    - any event loop, a fresh one per step included: ``async with WeightSync(...) as sync:
+      await sync.update(weights)``. A client whose engine is bound to its event loop (vLLM's
+      ``AsyncLLM``) must use this form, from that loop;
+    - plain synchronous code: ``with WeightSync(...) as sync: sync.update(weights)``, where
+      ``sync`` is a :class:`BlockingWeightSync` whose ``update`` blocks (the caller owns no
+      event loop and no thread).
+
+    Entering acquires the transport; closing closes it and the workers' receivers.
+    """
 
     def __init__(
         self,
-        client: EngineClient,
+        client: EngineClient | Sequence[EngineClient],
         endpoint: str,
         *,
         pipeline: AdapterLike | None = None,
@@ -217,7 +292,15 @@ class WeightSync:
         worker_options: WorkerOptions | Mapping[str, Any] | None = None,
         **transport_options: Any,
     ) -> None:
-        self.client = client
+        #: Whether the channel was given several engines (its report names ``engine<e>.``).
+        self.fanout = several(client)
+        self.clients: tuple[EngineClient, ...] = (
+            tuple(cast("Sequence[EngineClient]", client))
+            if self.fanout
+            else (cast("EngineClient", client),)
+        )
+        if not self.clients:
+            raise ConfigError("WeightSync: no engine given; pass one engine client or several")
         self.endpoint = endpoint
         self.pipeline = pipeline
         self.bucket_bytes = bucket_bytes
@@ -225,9 +308,64 @@ class WeightSync:
         self.checksum = checksum
         self.worker_options = WorkerOptions.coerce(worker_options)
         self._transport_options = transport_options
-        self._sender: Sender | None = None
+        self._loop: EventLoopThread | None = None
+        self._sender: HostedSender | None = None
+        self._open: list[Sender] = []  # the transport behind _sender, for the finalizer
 
+    @property
+    def client(self) -> EngineClient:
+        """The engine client (the first, with several)."""
+        return self.clients[0]
+
+    @property
+    def receivers(self) -> int:
+        """How many workers a sync reaches, over every engine."""
+        return sum(c.receivers for c in self.clients)
+
+    # -- synchronous form: ``with`` gives a BlockingWeightSync ---------------------------
+    # Each blocking call runs the async one in a short-lived event loop on the caller's own
+    # thread (so the weights are read, and CUDA work is issued, where the trainer runs); the
+    # transport stays open on the channel's loop thread between calls.
+    def __enter__(self) -> BlockingWeightSync:
+        self._check_blocking("with WeightSync(...)", "async with WeightSync(...)")
+        try:
+            anyio.run(self._ensure_sender)
+        except BaseException:
+            self._stop_loop()
+            raise
+        return BlockingWeightSync(self)
+
+    def __exit__(self, *exc: object) -> None:
+        self._close_blocking()
+
+    def _update_blocking(self, weights: Any, pipeline: AdapterLike | None) -> SyncReport:
+        self._check_blocking("sync.update(weights)", "await sync.update(weights)")
+        return anyio.run(partial(self.update, weights, pipeline=pipeline))
+
+    def _close_blocking(self) -> None:
+        self._check_blocking("sync.close()", "await sync.aclose()")
+        anyio.run(self.aclose)
+
+    def _check_blocking(self, form: str, instead: str) -> None:
+        if _in_event_loop():
+            raise ConfigError(
+                f"{form} blocks, and an event loop is running in this thread; use '{instead}'"
+            )
+        for client in self.clients:
+            if getattr(client, "loop_bound", False):
+                raise ConfigError(
+                    f"{form}: {type(client).__name__} is driven from the event loop that "
+                    f"created its engine; use '{instead}' on that loop"
+                )
+
+    # -- asynchronous form (any event loop) ---------------------------------------------
     async def __aenter__(self) -> WeightSync:
+        try:
+            await self._ensure_sender()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._stop_loop)
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -235,61 +373,128 @@ class WeightSync:
 
     async def aclose(self) -> None:
         """Close the trainer side, then ask the workers to close theirs (best effort: the
-        engine may be gone). A later :meth:`update` reopens both."""
+        engine may be gone). A later sync reopens both."""
+        with anyio.CancelScope(shield=True):  # every wait in here is bounded
+            try:
+                await self._close_both()
+            finally:
+                loop = self._loop
+                if loop is not None and not loop.is_current():
+                    await anyio.to_thread.run_sync(self._stop_loop)
+
+    async def _close_both(self) -> None:
         await self._close_sender()
-        try:
-            with anyio.fail_after(self.timeout):
-                closed = await self.client.close_receivers(self.endpoint)
-        except Exception as exc:  # the engine shut down first, or its RPC failed
-            warn("engine.close_receivers_failed", endpoint=self.endpoint, error=repr(exc))
-        else:
-            log("engine.close", endpoint=self.endpoint, receivers=closed)
+
+        async def close(e: int, client: EngineClient) -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    closed = await client.close_receivers(self.endpoint)
+            except Exception as exc:  # the engine shut down first, or its RPC failed
+                warn(
+                    "engine.close_receivers_failed",
+                    endpoint=self.endpoint,
+                    engine=e,
+                    error=repr(exc),
+                )
+            else:
+                log("engine.close", endpoint=self.endpoint, engine=e, receivers=closed)
+
+        async with anyio.create_task_group() as tg:
+            for e, client in enumerate(self.clients):
+                tg.start_soon(close, e, client)
+
+    def _host(self) -> EventLoopThread:
+        if self._loop is None:
+            self._loop = EventLoopThread(f"streamsync-channel {self.endpoint}")
+            self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
+        return self._loop
+
+    def _stop_loop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            self._finalizer.detach()
+            loop.stop()
 
     async def _close_sender(self) -> None:
         if self._sender is not None:
             sender, self._sender = self._sender, None
-            await sender.aclose()
+            try:
+                await sender.aclose()
+            finally:
+                self._open.clear()
 
     async def _ensure_sender(self) -> Sender:
         if self._sender is None:
             opts = dict(self._transport_options)
-            opts.setdefault("receivers", self.client.receivers)
+            opts.setdefault("receivers", self.receivers)
             opts.setdefault("slot_bytes", self.bucket_bytes)
-            sender = open_sender(self.endpoint, **opts)
-            await sender.open()
-            self._sender = sender
+            loop = self._host()
+            cuda = caller_cuda()
+
+            async def opened() -> Sender:
+                # Made and opened on the channel's loop, which keeps its sockets and readers,
+                # on the caller's CUDA device (a cuda-ipc ring is allocated there).
+                with cuda():
+                    sender = open_sender(self.endpoint, **opts)
+                    await sender.open()
+                return sender
+
+            inner = await loop.call(opened)
+            self._open.append(inner)
+            self._sender = HostedSender(inner, loop)
         return self._sender
 
+    def _engine(self, e: int) -> int | None:
+        return e if self.fanout else None
+
     async def update(self, weights: Any, *, pipeline: AdapterLike | None = None) -> SyncReport:
-        """Stream ``weights`` into every worker; returns the sender's report with one
-        :class:`~streamsync.LoadResult` per worker and model instance in ``instances``.
-        ``pipeline`` overrides the channel's for this sync. A worker's failure is raised
-        as the worker's own exception class, with its partial report."""
+        """Stream ``weights`` into every worker of every engine; returns the sender's report
+        with one :class:`~streamsync.LoadResult` per worker and model instance in
+        ``instances`` (``worker<w>.<instance>``, or ``engine<e>.worker<w>.<instance>`` with
+        several engines). ``pipeline`` overrides the channel's for this sync.
+
+        A worker's failure is raised as the worker's own exception class, with its partial
+        report; with several engines its message and ``exc.engine`` say which engine. The
+        engines whose every worker applied the sync still drop their caches.
+        """
         sender = await self._ensure_sender()
         options = self.worker_options
         if options.timeout is None:
             options = msgspec.structs.replace(options, timeout=self.timeout)
-        results: list[WorkerResult] = []
+        results: list[list[WorkerResult]] = [[] for _ in self.clients]
+        engine_errors: dict[int, StreamsyncError] = {}
         report: SyncReport | None = None
         send_error: StreamsyncError | None = None
 
-        async def receive() -> None:
+        async def receive(e: int, client: EngineClient) -> None:
             limit = self.timeout * 5
+            where = "the engine" if not self.fanout else f"engine {e}"
             try:
                 with anyio.fail_after(limit):
-                    results.extend(await self.client.start_receive(self.endpoint, options))
+                    results[e] = list(await client.start_receive(self.endpoint, options))
             except TimeoutError:
-                raise SyncTimeoutError(
-                    f"the engine's workers did not report on the sync from {self.endpoint} "
+                engine_errors[e] = SyncTimeoutError(
+                    f"{where}'s workers did not report on the sync from {self.endpoint} "
                     f"within {limit:g} s"
-                ) from None
-            if any(not r.ok and r.report is None for r in results):
+                )
+            except StreamsyncError as exc:
+                engine_errors[e] = exc
+            except Exception as exc:  # the engine's own RPC failed: the engine is gone
+                engine_errors[e] = ReceiverFailedError(
+                    f"{where} failed to run the receive from {self.endpoint}: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+            if e in engine_errors:
+                engine_errors[e].engine = self._engine(e)
+                tg.cancel_scope.cancel()  # its workers will not join: the sync cannot finish
+            elif any(not r.ok and r.report is None for r in results[e]):
                 # A worker failed before it applied anything (bad options, no connection):
                 # this sync cannot complete, so stop the send instead of letting it time out.
                 tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(receive)
+            for e, client in enumerate(self.clients):
+                tg.start_soon(receive, e, client)
             try:
                 report = await send(
                     weights,
@@ -305,46 +510,98 @@ class WeightSync:
                     await self._close_sender()  # the workers' receive is still running
         if report is None and send_error is None:
             await self._close_sender()  # cancelled mid-sync: its state is unknown
-        failure = worker_failure(results)
+        # An engine whose every worker applied this sync drops its caches, whatever the others.
+        applied = [
+            e
+            for e, client in enumerate(self.clients)
+            if len(results[e]) == client.receivers and all(r.ok for r in results[e])
+        ]
+        failure = _root_cause(
+            [
+                *engine_errors.values(),
+                *(
+                    result.exception(rank, engine=self._engine(e))
+                    for e, per_engine in enumerate(results)
+                    for rank, result in enumerate(per_engine)
+                ),
+                send_error,
+            ]
+        )
         if failure is not None:
-            raise failure from send_error
-        if send_error is not None:
-            raise send_error
+            if applied:
+                with anyio.CancelScope(shield=True):
+                    await self._after_sync(applied, None)
+            raise failure from (send_error if failure is not send_error else None)
         assert report is not None
-        merged = merge_worker_reports(report, results)
+        if self.fanout:
+            merged = merge_engine_reports(report, results)
+        else:
+            merged = merge_worker_reports(report, results[0])
+        await self._after_sync(applied, merged)
+        log(
+            "engine.sync",
+            endpoint=self.endpoint,
+            engines=len(self.clients),
+            workers=sum(len(r) for r in results),
+            sync_id=report.sync_id,
+        )
+        return merged
+
+    async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
         try:
             with anyio.fail_after(self.timeout):
-                await self.client.after_sync()
+                if len(engines) == 1:  # its own error, not in a group
+                    await self.clients[engines[0]].after_sync()
+                    return
+                async with anyio.create_task_group() as tg:
+                    for e in engines:
+                        tg.start_soon(self.clients[e].after_sync)
         except TimeoutError:
+            if report is None:
+                warn("engine.after_sync_timeout", endpoint=self.endpoint, engines=list(engines))
+                return
             late = SyncTimeoutError(
                 f"the engine's after-sync hooks did not finish within {self.timeout:g} s; "
                 f"the sync from {self.endpoint} itself completed (exc.report)"
             )
-            late.report = merged
+            late.report = report
             raise late from None
-        log("engine.sync", endpoint=self.endpoint, workers=len(results), sync_id=report.sync_id)
-        return merged
+
+    def __repr__(self) -> str:
+        return f"WeightSync({self.endpoint!r}, engines={len(self.clients)})"
+
+
+class BlockingWeightSync:
+    """The synchronous face of a :class:`WeightSync`, what ``with WeightSync(...)`` gives:
+    :meth:`update` blocks until the sync is done, with no event loop in the caller (the
+    channel runs it on its own loop thread). Not for ``AsyncLLM``: use ``async with``."""
+
+    def __init__(self, channel: WeightSync) -> None:
+        self.channel = channel
+
+    def __enter__(self) -> BlockingWeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update(self, weights: Any, *, pipeline: AdapterLike | None = None) -> SyncReport:
+        """:meth:`WeightSync.update`, blocking."""
+        return self.channel._update_blocking(weights, pipeline)
+
+    def close(self) -> None:
+        """:meth:`WeightSync.aclose`, blocking: the transport, the workers' receivers and
+        the channel's loop thread."""
+        self.channel._close_blocking()
+
+    def __repr__(self) -> str:
+        return f"BlockingWeightSync({self.channel!r})"
 
 
 @dataclass
 class _Cached:
     channel: WeightSync
-    loop: Callable[[], object | None]
-
-
-# Per engine, per endpoint: the channels update_engine keeps open. A channel's client refers
-# to its engine, so an engine used here stays alive with its channel until the process ends
-# (as before this seam); collecting them would need an event loop to close the transport.
-_channels: weakref.WeakKeyDictionary[Any, dict[str, _Cached]] = weakref.WeakKeyDictionary()
-
-
-def _current_loop() -> Callable[[], object | None]:
-    """A reference to the running event loop (weak where the loop allows it)."""
-    native = anyio.lowlevel.current_token().native_token
-    try:
-        return weakref.ref(native)
-    except TypeError:
-        return lambda: native
+    engines: tuple[Any, ...]
 
 
 async def update_engine(
@@ -359,29 +616,42 @@ async def update_engine(
     worker_options: WorkerOptions | Mapping[str, Any] | None = None,
     **options: Any,
 ) -> SyncReport:
-    """Sync ``weights`` into ``engine`` through a :class:`WeightSync` on ``client(engine)``
-    kept open for (``engine``, ``endpoint``), so its slots and sockets are reused: call it
-    from one long-lived event loop (engine packages wrap it as their ``update_weights``)."""
-    loop = _current_loop()
-    per_engine = _channels.setdefault(engine, {})
-    cached = per_engine.get(endpoint)
-    if cached is not None and cached.loop() is not loop():
-        # Its sockets belong to another event loop (a caller that runs each step in a fresh
-        # loop): they cannot be closed or used from here.
-        raise ConfigError(
-            f"update_weights: the channel to {endpoint} was opened in another event loop. "
-            "Call update_weights from one long-lived loop, or use "
-            "'async with WeightSync(llm, endpoint) as sync: await sync.update(weights)' "
-            "inside each loop (it closes the channel; workers reconnect)."
-        )
-    if cached is not None and cached.channel.bucket_bytes != bucket_bytes:
-        await cached.channel.aclose()  # its slots have another size
+    """Sync ``weights`` into ``engine`` (or into every engine of a list, from one stream:
+    see :class:`WeightSync`) through a channel on ``client(engine)`` kept open for later
+    calls with the same engines and ``endpoint``, so its slots and sockets are reused.
+
+    Any event loop may call it, a fresh one per step (``asyncio.run`` per step) included:
+    the channel lives on a loop of its own. Engine packages wrap it as their
+    ``update_weights``. The channel is kept on the (first) engine object, so it goes when
+    the engine does; calling with other engines on the same endpoint replaces it.
+    """
+    engines = tuple(engine) if several(engine) else (engine,)
+    if not engines:
+        raise ConfigError("update_weights: no engine given; pass one engine or several")
+    try:
+        channels: dict[str, _Cached] = vars(engines[0]).setdefault("_streamsync_channels", {})
+        kept = True
+    except TypeError:  # no __dict__ to keep it in: a channel for this call only
+        channels, kept = {}, False
+    cached = channels.get(endpoint)
+    if cached is not None and (
+        len(cached.engines) != len(engines)
+        or any(a is not b for a, b in zip(cached.engines, engines, strict=True))
+        or cached.channel.fanout != several(engine)
+        or cached.channel.bucket_bytes != bucket_bytes  # its slots have another size
+    ):
+        del channels[endpoint]
+        await cached.channel.aclose()
         cached = None
     if cached is None:
+        clients = [client(e) for e in engines] if several(engine) else client(engine)
         channel = WeightSync(
-            client(engine), endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options
+            clients, endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options
         )
-        cached = per_engine[endpoint] = _Cached(channel, loop)
+        cached = channels[endpoint] = _Cached(channel, engines)
     cached.channel.timeout = timeout
     cached.channel.worker_options = WorkerOptions.coerce(worker_options)
+    if not kept:
+        async with cached.channel:
+            return await cached.channel.update(weights, pipeline=pipeline)
     return await cached.channel.update(weights, pipeline=pipeline)

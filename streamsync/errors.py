@@ -37,9 +37,14 @@ __all__ = [
 
 
 class StreamsyncError(Exception):
-    """Base class of every streamsync error; ``report``: see the module docstring."""
+    """Base class of every streamsync error.
+
+    ``report`` is set when the error ended a sync after some tensors had been applied;
+    ``engine`` when it came from one of several engines fed by one channel (its index).
+    """
 
     report: SyncReport | None = None
+    engine: int | None = None
 
 
 class ConfigError(StreamsyncError, ValueError):

@@ -8,66 +8,18 @@ anyio blocking portal (:class:`EventLoopThread`).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import threading
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-import anyio
-from anyio.from_thread import BlockingPortal
 
 from streamsync._log import log
 from streamsync.engine import WorkerOptions, WorkerResult
-from streamsync.errors import EndOfStream, PeerBrokenError, StreamsyncError, SyncTimeoutError
+from streamsync.errors import EndOfStream, PeerBrokenError, StreamsyncError
+from streamsync.loops import EventLoopThread
 from streamsync.report import SyncReport
 from streamsync.sink import Sink
 from streamsync.sync import DEFAULT_TIMEOUT, receive
 from streamsync.transports import Receiver, open_receiver
 
-T = TypeVar("T")
-
 __all__ = ["EventLoopThread", "WorkerReceivers"]
-
-
-class EventLoopThread:
-    """One long-lived anyio event loop in a daemon thread, for synchronous callers.
-
-    Built on a :class:`~anyio.from_thread.BlockingPortal` but not on
-    ``start_blocking_portal``, whose context manager joins the thread when it is collected:
-    at interpreter exit that join would wait forever on a daemon thread already frozen.
-    """
-
-    def __init__(self, name: str = "streamsync-loop") -> None:
-        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
-
-        async def main() -> None:
-            async with BlockingPortal() as portal:
-                ready.set_result(portal)
-                await portal.sleep_until_stopped()
-
-        self._thread = threading.Thread(target=anyio.run, args=(main,), name=name, daemon=True)
-        self._thread.start()
-        self._portal: BlockingPortal | None = ready.result(timeout=30)
-
-    def run(self, fn: Callable[[], Awaitable[T]], *, timeout: float, what: str = "call") -> T:
-        """Run ``fn()`` on the loop and wait for its result (at most ``timeout`` seconds;
-        then it is cancelled)."""
-        if self._portal is None:
-            raise RuntimeError(f"{self._thread.name}: the event loop thread was stopped")
-        future = self._portal.start_task_soon(fn)
-        done, _ = concurrent.futures.wait([future], timeout)
-        if not done:
-            future.cancel()
-            raise SyncTimeoutError(f"{what} did not finish within {timeout:g} s")
-        return future.result()
-
-    def stop(self, timeout: float = 10) -> None:
-        """Cancel what still runs on the loop and end its thread."""
-        portal, self._portal = self._portal, None
-        if portal is not None:
-            portal.start_task_soon(portal.stop, True)
-            self._thread.join(timeout)
 
 
 class WorkerReceivers:

@@ -69,3 +69,11 @@ async def run_both(**sides: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
         for key, fn in sides.items():
             tg.start_soon(run, key, fn)
     return out
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the engine tests' zmq+tcp)."""
+    from streamsync.testing.peers import free_port
+
+    return free_port()

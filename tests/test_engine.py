@@ -7,10 +7,14 @@ each with its own event loop (a :class:`~streamsync.worker.WorkerReceivers`) and
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -22,6 +26,7 @@ import torch
 import streamsync as ss
 from streamsync.engine import (
     WORKER_PROTOCOL,
+    BlockingWeightSync,
     EngineClient,
     WeightSync,
     WorkerOptions,
@@ -44,6 +49,13 @@ class MainSink(ss.ModuleSink):
         return msgspec.structs.replace(result, instances={"main": result})
 
 
+class FinalizeFails(MainSink):
+    """A sink that fails after the last bucket (as an engine's post-load step may)."""
+
+    def finalize(self) -> ss.LoadResult:
+        raise ss.ShapeMismatchError("tensor '1.weight' is [8, 32] here after processing")
+
+
 def rpc(value: Any) -> Any:
     """What crossing an engine's RPC leaves of ``value``: plain msgpack values."""
     return msgspec.msgpack.decode(msgspec.msgpack.encode(value))
@@ -57,6 +69,7 @@ class ThreadEngine:
         self.workers = [WorkerReceivers(name=f"fake-worker{i}") for i in range(len(modules))]
         self.resets = 0
         self.closed = 0
+        self.fail_finalize: set[int] = set()  # ranks whose sink fails in finalize
 
     @property
     def receivers(self) -> int:
@@ -68,7 +81,7 @@ class ThreadEngine:
             opts = WorkerOptions.from_wire(options)
             if opts.quirks:
                 raise ss.ConfigError(f"unknown quirk {opts.quirks[0]!r}; known: none")
-            sink = MainSink(self.modules[rank])
+            sink = (FinalizeFails if rank in self.fail_finalize else MainSink)(self.modules[rank])
         except ss.StreamsyncError as exc:
             return WorkerResult.failed(exc).to_wire()
         return self.workers[rank].receive(endpoint, opts, sink).to_wire()
@@ -134,7 +147,10 @@ async def test_a_second_engine_is_one_client_plus_one_sink(engine: ThreadEngine)
 
 async def test_a_worker_error_is_raised_under_its_own_name(engine: ThreadEngine) -> None:
     engine.modules[1] = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 9))
-    async with WeightSync(engine, f"shm://engine-err-{os.getpid()}", timeout=20) as channel:
+    # A short timeout: when worker 1's failure reaches the sender before it publishes the
+    # End, the ring raises without sending End (or Abort) to worker 0, which then waits out
+    # its timeout (a transport bug, reported); the raised error is still worker 1's.
+    async with WeightSync(engine, f"shm://engine-err-{os.getpid()}", timeout=5) as channel:
         with pytest.raises(ss.ShapeMismatchError, match=r"worker 1 \(pid \d+\)") as info:
             await channel.update(ss.named_tensors(model(0)))
     assert info.value.report is not None and not info.value.report.complete
@@ -184,32 +200,191 @@ def test_worker_result_round_trip_keeps_the_error_and_the_partial_report() -> No
     assert type(unknown.exception(0)) is ss.ReceiverFailedError
 
 
-def test_update_engine_refuses_a_channel_from_another_event_loop(
+def perturbed(trainer: torch.nn.Module, step: int) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.1 * (step + 1))
+    return trainer
+
+
+def channel_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("streamsync-channel")]
+
+
+def test_update_engine_runs_each_step_in_a_fresh_event_loop(
     engine: ThreadEngine, tmp_path: Path
 ) -> None:
     class Engine:  # what a user holds (an LLM); the client wraps it
         pass
 
-    handle = Engine()
+    held = [Engine()]
     endpoint = f"zmq+ipc://{tmp_path}/engine.sock"
+    trainer = model(0)
 
     async def step() -> ss.SyncReport:
         return await update_engine(
-            handle,
-            ss.named_tensors(model(0)),
+            held[0],
+            ss.named_tensors(trainer),
             client=lambda _: engine,
             endpoint=endpoint,
             timeout=20,
         )
 
-    async def two_steps() -> None:
-        assert (await step()).complete
-        assert (await step()).complete  # the same channel, reused
-        assert engine.closed == 0
+    channels = []
+    for n in range(3):
+        perturbed(trainer, n)
+        report = asyncio.run(step())  # a new event loop per step, as a synchronous trainer does
+        assert report.complete and set(report.instances) == {"worker0.main", "worker1.main"}
+        assert all(same_weights(trainer, m) for m in engine.modules)
+        channels.append(vars(held[0])["_streamsync_channels"][endpoint].channel)
+    assert channels[0] is channels[1] is channels[2]  # one channel, reused across loops
+    assert engine.closed == 0 and engine.resets == 3
+    # The channel lives on the engine object: it goes (and its loop thread stops) with it.
+    (thread,) = channel_threads()
+    held.clear()
+    channels.clear()
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
 
-    anyio.run(two_steps)
-    with pytest.raises(ss.ConfigError, match="opened in another event loop"):
-        anyio.run(step)
+
+def test_a_synchronous_trainer_owns_no_event_loop(engine: ThreadEngine) -> None:
+    trainer = model(0)
+    with WeightSync(engine, f"shm://engine-sync-{os.getpid()}", timeout=20) as sync:
+        assert isinstance(sync, BlockingWeightSync)
+        for step in range(3):
+            report = sync.update(ss.named_tensors(perturbed(trainer, step)))
+            assert report.complete and report.receivers == 2
+            assert all(same_weights(trainer, m) for m in engine.modules)
+        assert engine.resets == 3
+    assert engine.closed == 2  # leaving the block closed the workers' receivers too
+    assert channel_threads() == []  # and the channel's loop thread
+
+
+async def test_the_blocking_form_refuses_a_running_event_loop(engine: ThreadEngine) -> None:
+    channel = WeightSync(engine, f"shm://engine-block-{os.getpid()}", timeout=20)
+    with pytest.raises(ss.ConfigError, match="use 'async with WeightSync"), channel:
+        pass
+    assert channel_threads() == []
+
+
+def test_a_loop_bound_engine_refuses_the_blocking_form(engine: ThreadEngine) -> None:
+    engine.loop_bound = True  # type: ignore[attr-defined]  # as an AsyncLLM's client
+    with (
+        pytest.raises(ss.ConfigError, match="ThreadEngine is driven from the event loop"),
+        WeightSync(engine, f"shm://engine-bound-{os.getpid()}", timeout=20),
+    ):
+        pass
+
+
+@pytest.fixture
+def engines() -> Iterator[list[ThreadEngine]]:
+    pair = [ThreadEngine([model(1), model(2)]), ThreadEngine([model(3), model(4)])]
+    yield pair
+    for engine in pair:
+        engine.shutdown()
+
+
+ENGINE_NAMES = {f"engine{e}.worker{w}.main" for e in range(2) for w in range(2)}
+
+
+def test_several_engines_from_one_stream(engines: list[ThreadEngine], tmp_path: Path) -> None:
+    trainer = model(0)
+    with WeightSync(engines, f"zmq+ipc://{tmp_path}/fan.sock", timeout=20) as sync:
+        for step in range(2):
+            report = sync.update(ss.named_tensors(perturbed(trainer, step)))
+            assert report.complete and report.receivers == 4  # one sender, every worker
+            assert set(report.instances) == ENGINE_NAMES
+            assert all(len(r.loaded) == 4 for r in report.instances.values())
+            for engine in engines:
+                assert all(same_weights(trainer, m) for m in engine.modules)
+                assert engine.resets == step + 1
+    assert [e.closed for e in engines] == [2, 2]
+
+
+def test_update_engine_fans_out_to_a_list_of_engines(engines: list[ThreadEngine]) -> None:
+    handles = [object.__new__(type("Engine", (), {})) for _ in engines]
+    clients = dict(zip(map(id, handles), engines, strict=True))
+    trainer = model(0)
+
+    async def step() -> ss.SyncReport:
+        return await update_engine(
+            handles,
+            ss.named_tensors(trainer),
+            client=lambda handle: clients[id(handle)],
+            endpoint=f"shm://engine-fan-{os.getpid()}",
+            timeout=20,
+        )
+
+    async def first_alone() -> ss.SyncReport:
+        return await update_engine(
+            handles[0],
+            ss.named_tensors(trainer),
+            client=lambda handle: clients[id(handle)],
+            endpoint=f"shm://engine-fan-{os.getpid()}",
+            timeout=20,
+        )
+
+    assert set(asyncio.run(first_alone()).instances) == {"worker0.main", "worker1.main"}
+    for n in range(2):
+        perturbed(trainer, n)
+        report = asyncio.run(step())  # other engines on that endpoint: a new channel
+        assert report.complete and set(report.instances) == ENGINE_NAMES
+        assert all(same_weights(trainer, m) for e in engines for m in e.modules)
+    assert [e.closed for e in engines] == [2, 0]  # the replaced channel was closed
+
+
+def test_in_process_vllm_engines_cannot_share_a_channel() -> None:
+    from streamsync.vllm import WeightSync as VllmWeightSync
+
+    class InprocClient:  # vLLM's in-process engine core client, by name
+        pass
+
+    def llm(core: object) -> Any:
+        config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config, engine_core=core))
+
+    with pytest.raises(ss.ConfigError, match=r"engines \[0, 2\] run their engine core"):
+        VllmWeightSync([llm(InprocClient()), llm(object()), llm(InprocClient())], "shm://x")
+    assert len(VllmWeightSync([llm(InprocClient()), llm(object())], "shm://x").clients) == 2
+
+
+def test_a_failing_engine_is_named(engines: list[ThreadEngine]) -> None:
+    # It fails after the End, so the other engine surely received the whole sync.
+    engines[1].fail_finalize = {1}
+    trainer = model(0)
+    with (
+        WeightSync(engines, f"shm://engine-fail-{os.getpid()}", timeout=5) as sync,
+        pytest.raises(ss.ShapeMismatchError, match=r"^engine 1 worker 1 \(pid \d+\): ") as info,
+    ):
+        sync.update(ss.named_tensors(trainer))
+    assert info.value.engine == 1
+    assert info.value.report is not None and not info.value.report.complete
+    # The engine that applied the whole sync still dropped its caches; the failed one kept its.
+    assert [e.resets for e in engines] == [1, 0]
+    assert all(same_weights(trainer, m) for m in engines[0].modules)
+
+
+class DeadEngine(ThreadEngine):
+    """An engine whose RPC fails, as a replica whose process died does."""
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        raise RuntimeError("EngineDeadError: the engine core died")
+
+
+def test_an_engine_that_cannot_run_the_receive_is_named() -> None:
+    pair = [ThreadEngine([model(1)]), DeadEngine([model(2)])]
+    try:
+        with WeightSync(pair, f"shm://engine-dead-{os.getpid()}", timeout=5) as sync:
+            start = time.monotonic()
+            with pytest.raises(ss.ReceiverFailedError, match="engine 1 failed to run") as info:
+                sync.update(ss.named_tensors(model(0)))
+            assert time.monotonic() - start < 5  # not the send's timeout
+        assert info.value.engine == 1
+        assert "EngineDeadError" in str(info.value)
+    finally:
+        for engine in pair:
+            engine.shutdown()
 
 
 def test_lifecycles_register_by_name_like_quirks() -> None:

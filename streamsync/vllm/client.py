@@ -22,6 +22,7 @@ from streamsync.engine import (
     EngineClient,
     WorkerOptions,
     WorkerResult,
+    several,
     update_engine,
 )
 from streamsync.engine import WeightSync as _EngineWeightSync
@@ -77,7 +78,11 @@ class LLMClient:
 
 
 class AsyncLLMClient:
-    """A vLLM ``AsyncLLM`` (in-process or multi-process engine core): RPCs are awaited."""
+    """A vLLM ``AsyncLLM`` (in-process or multi-process engine core): RPCs are awaited, on
+    the event loop that created it."""
+
+    #: Its RPCs are awaited on the engine's own loop (see :class:`~streamsync.engine.EngineClient`).
+    loop_bound = True
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
@@ -101,10 +106,46 @@ def vllm_client(llm: Any) -> EngineClient:
     return LLMClient(llm)
 
 
+def _in_process(llm: Any) -> bool:
+    """Whether ``llm``'s engine core (and so its workers) runs in this process."""
+    engine = getattr(llm, "llm_engine", llm)
+    return type(getattr(engine, "engine_core", None)).__name__ == "InprocClient"
+
+
+def _clients(llm: Any) -> EngineClient | list[EngineClient]:
+    if not several(llm):
+        return vllm_client(llm)
+    local = [e for e, one in enumerate(llm) if _in_process(one)]
+    if len(local) > 1:
+        # vLLM keeps the current config in a process-wide global that every weight load
+        # sets, so two engines' workers in one process cannot load at the same time.
+        raise ConfigError(
+            f"engines {local} run their engine core in this process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0): their workers cannot load concurrently, "
+            "so one channel cannot feed them; start them with multiprocessing (vLLM's "
+            "default), or in processes of their own"
+        )
+    return [vllm_client(one) for one in llm]
+
+
 class WeightSync(_EngineWeightSync):
-    """A persistent channel into one vLLM engine (:class:`streamsync.engine.WeightSync` on
-    its :func:`vllm_client`): ``async with WeightSync(llm, endpoint) as sync:
-    await sync.update(weights)``."""
+    """A persistent channel into one vLLM engine, or into several from one stream
+    (:class:`streamsync.engine.WeightSync` on their :func:`vllm_client`).
+
+    From synchronous code (an ``LLM``)::
+
+        with WeightSync(llm, endpoint) as sync:
+            for step in ...:
+                sync.update(ss.named_tensors(model))
+
+    From an event loop (required for an ``AsyncLLM``, from its loop)::
+
+        async with WeightSync(llm, endpoint) as sync:
+            await sync.update(ss.named_tensors(model))
+
+    ``llm`` may be a list of engines (data-parallel replicas): every worker of every one
+    receives the same stream, and the report names ``engine<e>.worker<w>.<instance>``.
+    """
 
     def __init__(
         self,
@@ -119,7 +160,7 @@ class WeightSync(_EngineWeightSync):
         **transport_options: Any,
     ) -> None:
         super().__init__(
-            vllm_client(llm),
+            _clients(llm),
             endpoint,
             pipeline=pipeline,
             bucket_bytes=bucket_bytes,
@@ -142,12 +183,15 @@ async def update_weights(
     worker_options: WorkerOptions | Mapping[str, Any] | None = None,
     **options: Any,
 ) -> SyncReport:
-    """Sync ``weights`` into every worker (and model instance) of ``llm``.
+    """Sync ``weights`` into every worker (and model instance) of ``llm``: an ``LLM`` or
+    ``AsyncLLM``, or a list of them (data-parallel replicas fed from one stream and one
+    sender; the report names ``engine<e>.worker<w>.<instance>``).
 
     The channel for (``llm``, ``endpoint``) is kept open for later calls, so its slots and
-    sockets are reused: call it from one long-lived event loop (another loop gets a
-    :class:`~streamsync.ConfigError`). To manage the channel yourself (or to run each step
-    in a fresh loop), use :class:`WeightSync`.
+    sockets are reused, and any event loop may call it, a fresh one per step included (a
+    synchronous trainer that runs each call in a new loop). Synchronous code can also hold
+    the channel itself:
+    ``with WeightSync(llm, endpoint) as sync: sync.update(weights)``.
     """
     return await update_engine(
         llm,
