@@ -1,0 +1,135 @@
+"""The messages of the engine seam's RPC: what the trainer tells every worker for one sync
+(:class:`WorkerOptions`) and what each worker answers (:class:`WorkerResult`). Both are
+versioned msgspec structs that cross the engine's RPC as plain values (``to_wire`` /
+``from_wire``), never pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from streamsync.errors import (
+    ConfigError,
+    ProtocolVersionError,
+    ReceiverFailedError,
+    StreamsyncError,
+    WireFormatError,
+    error_class,
+)
+from streamsync.report import SyncReport
+
+__all__ = ["WORKER_PROTOCOL", "WorkerOptions", "WorkerResult"]
+
+#: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
+#: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.
+WORKER_PROTOCOL = 1
+
+
+def _check_version(kind: str, data: object) -> None:
+    version = data.get("version", WORKER_PROTOCOL) if isinstance(data, Mapping) else None
+    if version != WORKER_PROTOCOL:
+        raise ProtocolVersionError(
+            f"{kind} of protocol version {version!r}; this streamsync speaks "
+            f"{WORKER_PROTOCOL}: install the same streamsync on the trainer and the engine"
+        )
+
+
+class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the trainer tells every worker for one sync (``worker_options=`` of
+    :class:`WeightSync`, as this struct or as a mapping of its fields)."""
+
+    version: int = WORKER_PROTOCOL
+    #: Seconds for each wait of the receive; ``None``: the channel's ``timeout``.
+    timeout: float | None = None
+    #: Keyword arguments of :func:`~streamsync.open_receiver` on the worker.
+    transport: dict[str, Any] = {}
+    #: The sink's lifecycle by registered name; ``None``: the best the engine offers.
+    lifecycle: str | None = None
+    #: The sink's quirks by registered name; ``None``: those the engine needs, ``()``: none.
+    quirks: tuple[str, ...] | None = None
+    #: Only these model instances (``"main"``, ``"drafter"``); ``None``: all of them.
+    instances: tuple[str, ...] | None = None
+
+    @classmethod
+    def coerce(cls, options: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:
+        """``options`` as a struct: a mapping must name only this struct's fields."""
+        if isinstance(options, WorkerOptions):
+            return options
+        try:
+            return msgspec.convert(dict(options or {}), cls)
+        except msgspec.ValidationError as exc:
+            fields = ", ".join(f for f in cls.__struct_fields__ if f != "version")
+            raise ConfigError(f"worker_options: {exc}; valid options: {fields}") from None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain values for the engine's RPC."""
+        return msgspec.to_builtins(self, builtin_types=(bytes, bytearray))  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_wire(cls, data: object) -> WorkerOptions:
+        """The struct a worker received (``None``: the defaults)."""
+        if isinstance(data, WorkerOptions) or data is None:
+            return data or cls()
+        _check_version("worker options", data)
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise WireFormatError(f"worker options from the trainer: {exc}") from None
+
+
+class WorkerResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's outcome of one sync: its receiver's report, or the error it hit (by
+    class name, with the partial report), so that a failed sync never takes the engine
+    down and the trainer re-raises the worker's own exception class."""
+
+    version: int = WORKER_PROTOCOL
+    pid: int
+    #: The receiver's report (partial, or ``None`` if nothing was received, on failure).
+    report: SyncReport | None = None
+    #: Class name of the :class:`~streamsync.StreamsyncError` the worker hit.
+    error: str | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def succeeded(cls, report: SyncReport) -> WorkerResult:
+        return cls(pid=os.getpid(), report=report)
+
+    @classmethod
+    def failed(cls, exc: StreamsyncError) -> WorkerResult:
+        return cls(pid=os.getpid(), report=exc.report, error=type(exc).__name__, message=str(exc))
+
+    def exception(self, rank: int, *, engine: int | None = None) -> StreamsyncError | None:
+        """The worker's error, re-created on this side (``None`` if it succeeded); with
+        ``engine``, the message and ``exc.engine`` say which of several engines it was."""
+        if self.error is None:
+            return None
+        where = f"worker {rank}" if engine is None else f"engine {engine} worker {rank}"
+        exc = error_class(self.error, ReceiverFailedError)(
+            f"{where} (pid {self.pid}): {self.message}"
+        )
+        exc.report = self.report
+        exc.engine = engine
+        return exc
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain values for the engine's RPC."""
+        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_wire(cls, data: object, *, rank: int = 0) -> WorkerResult:
+        """The struct from what the engine's RPC returned for worker ``rank``."""
+        if isinstance(data, WorkerResult):
+            return data
+        _check_version(f"worker {rank}'s result", data)
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise WireFormatError(f"worker {rank}'s result: {exc}") from None
