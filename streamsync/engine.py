@@ -37,6 +37,7 @@ from streamsync.errors import (
     ConfigError,
     PeerBrokenError,
     ReceiverFailedError,
+    SenderAbortedError,
     StreamsyncError,
     SyncTimeoutError,
 )
@@ -93,13 +94,9 @@ def several(engines: Any) -> bool:
 def worker_failure(
     results: Sequence[WorkerResult], *, engine: int | None = None
 ) -> StreamsyncError | None:
-    """The first failed worker's error, by rank, or ``None`` (``engine``: which of several
-    engines these workers belong to, named in the error)."""
-    for rank, result in enumerate(results):
-        exc = result.exception(rank, engine=engine)
-        if exc is not None:
-            return exc
-    return None
+    """The failed workers' root cause (see :func:`_root_cause`), or ``None`` (``engine``:
+    which of several engines these workers belong to, named in the error)."""
+    return _root_cause([r.exception(rank, engine=engine) for rank, r in enumerate(results)])
 
 
 def merge_worker_reports(report: SyncReport, results: Sequence[WorkerResult]) -> SyncReport:
@@ -129,9 +126,11 @@ def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadRe
 
 def _root_cause(errors: Sequence[StreamsyncError | None]) -> StreamsyncError | None:
     """The error to raise for a failed sync: the first that is not the consequence of
-    another (a worker that timed out or lost the sender because a peer failed first)."""
+    another (a worker that timed out, lost the sender or was told the sync was abandoned
+    because a peer failed first)."""
     found = [e for e in errors if e is not None]
-    causes = [e for e in found if not isinstance(e, SyncTimeoutError | PeerBrokenError)]
+    consequences = SyncTimeoutError | PeerBrokenError | SenderAbortedError
+    causes = [e for e in found if not isinstance(e, consequences)]
     return causes[0] if causes else (found[0] if found else None)
 
 

@@ -147,9 +147,8 @@ async def test_a_second_engine_is_one_client_plus_one_sink(engine: ThreadEngine)
 
 async def test_a_worker_error_is_raised_under_its_own_name(engine: ThreadEngine) -> None:
     engine.modules[1] = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 9))
-    # A short timeout: when worker 1's failure reaches the sender before it publishes the
-    # End, the ring raises without sending End (or Abort) to worker 0, which then waits out
-    # its timeout (a transport bug, reported); the raised error is still worker 1's.
+    # When worker 1's failure reaches the sender before it publishes the End, worker 0 is
+    # told the sync is abandoned (SenderAbortedError); the raised error is still worker 1's.
     async with WeightSync(engine, f"shm://engine-err-{os.getpid()}", timeout=5) as channel:
         with pytest.raises(ss.ShapeMismatchError, match=r"worker 1 \(pid \d+\)") as info:
             await channel.update(ss.named_tensors(model(0)))

@@ -255,3 +255,48 @@ async def test_receiver_receives_messages_in_order() -> None:
 async def test_unknown_scheme_lists_valid_ones() -> None:
     with pytest.raises(ss.ConfigError, match="memory"):
         await ss.send({}, "carrier-pigeon://x")
+
+
+async def test_a_receiver_failing_on_the_last_bucket_aborts_the_others() -> None:
+    # Bucket 1 (the last) fails on one receiver before the sender ends the sync: the other
+    # receiver must hear that the sync is abandoned, not wait out its timeout for an End.
+    from streamsync.bucket import BucketBuilder
+
+    failed = anyio.Event()
+
+    class FailsOnW1(Recorder):
+        async def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+            if any(name == "w1" for name, _ in tensors):
+                failed.set()
+                raise ss.UnknownTensorError("w1 is not a parameter here")
+            await super().load(tensors)
+
+    async def buckets():  # type: ignore[no-untyped-def]
+        for name in ("w0", "w1"):
+            builder = BucketBuilder(1024)
+            assert not list(builder.add(name, torch.ones(256)))
+            yield builder.flush()
+        await failed.wait()  # end the sync only once the failure is in
+
+    errors: dict[str, BaseException] = {}
+
+    async def rx(tag: str, sink: Recorder) -> None:
+        try:
+            await ss.receive("memory://lastfail", sink, timeout=30)
+        except ss.StreamsyncError as exc:
+            errors[tag] = exc
+
+    async def tx() -> None:
+        try:
+            await ss.send(buckets(), "memory://lastfail?receivers=2", bucket_bytes=1024, timeout=30)
+        except ss.StreamsyncError as exc:
+            errors["tx"] = exc
+
+    with anyio.fail_after(10):  # well inside the 30 s timeout: nobody waits it out
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rx, "healthy", Recorder())
+            tg.start_soon(rx, "failing", FailsOnW1())
+            tg.start_soon(tx)
+    assert isinstance(errors["failing"], ss.UnknownTensorError)
+    assert isinstance(errors["tx"], ss.ReceiverFailedError)
+    assert isinstance(errors["healthy"], ss.SenderAbortedError), errors["healthy"]

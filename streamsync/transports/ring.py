@@ -232,7 +232,13 @@ class RingSender(Sender):
         try:
             if end.buckets == 0:
                 await self._begin(end.sync_id, timeout)
-            self._check()
+            try:
+                self._check()
+            except StreamsyncError as exc:
+                # A receiver failed before End went out: the others are still reading this
+                # sync and would wait out their timeout for an End that never comes.
+                await self.abort(Abort(end.sync_id, f"{type(exc).__name__}: {exc}"))
+                raise
             await self._publish(end, None)
 
             def ready() -> bool:
