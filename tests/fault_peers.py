@@ -403,6 +403,9 @@ def soak_receiver(url: str, syncs: int, options: dict[str, Any], conn: Any) -> N
 
     try:
         conn.send({"done": asyncio.run(run())})
+        # Stay alive until the test has sampled this process for the last time: a process
+        # that has exited has no memory figures in /proc to read.
+        conn.poll(120)
     except BaseException as exc:
         conn.send({"crash": f"{type(exc).__name__}: {exc}"})
         raise

@@ -13,6 +13,7 @@ and reloads them at will when other processes need memory, which moved a receive
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -78,7 +79,7 @@ def test_soak(transport: str, record_property: Any) -> None:
     url = _url(transport)
     files_before = _files()
     ctx = context("fault_peers")
-    reports, report_end = ctx.Pipe(duplex=False)
+    reports, report_end = ctx.Pipe()
     proc = ctx.Process(target=fault_peers.soak_receiver, args=(url, SYNCS, {}, report_end))
     proc.start()
     report_end.close()
@@ -102,6 +103,8 @@ def test_soak(transport: str, record_property: Any) -> None:
         final = reports.recv()
         assert final == {"done": SYNCS}, final
     finally:
+        with contextlib.suppress(OSError):
+            reports.send("exit")  # the receiver waits for this before it exits
         proc.join(30)
         if proc.is_alive():
             proc.kill()
