@@ -25,7 +25,7 @@ from anyio.from_thread import BlockingPortal
 
 from streamsync.bucket import Bucket
 from streamsync.errors import ClosedError, SyncTimeoutError
-from streamsync.transports import Sender, SenderStatistics
+from streamsync.transports import Attendance, Sender, SenderStatistics
 from streamsync.wire import Abort, Done, End
 
 T = TypeVar("T")
@@ -165,6 +165,13 @@ class HostedSender(Sender):
 
     def statistics(self) -> SenderStatistics | None:
         return self.sender.statistics()  # a snapshot of plain numbers
+
+    def attendance(self) -> Attendance:
+        return self.sender.attendance()  # frozen
+
+    @property
+    def present(self) -> int:
+        return self.sender.present
 
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False

@@ -45,6 +45,13 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     unexpected: tuple[str, ...] = ()
     instances: dict[str, LoadResult] = {}
     receivers: int = 1
+    #: Sender: receivers the channel expects that took no part in this sync (gone, or not
+    #: back yet), each with why; only a channel opened with ``require_all=False`` completes
+    #: a sync without them.
+    absent: tuple[str, ...] = ()
+    #: Sender: peers turned away since the sync before, each with its address and why (a
+    #: wrong secret, another protocol version): receivers that should have joined.
+    refused: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -54,6 +61,8 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     def summary(self) -> str:
         """One human line: tensors, bytes, seconds, GB/s."""
         state = "ok" if self.complete else "PARTIAL"
+        if self.absent:
+            state += f", {len(self.absent)} absent"
         return (
             f"sync {self.sync_id} {self.side}: {self.tensors} tensors, "
             f"{self.nbytes / 2**20:.1f} MiB in {self.buckets} buckets, "

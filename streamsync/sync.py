@@ -155,7 +155,15 @@ async def _send(
             )
         raise
     end_s = time.perf_counter() - t2
-    log("sync.end", sync_id=sync_id, receivers=len(dones), seconds=round(end_s, 6))
+    attendance = sender.attendance()
+    log(
+        "sync.end",
+        sync_id=sync_id,
+        receivers=len(dones),
+        absent=len(attendance.absent),
+        refused=len(attendance.refused),
+        seconds=round(end_s, 6),
+    )
     missing = sorted(set.intersection(*(set(d.missing) for d in dones))) if dones else []
     return _done(
         SyncReport(
@@ -173,6 +181,8 @@ async def _send(
                 for d in dones
             },
             receivers=len(dones),
+            absent=attendance.absent,
+            refused=attendance.refused,
         )
     )
 

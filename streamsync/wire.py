@@ -23,6 +23,7 @@ __all__ = [
     "Entry",
     "Hello",
     "Welcome",
+    "Joined",
     "BucketHeader",
     "End",
     "Abort",
@@ -35,7 +36,8 @@ __all__ = [
 ]
 
 #: Bumped whenever a message changes shape; peers with another version are refused.
-PROTOCOL_VERSION: Final = 1
+#: 2: the receiver confirms its ``Welcome`` with ``Joined``; refusals may say "busy".
+PROTOCOL_VERSION: Final = 2
 
 # Upper bounds applied to untrusted metadata before anything is allocated from it.
 MAX_NAME_LEN: Final = 4096
@@ -84,6 +86,14 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     echo: bytes = b""
     #: Transport-specific description of the slots (e.g. CUDA IPC handles), msgpack.
     layout: bytes = b""
+
+
+class Joined(msgspec.Struct, frozen=True, tag="joined"):
+    """The receiver's answer to ``Welcome``, under the session's key: it is there and takes
+    part from the next sync on. Until it arrives the sender counts nobody in (a receiver
+    that gave up on a slow ``Welcome`` leaves no ghost member behind)."""
+
+    receiver: int
 
 
 class BucketHeader(msgspec.Struct, frozen=True, tag="bucket"):
@@ -150,7 +160,7 @@ class Bye(msgspec.Struct, frozen=True, tag="bye"):
     receiver: int = -1
 
 
-Message = Hello | Welcome | BucketHeader | End | Abort | Ack | Done | Failed | Bye
+Message = Hello | Welcome | Joined | BucketHeader | End | Abort | Ack | Done | Failed | Bye
 
 _envelope_encoder = msgspec.msgpack.Encoder()
 _body_decoder = msgspec.msgpack.Decoder(Message)

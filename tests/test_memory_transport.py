@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import anyio
 import pytest
 import torch
@@ -225,9 +227,18 @@ async def test_closed_by_me_differs_from_broken_by_peer() -> None:
     async with sender2:
         r2 = MemoryReceiver("broken")
         await r2.open()
-        await r2.aclose()  # the receiver goes away
-        with pytest.raises(ss.PeerBrokenError):
-            await ss.send({"w": torch.ones(1)}, sender2, timeout=1)
+        await r2.aclose()  # the receiver goes away between syncs...
+        # ...so the next sync waits for a replacement (and says so when none comes)...
+        with pytest.raises(ss.SyncTimeoutError, match="0 of 1 receivers"):
+            await ss.send({"w": torch.ones(1)}, sender2, timeout=0.2)
+        # ...and one that comes gets it, on the same channel.
+        async with MemoryReceiver("broken") as r3:
+            model = torch.nn.Linear(1, 1, bias=False)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(ss.receive, r3, ss.ModuleSink(model), timeout=5))
+                report = await ss.send({"weight": torch.ones(1, 1)}, sender2, timeout=5)
+        assert r3.index == 0 and report.receivers == 1
+        assert torch.equal(model.weight.detach(), torch.ones(1, 1))
 
 
 async def test_receiver_receives_messages_in_order() -> None:

@@ -19,7 +19,10 @@ receiver that does not release stops a two-slot sender at exactly two buckets in
 close versus broken peer, timeouts on a silent peer, SIGKILL of either side mid-sync (the
 survivor raises :class:`~streamsync.PeerBrokenError` within twice the timeout), and no
 resources left behind (file descriptors, ``/dev/shm`` entries, the paths ``resource_paths``
-names).
+names; a SIGKILLed sender's rendezvous file is exempt: nothing can remove it), and
+membership: a receiver that left is replaced on the open channel, a late joiner takes part
+from the next sync (with ``require_all=False`` the sync in progress completes without it
+and names the absent one), and a SIGKILLed receiver's place goes to a new process.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any
 
 import anyio
@@ -258,11 +262,11 @@ class TransportConformance:
             peers.get(lambda i: "role" in i, timeout, "a child's outcome") for _ in range(count)
         ]
 
-    def _check_gone(self, url: str, shm_before: set[str]) -> None:
+    def _check_gone(self, url: str, shm_before: set[str], *, paths: bool = True) -> None:
         gc.collect()
         leaked = _shm_entries() - shm_before
         assert not leaked, f"{url}: /dev/shm entries left behind: {sorted(leaked)}"
-        left = [p for p in self.resource_paths(url) if os.path.exists(p)]
+        left = [p for p in self.resource_paths(url) if paths and os.path.exists(p)]
         assert not left, f"{url}: files left behind: {left}"
 
     # -- round trip and fan-out --------------------------------------------------------
@@ -391,22 +395,115 @@ class TransportConformance:
 
         asyncio.run(run())
 
-    def test_receiver_leaving_breaks_the_next_sync(self) -> None:
+    # -- membership: receivers that leave, come back, or join late --------------------
+    async def _present(self, tx: Any, count: int) -> None:
+        """Wait until ``count`` receivers are counted in on ``tx``."""
+        with anyio.fail_after(self.timeout):
+            while tx.present != count:
+                await anyio.sleep(0.01)
+
+    async def _sync(
+        self,
+        tx: Any,
+        receivers: Sequence[Any],
+        weights: dict[str, torch.Tensor],
+        source: AsyncIterator[tuple[str, torch.Tensor]] | None = None,
+    ) -> Any:
+        """One sync of ``weights`` (read from ``source`` if given) from ``tx`` to
+        ``receivers``; each must hold exactly those bytes."""
+        sinks = [_HashingSink() for _ in receivers]
+        async with anyio.create_task_group() as tg:
+            for rx, sink in zip(receivers, sinks, strict=True):
+                tg.start_soon(partial(ss.receive, rx, sink, timeout=self.timeout))
+            report = await ss.send(
+                source if source is not None else weights,
+                tx,
+                bucket_bytes=_BUCKET_BYTES,
+                timeout=self.timeout,
+            )
+        expected = [digest(n, t) for n, t in weights.items()]
+        for sink in sinks:
+            assert sink.digests == expected, "a receiver got other bytes than were sent"
+        return report
+
+    def test_a_receiver_that_left_is_replaced(self) -> None:
         url = self.make_url("leave")
 
         async def run() -> None:
             async with self._tx(url) as tx:
-                rx = self._rx(url)
-                await rx.__aenter__()
-                await rx.aclose()
+                async with self._rx(url) as rx:
+                    await self._sync(tx, [rx], conformance_weights(0))
+                # The next sync waits for a receiver, and says who left when none comes...
                 await _raises(
-                    ss.PeerBrokenError,
-                    "send to a receiver that left did not raise PeerBrokenError",
-                    lambda: self._send(tx),
+                    ss.SyncTimeoutError,
+                    "a sync with its only receiver gone did not time out",
+                    lambda: ss.send({"w": torch.ones(1)}, tx, timeout=0.3),
                     2 * self.timeout,
                 )
+                # ...and a new one on the same channel gets the next sync, whole.
+                async with self._rx(url) as rx:
+                    await self._present(tx, 1)
+                    report = await self._sync(tx, [rx], conformance_weights(1))
+                    assert report.receivers == 1 and report.complete, report
 
         asyncio.run(run())
+
+    def test_a_late_joiner_takes_part_from_the_next_sync(self) -> None:
+        url = self.with_receivers(self.make_url("late"), 2)
+
+        async def run() -> None:
+            async with self._tx(url, require_all=False) as tx, self._rx(url) as rx0:
+                async with self._rx(url) as rx1:
+                    await self._sync(tx, [rx0, rx1], conformance_weights(0))
+                await self._present(tx, 1)
+                # A bucket per tensor: when the fourth is read, buckets are on their way.
+                slabs = {f"slab.{i}": torch.full((_BUCKET_BYTES // 4,), i + 0.5) for i in range(6)}
+                late: list[Any] = []
+                async with contextlib.AsyncExitStack() as stack:
+
+                    async def joining_midway() -> AsyncIterator[tuple[str, torch.Tensor]]:
+                        for i, (name, tensor) in enumerate(slabs.items()):
+                            if i == 3:
+                                late.append(await stack.enter_async_context(self._rx(url)))
+                            yield name, tensor
+
+                    # The channel was whole once: with require_all=False this sync goes on
+                    # with the one receiver there, and names the missing one.
+                    report = await self._sync(tx, [rx0], slabs, joining_midway())
+                    assert report.receivers == 1 and len(report.absent) == 1, report
+                    assert late, "the late receiver did not join"
+                    # It joined during that sync and took no part in it: the next is its first.
+                    await self._present(tx, 2)
+                    report = await self._sync(tx, [rx0, late[0]], conformance_weights(2))
+                    assert report.receivers == 2 and not report.absent, report
+
+        asyncio.run(run())
+
+    def test_a_killed_receiver_is_replaced_on_the_open_channel(self) -> None:
+        if not self.cross_process:
+            import pytest
+
+            pytest.skip("an in-process transport has no receiver process to kill")
+        url = self.make_url("replace")
+
+        async def run(peers: Peers) -> None:
+            first = self._spawn(peers, "receiver", url=url, syncs=3)
+            async with self._tx(url) as tx:
+                await anyio.to_thread.run_sync(self._reached, peers, "joined")
+                for seed in range(2):
+                    assert (await self._send(tx, seed)).receivers == 1
+                os.kill(first.pid, signal.SIGKILL)  # waiting for a third sync
+                self._spawn(peers, "receiver", url=url, syncs=1)
+                # The newcomer takes the dead one's place once its death is noticed (until
+                # then the sender answers "busy" and it tries again).
+                await anyio.to_thread.run_sync(self._reached, peers, "joined")
+                report = await self._send(tx, 2)
+                assert report.receivers == 1 and report.complete, report
+            done = self._outcomes(peers, 1, 30)[0]
+            assert done["ok"] and done["syncs"] == [_expected(2)], done
+
+        with self._peers() as peers:
+            asyncio.run(run(peers))
 
     def test_timeouts_on_a_silent_peer(self) -> None:
         url = self.make_url("silent")
@@ -484,7 +581,8 @@ class TransportConformance:
         assert isinstance(exc, wanted), f"expected {wanted.__name__}, got {exc!r}"
         took = time.monotonic() - killed[0]
         assert took < 2 * self.timeout, f"the peer's death took {took:.1f} s to surface"
-        self._check_gone(url, shm_before)
+        # A killed sender cannot remove a rendezvous file (its next bind reuses the path).
+        self._check_gone(url, shm_before, paths=victim != "sender")
 
     def test_sigkill_of_the_receiver_mid_sync(self) -> None:
         async def send(url: str, peers: Peers, kill: Callable[[], None]) -> BaseException | None:

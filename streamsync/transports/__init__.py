@@ -25,9 +25,17 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from streamsync.errors import ConfigError
-from streamsync.transports.base import Incoming, Receiver, ReceiverState, Sender, SenderStatistics
+from streamsync.transports.base import (
+    Attendance,
+    Incoming,
+    Receiver,
+    ReceiverState,
+    Sender,
+    SenderStatistics,
+)
 
 __all__ = [
+    "Attendance",
     "Endpoint",
     "Incoming",
     "Receiver",

@@ -20,7 +20,7 @@ import torch
 from streamsync.bucket import Bucket, Unpacker
 from streamsync.wire import Abort, BucketHeader, Done, End, Failed
 
-__all__ = ["Incoming", "Receiver", "ReceiverState", "Sender", "SenderStatistics"]
+__all__ = ["Attendance", "Incoming", "Receiver", "ReceiverState", "Sender", "SenderStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,16 @@ class SenderStatistics:
     wait_seconds: float = 0.0
     pack_seconds: float = 0.0
     publish_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Attendance:
+    """Who a finished sync did not reach: ``absent``, receivers the channel expects that took
+    no part (gone, or not back yet; only with ``require_all=False``), and ``refused``, peers
+    turned away since the sync before (a wrong secret, another protocol version)."""
+
+    absent: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
 
 
 class _Resource(ABC):
@@ -86,6 +96,15 @@ class Sender(_Resource):
         """Running totals of where :meth:`send` spends its time, or ``None`` if this
         transport does not count them."""
         return None
+
+    def attendance(self) -> Attendance:
+        """Who the last finished sync did not reach (see :class:`Attendance`)."""
+        return Attendance()
+
+    @property
+    def present(self) -> int:
+        """Receivers counted in now: the next sync goes to them."""
+        return self.receivers
 
     @abstractmethod
     async def send(

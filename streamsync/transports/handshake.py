@@ -1,10 +1,16 @@
 """The handshake every linked transport runs when a receiver joins.
 
-The receiver sends ``Hello`` with a fresh nonce; the sender checks it, assigns an index and
+The receiver sends ``Hello`` with a fresh nonce; the sender checks it, reserves an index and
 answers ``Welcome`` with the slot layout, its own nonce and the receiver's echoed (no replayed
-``Welcome``). From then on both sides authenticate every frame with a key derived from the
-secret and both nonces (:func:`session_codec`). A refused receiver gets a ``Bye`` saying why
-and raises the sender's reason as the same exception class.
+``Welcome``); the receiver confirms with ``Joined`` under the session's key, and only then
+does the sender count it in (from the next sync on). Both sides authenticate every later
+frame with a key derived from the secret and both nonces (:func:`session_codec`).
+
+A refused receiver gets a ``Bye`` saying why. A *busy* refusal (the sender is closing, or
+every index is taken until a receiver that left is noticed) makes the receiver try again
+within its connect timeout: this is what makes a one-shot sync per step safe, where a
+receiver may reach the previous step's sender as it closes. Any other refusal (a wrong
+secret, another protocol version) is final and raised as the sender's exception class.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from streamsync.wire import Bye, Hello, Welcome, WireCodec
 
 __all__ = [
     "SECRET_ENV",
+    "Busy",
     "accept",
+    "busy",
     "check_hello",
     "hello",
     "refusal",
@@ -41,6 +49,15 @@ SECRET_ENV = "STREAMSYNC_SECRET"
 
 _NONCE_BYTES = 16
 _REFUSED = "refused: "
+_BUSY = "busy: "
+
+
+class Busy(Exception):
+    """The sender could not take this receiver now; try again (internal to the handshake)."""
+
+    def __init__(self, error: StreamsyncError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def resolve_secret(secret: bytes | str | None) -> bytes | None:
@@ -113,6 +130,8 @@ def accept(
     session's codec. A refusal raises the sender's reason."""
     msg = codec.decode(frame)
     if isinstance(msg, Bye):
+        if msg.reason.startswith(_BUSY):
+            raise Busy(refused(_REFUSED + msg.reason.removeprefix(_BUSY), url=url))
         raise refused(msg.reason, url=url)
     if not isinstance(msg, Welcome):
         raise WireFormatError(f"{url}: sender answered Hello with {type(msg).__name__}")
@@ -124,6 +143,11 @@ def accept(
 def refusal(codec: WireCodec, exc: StreamsyncError) -> bytes:
     """Sender: the ``Bye`` frame that tells a refused newcomer why."""
     return codec.encode(Bye(f"{_REFUSED}{type(exc).__name__}: {exc}"))
+
+
+def busy(codec: WireCodec, exc: StreamsyncError) -> bytes:
+    """Sender: the ``Bye`` frame that asks a newcomer to try again (see the module doc)."""
+    return codec.encode(Bye(f"{_BUSY}{type(exc).__name__}: {exc}"))
 
 
 def refused(reason: str, *, url: str) -> StreamsyncError:

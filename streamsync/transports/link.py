@@ -10,7 +10,8 @@ it also carries a bucket's bytes after its header. Lower-level failures are mapp
   :class:`~streamsync.ConfigError`; ``url`` then names the bound port); ``serve(events)``
   runs in the channel's task group until cancelled, accepting receivers (each a
   :class:`Peer`) and reporting their frames to :class:`LinkEvents`; ``send(peer, frame,
-  payload=None, fds=())``; ``all_joined()`` once every receiver joined; ``aclose()``.
+  payload=None, fds=())``; ``aclose()``. A link keeps accepting while it is open: receivers
+  may leave and be replaced.
 - :class:`ReceiverLink`: ``connect()`` (retried until the sender is there; bounded by the
   caller), ``handshake(hello)`` (the answer and any descriptors passed with it),
   ``send(frame)``, ``receive()`` (a frame and its payload), ``aclose()``.
@@ -144,9 +145,6 @@ class SenderLink(ABC):
     async def send(
         self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
     ) -> None: ...
-
-    def all_joined(self) -> None:  # noqa: B027 - optional hook
-        """Every receiver joined (e.g. remove a rendezvous file nobody needs now)."""
 
     @abstractmethod
     async def aclose(self) -> None: ...

@@ -13,15 +13,19 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections import deque
 
 import anyio
 import torch
 
+from streamsync._log import log, warn
 from streamsync._tasks import ChannelTasks
 from streamsync.errors import (
+    AuthenticationError,
     ClosedError,
     ConfigError,
     PeerBrokenError,
+    ProtocolVersionError,
     StreamsyncError,
     SyncTimeoutError,
     WireFormatError,
@@ -30,16 +34,41 @@ from streamsync.transports import handshake
 from streamsync.transports.link import LinkLost, Peer, ReceiverLink, SenderLink
 from streamsync.transports.ring import RingReceiver, RingSender
 from streamsync.transports.slots import SlotStore, SlotView
-from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message, WireCodec
+from streamsync.wire import (
+    Abort,
+    Ack,
+    BucketHeader,
+    Bye,
+    Done,
+    End,
+    Failed,
+    Hello,
+    Joined,
+    Message,
+    Welcome,
+    WireCodec,
+)
 
 __all__ = ["LinkedReceiver", "LinkedSender"]
 
 # How long a sender whose write failed waits for what the receiver said before it went.
 _DRAIN_S = 0.2
+# Departures and refusals a sender remembers for its messages and reports.
+_KEEP = 8
+# Longest wait for the sender's answer to one Hello before trying again with a new link.
+_ATTEMPT_S = 5.0
 
 
 class LinkedSender(RingSender):
-    """Sender side of the ring over ``link``, its bytes in ``store``."""
+    """Sender side of the ring over ``link``, its bytes in ``store``.
+
+    Receivers may come and go while the channel is open: a newcomer is counted in once it
+    confirmed its ``Welcome`` and takes part from the next sync; one that leaves or dies
+    frees its index for a replacement (see :mod:`streamsync.transports.ring`). Anything
+    that is not a streamsync receiver of this channel is turned away at the handshake and
+    logged with its address; a refused peer that looks like a receiver (wrong secret, other
+    protocol version) also shows in the next sync's report and in a timeout's message.
+    """
 
     def __init__(
         self,
@@ -49,6 +78,7 @@ class LinkedSender(RingSender):
         receivers: int = 1,
         secret: bytes | str | None = None,
         connect_timeout: float = 60.0,
+        require_all: bool = True,
     ) -> None:
         url = link.url
         if receivers < 1:
@@ -59,17 +89,18 @@ class LinkedSender(RingSender):
             )
         if store.slot_bytes < 1024:
             raise ConfigError(f"{url}: slot_bytes={store.slot_bytes}; need at least 1024")
-        super().__init__(store, receivers=receivers)
+        super().__init__(store, receivers=receivers, require_all=require_all)
         self.url = url
         self.link = link
         self.connect_timeout = connect_timeout
         self._secret = handshake.resolve_secret(secret)
         self._codec = WireCodec(self._secret)
+        #: The receivers counted in, by index.
         self.peers: dict[int, Peer] = {}
-        # Indices handed out in a Welcome whose receiver has not joined yet: two receivers
-        # shaking hands at once must not get the same index.
-        self._joining: set[int] = set()
-        self._refused: StreamsyncError | None = None
+        # Welcomed, not yet confirmed: their indices are reserved.
+        self._joining: dict[int, Peer] = {}
+        self._refused: deque[str] = deque(maxlen=_KEEP)
+        self._left: deque[str] = deque(maxlen=_KEEP)
         self._tasks = ChannelTasks()
 
     async def open(self) -> None:
@@ -87,20 +118,24 @@ class LinkedSender(RingSender):
     # -- link events -------------------------------------------------------------------
     async def on_frame(self, peer: Peer, frame: bytes) -> bool:
         if peer.codec is not None:
-            self._deliver(peer, frame)
-            return True
+            return self._deliver(peer, frame)
         try:
             hello = handshake.check_hello(self._codec, frame, url=self.url, who=peer.who)
-            taken = set(self.peers) | self._joining
-            free = [i for i in range(self.receivers) if i not in taken]
-            if not free or self._closed:
-                raise ConfigError(
-                    f"{self.url}: {hello.receiver} (pid {hello.pid}) tried to join, but all "
-                    f"{self.receivers} receiver(s) have joined; open the sender with "
-                    "receivers=N to serve more"
-                )
         except StreamsyncError as exc:
             await self.on_refused(peer, exc)
+            return False
+        taken = set(self.peers) | set(self._joining)
+        free = [i for i in range(self.receivers) if i not in taken]
+        if self._closed or not free:
+            why = (
+                f"{self.url} is closing"
+                if self._closed
+                else f"all {self.receivers} receiver(s) of {self.url} are there; open the "
+                "sender with receivers=N to serve more"
+            )
+            log("channel.busy", url=self.url, peer=peer.who, pid=hello.pid, reason=why)
+            with anyio.move_on_after(1.0), contextlib.suppress(StreamsyncError):
+                await self.link.send(peer, handshake.busy(self._codec, ConfigError(why)))
             return False
         index = free[0]
         shared = self.store.shared()
@@ -113,74 +148,112 @@ class LinkedSender(RingSender):
             slot_bytes=self.slot_bytes,
             shared=shared,
         )
-        self._joining.add(index)
+        peer.index, peer.codec = index, codec
+        peer.describe = f"receiver {index} ({hello.receiver}, pid {hello.pid})"
+        self._joining[index] = peer
         try:
             await self.link.send(peer, welcome, None, shared.fds)
         except PeerBrokenError:
+            self._joining.pop(index, None)
             return False
-        finally:
-            self._joining.discard(index)
-        peer.index, peer.codec = index, codec
-        peer.describe = f"receiver {index} ({hello.receiver}, pid {hello.pid})"
-        self.peers[index] = peer
-        if len(self.peers) >= self.receivers:
-            self.link.all_joined()
-        self._signal.notify()
         return True
 
     async def on_refused(self, peer: Peer, exc: StreamsyncError) -> None:
-        # Sent first: recording the refusal may close this sender, and the newcomer
-        # should still learn why.
+        if not isinstance(exc, AuthenticationError | ProtocolVersionError):
+            # Not a streamsync receiver at all (a port scanner, random bytes, malformed
+            # frames): dropped without an answer.
+            warn("channel.stranger", url=self.url, peer=peer.who, error=str(exc))
+            return
+        # A receiver of another channel or version: told why, and reported.
+        warn("channel.refused", url=self.url, peer=peer.who, error=f"{type(exc).__name__}: {exc}")
+        self._refused.append(f"{peer.who}: {type(exc).__name__}: {exc}")
         with anyio.move_on_after(1.0), contextlib.suppress(StreamsyncError):
             await self.link.send(peer, handshake.refusal(self._codec, exc))
-        if len(self.peers) < self.receivers and self._refused is None:
-            self._refused = type(exc)(f"{self.url}: refused {peer.who}: {exc}")
-            self._signal.notify()
 
     def on_lost(self, peer: Peer, detail: str) -> None:
-        if peer.codec is None or peer.said_bye or self._closed:
+        if peer.codec is None or peer.said_bye:
             return
-        self.on_broken(
+        self._leave(
+            peer,
             PeerBrokenError(
                 f"{self.url}: {peer.describe} went away without closing the channel ({detail})"
-            )
+            ),
         )
 
-    def _deliver(self, peer: Peer, frame: bytes) -> None:
+    def _leave(self, peer: Peer, why: StreamsyncError) -> None:
+        """``peer`` is gone (or must go): free its index; a sync it is in is told."""
+        if self._joining.get(peer.index) is peer:
+            del self._joining[peer.index]
+            return
+        if self.peers.get(peer.index) is not peer:
+            return  # left already
+        del self.peers[peer.index]
+        self._left.append(str(why))
+        log("channel.left", url=self.url, receiver=peer.index, reason=str(why))
+        self.on_left(peer.index, why)
+
+    def _deliver(self, peer: Peer, frame: bytes) -> bool:
         assert peer.codec is not None
+        joining = self._joining.get(peer.index) is peer
+        if not joining and self.peers.get(peer.index) is not peer:
+            return False  # a receiver that left: nothing it says counts now
         try:
             msg = peer.codec.decode(frame)
+            if joining:
+                if not isinstance(msg, Joined) or msg.receiver != peer.index:
+                    raise WireFormatError(f"sent {type(msg).__name__} instead of Joined")
+            elif isinstance(msg, Ack | Done | Failed) and msg.receiver != peer.index:
+                raise WireFormatError(f"replied as receiver {msg.receiver}")
+            elif isinstance(msg, Hello | Welcome | Joined):
+                raise WireFormatError(f"sent {type(msg).__name__} after joining")
         except StreamsyncError as exc:
-            self.on_broken(type(exc)(f"{self.url}: {peer.describe}: {exc}"))
-            return
+            self._leave(peer, type(exc)(f"{self.url}: {peer.describe}: {exc}"))
+            return False
+        if joining:
+            del self._joining[peer.index]
+            self.peers[peer.index] = peer
+            log("channel.joined", url=self.url, receiver=peer.index, peer=peer.describe)
+            self._signal.notify()
+            return True
         if isinstance(msg, Bye):
             peer.said_bye = True
+            del self.peers[peer.index]
+            self._left.append(f"{peer.describe} closed the channel: {msg.reason or 'bye'}")
             msg = Bye(msg.reason, peer.index)
-        elif isinstance(msg, Ack | Done | Failed) and msg.receiver != peer.index:
-            self.on_broken(
-                WireFormatError(f"{self.url}: {peer.describe} replied as receiver {msg.receiver}")
-            )
-            return
         self.on_reply(msg)
+        return not peer.said_bye
 
     # -- ring hooks ----------------------------------------------------------------------
+    def _admit(self) -> set[int]:
+        return set(self.peers)
+
+    def _describe(self, index: int) -> str:
+        peer = self.peers.get(index)
+        return f"{self.url}: {peer.describe if peer is not None else f'receiver {index}'}"
+
+    def _refusals(self) -> tuple[str, ...]:
+        refused = tuple(self._refused)
+        self._refused.clear()
+        return refused
+
     async def _await_receivers(self, timeout: float) -> None:
         limit = min(timeout, self.connect_timeout)
 
         def ready() -> bool:
-            if self._refused is not None:
-                # Raised once: a stray or mismatched peer must not lock out the right one.
-                refused, self._refused = self._refused, None
-                raise refused
             self._check()
-            return len(self.peers) >= self.receivers
+            return self._enough(len(self.peers))
 
         try:
             await self._signal.wait_until(ready, timeout=limit, what="receivers")
         except SyncTimeoutError:
+            detail = "".join(
+                f"; {label}: {'; '.join(items)}"
+                for label, items in (("left", self._left), ("refused", self._refused))
+                if items
+            )
             raise SyncTimeoutError(
                 f"{self.url}: {len(self.peers)} of {self.receivers} receivers joined within "
-                f"{limit:g} s"
+                f"{limit:g} s{detail}"
             ) from None
 
     async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
@@ -190,24 +263,22 @@ class LinkedSender(RingSender):
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:
         payload = payload if self.store.payload_frames else None
-        for index in sorted(self.peers):
-            peer = self.peers[index]
+        for index in sorted(self._members):
+            peer = self.peers.get(index)
+            if peer is None:
+                continue  # left during this sync: on_left recorded it
             assert peer.codec is not None
             try:
                 await self._send_frame(peer, peer.codec.encode(msg), payload)
             except PeerBrokenError as exc:
                 # What the receiver said before it went (its failure, its goodbye) may
                 # still be unread: give the reader a moment, so that the reason wins.
-                def heard(index: int = index) -> bool:
-                    return (
-                        self._failed is not None
-                        or self._broken is not None
-                        or index in self._departed
-                    )
+                def heard(peer: Peer = peer) -> bool:
+                    return self._failed is not None or self.peers.get(peer.index) is not peer
 
                 with contextlib.suppress(SyncTimeoutError):
                     await self._signal.wait_until(heard, timeout=_DRAIN_S, what="")
-                self.on_broken(exc)
+                self._leave(peer, exc)
                 self._check()
 
     async def aclose(self) -> None:
@@ -259,20 +330,42 @@ class LinkedReceiver(RingReceiver):
         self._tasks = ChannelTasks()
 
     async def open(self) -> None:
+        deadline = anyio.current_time() + self.connect_timeout
+        last: StreamsyncError | None = None  # why the last attempt did not get in
+        delay = 0.05
         try:
-            with anyio.fail_after(self.connect_timeout):
-                await self._join()
-        except BaseException as exc:
+            while True:
+                remaining = deadline - anyio.current_time()
+                if remaining <= 0:
+                    raise last or SyncTimeoutError(
+                        f"{self.url}: no sender answered within {self.connect_timeout:g} s"
+                    )
+                try:
+                    with anyio.fail_after(min(remaining, _ATTEMPT_S)):
+                        await self._join()
+                    break
+                except handshake.Busy as exc:
+                    last = exc.error  # closing, or full until a leaver is noticed
+                except LinkLost as exc:  # e.g. a sender that closed as we reached it
+                    last = PeerBrokenError(
+                        f"{self.url}: the sender dropped the connection during the "
+                        f"handshake ({exc})"
+                    )
+                except TimeoutError as exc:
+                    if isinstance(exc, StreamsyncError):
+                        raise
+                    if last is None or isinstance(last, SyncTimeoutError):
+                        last = SyncTimeoutError(
+                            f"{self.url}: no sender answered within {self.connect_timeout:g} s"
+                        )
+                # Try again on a new link (a new identity: nothing of this one carries over).
+                with anyio.CancelScope(shield=True):
+                    await self.link.aclose()
+                await anyio.sleep(min(delay, max(0.0, deadline - anyio.current_time())))
+                delay = min(2 * delay, 0.5)
+        except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._shutdown()
-            if isinstance(exc, TimeoutError) and not isinstance(exc, StreamsyncError):
-                raise SyncTimeoutError(
-                    f"{self.url}: no sender answered within {self.connect_timeout:g} s"
-                ) from None
-            if isinstance(exc, LinkLost):
-                raise PeerBrokenError(
-                    f"{self.url}: the sender dropped the connection during the handshake ({exc})"
-                ) from None
             raise
         await self._tasks.start()
         self._tasks.start_soon(self._read_loop)
@@ -280,7 +373,10 @@ class LinkedReceiver(RingReceiver):
     async def _join(self) -> None:
         await self.link.connect()
         nonce, hello = handshake.hello(self._codec)
-        frame, fds = await self.link.handshake(hello)
+        try:
+            frame, fds = await self.link.handshake(hello)
+        except PeerBrokenError as exc:  # our Hello could not be written: the sender went
+            raise LinkLost(str(exc)) from None
         try:
             welcome, session = handshake.accept(
                 self._codec, self._secret, frame, nonce, url=self.url
@@ -293,6 +389,13 @@ class LinkedReceiver(RingReceiver):
             self.view.attach(welcome, fds)
         except StreamsyncError as exc:
             raise type(exc)(f"{self.url}: {exc}") from None
+        try:
+            await self.link.send(session.encode(Joined(welcome.index)))
+        except BaseException as exc:
+            self.view.close()
+            if isinstance(exc, PeerBrokenError):
+                raise LinkLost(str(exc)) from None
+            raise
         self._index, self.slots, self.slot_bytes = welcome.index, welcome.slots, welcome.slot_bytes
         self._session = session
 

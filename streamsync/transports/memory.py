@@ -55,10 +55,12 @@ class MemorySender(RingSender):
         slots: int = 2,
         slot_bytes: int = 64 << 20,
         connect_timeout: float = 60.0,
+        require_all: bool = True,
     ) -> None:
         if receivers < 1:
             raise ConfigError(f"memory://{name}: receivers={receivers}; need at least 1")
-        super().__init__(HostSlots(slots, slot_bytes, prefault=False), receivers=receivers)
+        store = HostSlots(slots, slot_bytes, prefault=False)
+        super().__init__(store, receivers=receivers, require_all=require_all)
         self.name = name
         self.connect_timeout = connect_timeout
         self._chan: _Channel | None = None
@@ -75,12 +77,12 @@ class MemorySender(RingSender):
         chan = self._chan
         assert chan is not None
         with anyio.move_on_after(min(timeout, self.connect_timeout)):
-            while len(chan.receivers) < self.receivers:
+            while not self._enough(len(self._admit())):
                 chan.joined = anyio.Event()
                 await chan.joined.wait()
-        if len(chan.receivers) < self.receivers:
+        if not self._enough(len(self._admit())):
             raise SyncTimeoutError(
-                f"memory://{self.name}: {len(chan.receivers)} of {self.receivers} receivers "
+                f"memory://{self.name}: {len(self._admit())} of {self.receivers} receivers "
                 f"joined within {min(timeout, self.connect_timeout):g} s"
             )
         if len(chan.receivers) > self.receivers:
@@ -89,15 +91,21 @@ class MemorySender(RingSender):
                 f"expects receivers={self.receivers}"
             )
 
+    def _admit(self) -> set[int]:
+        assert self._chan is not None
+        return {i for i, r in enumerate(self._chan.receivers[: self.receivers]) if r is not None}
+
     async def _publish(
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:
         assert self._chan is not None
-        for index, send in enumerate(self._chan.inboxes[: self.receivers]):
+        for index in sorted(self._members):
             try:
-                send.send_nowait(msg)
+                self._chan.inboxes[index].send_nowait(msg)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self.on_broken(PeerBrokenError(f"memory://{self.name}: receiver {index} is gone"))
+                self.on_left(
+                    index, PeerBrokenError(f"memory://{self.name}: receiver {index} is gone")
+                )
                 self._check()
 
     async def aclose(self) -> None:
@@ -130,9 +138,14 @@ class MemoryReceiver(RingReceiver):
     async def open(self) -> None:
         chan = _channels.setdefault(self.name, _Channel(self.name))
         send, recv = anyio.create_memory_object_stream[Message](math.inf)
-        self._index = len(chan.receivers)
-        chan.receivers.append(self)
-        chan.inboxes.append(send)
+        if None in chan.receivers:  # the place of a receiver that left
+            self._index = chan.receivers.index(None)
+            chan.receivers[self._index] = self
+            chan.inboxes[self._index] = send
+        else:
+            self._index = len(chan.receivers)
+            chan.receivers.append(self)
+            chan.inboxes.append(send)
         self._chan = chan
         self._inbox = recv
         if chan.joined is not None:

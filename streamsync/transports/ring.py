@@ -2,15 +2,23 @@
 receivers' reports, failure propagation.
 
 A transport implements :meth:`RingSender._publish` and feeds what receivers send back into
-:meth:`RingSender.on_reply` (a lost receiver into ``on_broken``); :class:`RingReceiver`
-needs ``_next`` and ``_post``. :mod:`streamsync.transports.linked` runs both over a link.
+:meth:`RingSender.on_reply`, a receiver that leaves or dies into ``on_left`` (and a channel
+that cannot go on into ``on_broken``); :class:`RingReceiver` needs ``_next`` and ``_post``.
+:mod:`streamsync.transports.linked` runs both over a link.
+
+Membership: a sync's *members* are the receivers present when it begins (``_admit``); only
+they get its messages and owe acks for its slots. A receiver that joins meanwhile takes part
+from the next sync. A member that goes away during a sync fails that sync with a named
+error (``require_all=True``, the default) or drops out of it, the others completing it and
+the report naming it absent (``require_all=False``); either way the channel goes on serving
+the others, and a replacement is admitted at the next sync.
 """
 
 from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import anyio
 import torch
@@ -27,7 +35,13 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.report import LoadResult, SyncReport
-from streamsync.transports.base import Incoming, Receiver, Sender, SenderStatistics
+from streamsync.transports.base import (
+    Attendance,
+    Incoming,
+    Receiver,
+    Sender,
+    SenderStatistics,
+)
 from streamsync.transports.slots import SlotStore
 from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
@@ -79,12 +93,13 @@ class SlotRing:
         self._owner: list[tuple[int, int] | None] = [None] * slots
         self._cursor = 0
 
-    def take(self, sync_id: int, seq: int) -> int | None:
-        """A free slot, now owed an ack by every receiver, or ``None``."""
+    def take(self, sync_id: int, seq: int, owed: Iterable[int] | None = None) -> int | None:
+        """A free slot, now owed an ack by each of ``owed`` (default: every receiver), or
+        ``None``."""
         for step in range(self.slots):
             slot = (self._cursor + step) % self.slots
             if not self._owed[slot]:
-                self._owed[slot] = set(range(self.receivers))
+                self._owed[slot] = set(range(self.receivers) if owed is None else owed)
                 self._owner[slot] = (sync_id, seq)
                 self._cursor = (slot + 1) % self.slots
                 return slot
@@ -101,12 +116,18 @@ class SlotRing:
             )
         self._owed[ack.slot].discard(ack.receiver)
 
+    def forget(self, receiver: int) -> None:
+        """Receiver ``receiver`` left: it owes no acks any more."""
+        for owed in self._owed:
+            owed.discard(receiver)
+
 
 class RingSender(Sender):
     """Sender half of the ring protocol over ``store``; transports provide the messaging."""
 
-    def __init__(self, store: SlotStore, *, receivers: int) -> None:
+    def __init__(self, store: SlotStore, *, receivers: int, require_all: bool = True) -> None:
         self.receivers = receivers
+        self.require_all = require_all
         self.store = store
         self.slot_bytes = store.slot_bytes
         self.ring = SlotRing(store.slots, receivers)
@@ -115,7 +136,14 @@ class RingSender(Sender):
         self._reports: dict[int, Done | Failed] = {}
         self._sync_id: int | None = None
         self._failed: Failed | None = None
-        self._departed: dict[int, str] = {}
+        #: The receivers taking part in the running sync.
+        self._members: set[int] = set()
+        #: A member went away during the running sync (``require_all``): the sync fails.
+        self._lost: StreamsyncError | None = None
+        #: Members that took no part in the running sync (``require_all=False``).
+        self._absent: list[str] = []
+        self._attendance = Attendance()
+        self._quorum_met = False
         self._stats = SenderStatistics()
 
     # -- transport hooks ---------------------------------------------------------------
@@ -131,6 +159,33 @@ class RingSender(Sender):
 
     async def _await_receivers(self, timeout: float) -> None:
         """Wait until every receiver has joined (a transport's rendezvous)."""
+
+    def _admit(self) -> set[int]:
+        """The receivers present now, who become the members of the sync that begins."""
+        return set(range(self.receivers))
+
+    @property
+    def present(self) -> int:
+        return len(self._admit())
+
+    def _enough(self, present: int) -> bool:
+        """A sync may begin with ``present`` receivers: all of them, or, once the channel
+        was whole, any with ``require_all=False`` (the others are reported absent)."""
+        if present >= self.receivers:
+            self._quorum_met = True
+            return True
+        return not self.require_all and self._quorum_met and present > 0
+
+    def _describe(self, index: int) -> str:
+        """How messages name receiver ``index``."""
+        return f"receiver {index}"
+
+    def _refusals(self) -> tuple[str, ...]:
+        """Peers turned away since the last call (wrong secret, other protocol version)."""
+        return ()
+
+    def attendance(self) -> Attendance:
+        return self._attendance
 
     async def wait_ready(self, *, timeout: float) -> None:
         self._check()
@@ -152,15 +207,31 @@ class RingSender(Sender):
                 if isinstance(msg, Failed) and self._failed is None:
                     self._failed = msg
         elif isinstance(msg, Bye):
-            # A receiver that already reported on this sync may leave without breaking it;
-            # the next sync needs every receiver, so it will fail (see _check).
-            self._departed[msg.receiver] = msg.reason or "bye"
+            self.on_left(
+                msg.receiver,
+                PeerBrokenError(
+                    f"{self._describe(msg.receiver)} closed the channel: {msg.reason or 'bye'}"
+                ),
+            )
         else:
             self.on_broken(WireFormatError(f"receiver sent an unexpected {type(msg).__name__}"))
         self._signal.notify()
 
+    def on_left(self, index: int, why: StreamsyncError) -> None:
+        """Receiver ``index`` left or went away (transports call this): it owes nothing; a
+        running sync it had not reported on fails (``require_all``) or goes on without it."""
+        self.ring.forget(index)
+        if self._sync_id is not None and index in self._members and index not in self._reports:
+            self._members.discard(index)
+            if self.require_all:
+                if self._lost is None:
+                    self._lost = type(why)(f"{why} during sync {self._sync_id}")
+            else:
+                self._absent.append(f"{why} during sync {self._sync_id}")
+        self._signal.notify()
+
     def on_broken(self, exc: StreamsyncError) -> None:
-        """The link to a receiver is gone (transports call this)."""
+        """The channel cannot go on (its socket failed): every later call raises ``exc``."""
         if self._broken is None:
             self._broken = exc
         self._signal.notify()
@@ -173,9 +244,8 @@ class RingSender(Sender):
             raise _receiver_failed(self._failed)
         if self._broken is not None:
             raise self._broken
-        for index, reason in self._departed.items():
-            if index not in self._reports:
-                raise PeerBrokenError(f"receiver {index} closed the channel: {reason}")
+        if self._lost is not None:
+            raise self._lost
 
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
@@ -191,7 +261,7 @@ class RingSender(Sender):
 
         def ready() -> bool:
             self._check()
-            slot = self.ring.take(sync_id, seq)
+            slot = self.ring.take(sync_id, seq, self._members)
             if slot is not None:
                 taken.append(slot)
             return slot is not None
@@ -225,8 +295,16 @@ class RingSender(Sender):
         self._sync_id = sync_id
         self._reports = {}
         self._failed = None
+        self._lost = None
+        self._absent = []
         self._check()
         await self._await_receivers(timeout)
+        self._members = self._admit()
+        self._absent += [
+            f"{self._describe(index)} is not there"
+            for index in range(self.receivers)
+            if index not in self._members
+        ]
 
     async def end(self, end: End, *, timeout: float) -> list[Done]:
         try:
@@ -242,7 +320,7 @@ class RingSender(Sender):
             await self._publish(end, None)
 
             def ready() -> bool:
-                if len(self._reports) >= self.receivers:
+                if self._members.issubset(self._reports):
                     return True
                 self._check()
                 return False
@@ -250,7 +328,7 @@ class RingSender(Sender):
             await self._signal.wait_until(
                 ready,
                 timeout=timeout,
-                what=f"the reports of {self.receivers} receiver(s) on sync {end.sync_id}",
+                what=f"the reports of {len(self._members)} receiver(s) on sync {end.sync_id}",
             )
             if self._failed is not None:
                 raise _receiver_failed(self._failed)
@@ -273,8 +351,11 @@ class RingSender(Sender):
         # Slots stay owed until acked: a receiver may still be reading one (it acks what it
         # skips), and reusing it early would hand it another bucket's bytes.
         if self._sync_id == sync_id:
+            self._attendance = Attendance(tuple(self._absent), self._refusals())
             self._sync_id = None
             self._failed = None
+            self._lost = None
+            self._members = set()
 
 
 class RingReceiver(Receiver):

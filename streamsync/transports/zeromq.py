@@ -8,8 +8,11 @@ socket monitors (at once for a killed process, after 3 heartbeats for a vanished
 
 Security: tcp binds 127.0.0.1 unless HOST says otherwise (``*``: every interface); a secret
 authenticates every message by HMAC (payloads are not encrypted). An ipc socket file is 0600
-and removed once every receiver joined; a bare name lives in a 0700 per-user directory,
-``@name`` is abstract.
+and removed when the sender closes (a replacement receiver needs it meanwhile); a bare name
+lives in a 0700 per-user directory, ``@name`` is abstract. What is not a receiver of this
+channel (random bytes, malformed frames, a wrong secret) is refused at the handshake and
+logged; ZeroMQ itself drops a peer whose greeting is not ZMTP or whose message exceeds
+``MAXMSGSIZE``.
 
 URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
 ``connect_timeout``, ``heartbeat`` (seconds, default 1.0). Port 0 binds a free port; the
@@ -222,7 +225,14 @@ class ZmqLink(SenderLink):
 
     async def _drop_later(self, peer: Peer, events: LinkEvents) -> None:
         await anyio.sleep(_DRAIN_S)  # a goodbye precedes the drop it causes
-        events.on_lost(peer, "connection dropped")
+        if self._peers.get(peer.handle) is peer:
+            self._forget(peer.handle)
+            events.on_lost(peer, "connection dropped")
+
+    def _forget(self, identity: bytes) -> None:
+        peer = self._peers.pop(identity, None)
+        for fd in [fd for fd, p in self._by_fd.items() if p is peer]:
+            del self._by_fd[fd]
 
     async def _on_message(self, parts: list[Any], events: LinkEvents) -> None:
         import zmq
@@ -230,12 +240,13 @@ class ZmqLink(SenderLink):
         identity, frame = parts[0].bytes, parts[-1].bytes
         peer = self._peers.get(identity)
         if peer is not None:
-            if len(parts) == 2:
-                await events.on_frame(peer, frame)
+            if len(parts) != 2:
+                events.on_lost(peer, f"it sent {len(parts)} frames")
+                keep = False
             else:
-                events.on_broken(
-                    WireFormatError(f"{self.url}: {peer.describe} sent {len(parts)} frames")
-                )
+                keep = await events.on_frame(peer, frame)
+            if not keep:  # it left, or must: what else comes from it is a stranger's
+                self._forget(identity)
             return
         peer = Peer(f"a receiver at {parts[-1].get('Peer-Address') or self.address}", identity)
         if len(parts) != 2:
@@ -257,8 +268,7 @@ class ZmqLink(SenderLink):
         ):
             await self._sock.send(parts)
 
-    def all_joined(self) -> None:
-        # Nobody else may join: the rendezvous file has done its job.
+    def _remove_file(self) -> None:
         if self._file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._file)
@@ -267,7 +277,7 @@ class ZmqLink(SenderLink):
     async def aclose(self) -> None:
         await _close(self._sock, self._monitor, self._ctx)
         self._sock = self._monitor = self._ctx = None
-        self.all_joined()  # the socket file, if it is still there
+        self._remove_file()
 
 
 class ZmqDialer(ReceiverLink):
@@ -285,6 +295,7 @@ class ZmqDialer(ReceiverLink):
     async def connect(self) -> None:
         import zmq
 
+        self._dropped_at = None
         self._ctx, self._sock, self._monitor = _open(zmq.DEALER, hwm=64, heartbeat=self.heartbeat)
         self._sock.sock.connect(self.address)  # queued until the sender binds
 
