@@ -131,7 +131,14 @@ def _success(out: dict[str, Any], report: ss.SyncReport) -> dict[str, Any]:
     out.update(
         ok=True,
         error=None,
-        report={"complete": report.complete, "loaded": list(report.loaded), "side": report.side},
+        report={
+            "complete": report.complete,
+            "loaded": list(report.loaded),
+            "side": report.side,
+            "receivers": report.receivers,
+            "refused": list(report.refused),
+            "absent": list(report.absent),
+        },
     )
     return out
 
