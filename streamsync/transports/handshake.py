@@ -90,8 +90,24 @@ def hello(codec: WireCodec) -> tuple[bytes, bytes]:
 
 
 def check_hello(codec: WireCodec, frame: bytes, *, url: str, who: str) -> Hello:
-    """Sender: the newcomer's ``Hello``; raises why it must be refused."""
-    msg = codec.decode(frame)
+    """Sender: the newcomer's ``Hello``; raises why it must be refused.
+
+    A frame that fails authentication is a refused receiver (``AuthenticationError``) only
+    if it is a ``Hello``: anything else is a late frame of another session on this address
+    (say, the goodbye of the previous one-shot step's receiver), a ``WireFormatError``.
+    """
+    try:
+        msg = codec.decode(frame)
+    except AuthenticationError:
+        try:
+            peek = WireCodec(None).decode(frame)  # unverified: only to tell what it is
+        except StreamsyncError:
+            peek = None
+        if isinstance(peek, Hello):
+            raise
+        raise WireFormatError(
+            f"{url}: {who} sent a frame of another session, not a Hello"
+        ) from None
     if not isinstance(msg, Hello):
         raise WireFormatError(f"{url}: {who} sent {type(msg).__name__} before Hello")
     return msg

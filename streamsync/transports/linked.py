@@ -160,9 +160,9 @@ class LinkedSender(RingSender):
 
     async def on_refused(self, peer: Peer, exc: StreamsyncError) -> None:
         if not isinstance(exc, AuthenticationError | ProtocolVersionError):
-            # Not a streamsync receiver at all (a port scanner, random bytes, malformed
-            # frames): dropped without an answer.
-            warn("channel.stranger", url=self.url, peer=peer.who, error=str(exc))
+            # Not a receiver trying to join (a port scanner, random bytes, malformed frames,
+            # a late frame of an earlier session): dropped without an answer.
+            log("channel.stranger", url=self.url, peer=peer.who, error=str(exc))
             return
         # A receiver of another channel or version: told why, and reported.
         warn("channel.refused", url=self.url, peer=peer.who, error=f"{type(exc).__name__}: {exc}")
