@@ -164,6 +164,12 @@ class WeightSync:
       event loop and no thread).
 
     Entering acquires the transport; closing closes it and the workers' receivers.
+
+    An engine that fails a sync (its worker raised, its process died) fails that sync with
+    a named error (``exc.engine`` says which, with several); the channel stays open, and a
+    restarted engine's workers rejoin it at the next sync. With ``require_all=False`` a sync
+    instead completes on the engines that are there and names the others in
+    ``report.absent``.
     """
 
     def __init__(
@@ -176,6 +182,7 @@ class WeightSync:
         timeout: float = DEFAULT_TIMEOUT,
         checksum: bool = False,
         worker_options: WorkerOptions | Mapping[str, Any] | None = None,
+        require_all: bool = True,
         **transport_options: Any,
     ) -> None:
         #: Whether the channel was given several engines (its report names ``engine<e>.``).
@@ -193,6 +200,12 @@ class WeightSync:
         self.timeout = timeout
         self.checksum = checksum
         self.worker_options = WorkerOptions.coerce(worker_options)
+        #: False: a sync completes on the engines that are there; one that is gone (its RPC
+        #: fails, its workers' links drop) is named in ``report.absent`` instead of failing
+        #: the sync, and takes part again once it is back.
+        self.require_all = require_all
+        if not require_all:
+            transport_options = {**transport_options, "require_all": False}
         self._transport_options = transport_options
         self._loop: EventLoopThread | None = None
         self._sender: HostedSender | None = None
@@ -309,7 +322,7 @@ class WeightSync:
             finally:
                 self._open.clear()
 
-    async def _ensure_sender(self) -> Sender:
+    async def _ensure_sender(self) -> HostedSender:
         if self._sender is None:
             opts = dict(self._transport_options)
             opts.setdefault("receivers", self.receivers)
@@ -372,8 +385,9 @@ class WeightSync:
                 )
             if e in engine_errors:
                 engine_errors[e].engine = self._engine(e)
-                tg.cancel_scope.cancel()  # its workers will not join: the sync cannot finish
-            elif any(not r.ok and r.report is None for r in results[e]):
+                if self.require_all:
+                    tg.cancel_scope.cancel()  # its workers will not join: it cannot finish
+            elif self.require_all and any(not r.ok and r.report is None for r in results[e]):
                 # A worker failed before it applied anything (bad options, no connection):
                 # this sync cannot complete, so stop the send instead of letting it time out.
                 tg.cancel_scope.cancel()
@@ -381,6 +395,8 @@ class WeightSync:
         async with anyio.create_task_group() as tg:
             for e, client in enumerate(self.clients):
                 tg.start_soon(receive, e, client)
+            if not self.require_all:
+                await self._joined(sender, engine_errors)
             try:
                 report = await send(
                     weights,
@@ -392,22 +408,29 @@ class WeightSync:
                 )
             except StreamsyncError as exc:
                 send_error = exc
-                if isinstance(exc, PeerBrokenError | ClosedError):
-                    await self._close_sender()  # the workers' receive is still running
-        if report is None and send_error is None:
-            await self._close_sender()  # cancelled mid-sync: its state is unknown
+                if isinstance(exc, ClosedError):
+                    await self._close_sender()  # reopened by the next sync
+        if report is None and send_error is None and not await sender.settle():
+            # Cancelled (an engine failed first), and a call still runs on the channel's
+            # loop after the wait: its state is unknown, so it goes. Normally the cancelled
+            # call unwinds at once (the sync it was in is aborted or never began), and the
+            # channel, with every engine's receivers, stays open.
+            await self._close_sender()
         # An engine whose every worker applied this sync drops its caches, whatever the others.
         applied = [
             e
             for e, client in enumerate(self.clients)
             if len(results[e]) == client.receivers and all(r.ok for r in results[e])
         ]
+        # Without require_all, an engine that could not take part is absent, not a failure.
+        absent = {} if self.require_all else dict(engine_errors)
         failure = _root_cause(
             [
-                *engine_errors.values(),
+                *(err for e, err in engine_errors.items() if e not in absent),
                 *(
                     result.exception(rank, engine=self._engine(e))
                     for e, per_engine in enumerate(results)
+                    if e not in absent
                     for rank, result in enumerate(per_engine)
                 ),
                 send_error,
@@ -423,6 +446,10 @@ class WeightSync:
             merged = merge_engine_reports(report, results)
         else:
             merged = merge_worker_reports(report, results[0])
+        if absent:
+            gone = tuple(f"engine {e}: {type(err).__name__}: {err}" for e, err in absent.items())
+            merged = msgspec.structs.replace(merged, absent=(*merged.absent, *gone))
+            warn("engine.absent", endpoint=self.endpoint, engines=sorted(absent))
         await self._after_sync(applied, merged)
         log(
             "engine.sync",
@@ -432,6 +459,14 @@ class WeightSync:
             sync_id=report.sync_id,
         )
         return merged
+
+    async def _joined(self, sender: Sender, gone: Mapping[int, StreamsyncError]) -> None:
+        """Without ``require_all`` a sync begins with whoever is there: first let each engine
+        that is alive join (its receive opens its workers' receivers, a restarted one's
+        included) or fail, within the timeout."""
+        with anyio.move_on_after(self.timeout):
+            while sender.present < self.receivers - sum(self.clients[e].receivers for e in gone):
+                await anyio.sleep(0.01)
 
     async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
         try:

@@ -143,15 +143,33 @@ class HostedSender(Sender):
         self.loop = loop
         self.receivers = sender.receivers
         self.slot_bytes = sender.slot_bytes
+        self._running = 0  # calls running on the host's loop (touched only there)
 
     async def _hosted(self, fn: Callable[[], Awaitable[T]]) -> T:
         cuda = caller_cuda()
 
         async def run() -> T:
-            with cuda():
-                return await fn()
+            self._running += 1
+            try:
+                with cuda():
+                    return await fn()
+            finally:
+                self._running -= 1
 
         return await self.loop.call(run)
+
+    async def settle(self, timeout: float = 10.0) -> bool:
+        """Wait until no call runs on the host's loop any more (a caller that was cancelled
+        returns before its call has unwound there); False if one still runs after
+        ``timeout`` seconds."""
+
+        async def idle() -> bool:
+            with anyio.move_on_after(timeout):
+                while self._running:
+                    await anyio.sleep(0.005)
+            return not self._running
+
+        return await self.loop.call(idle)
 
     async def open(self) -> None:
         await self._hosted(self.sender.open)

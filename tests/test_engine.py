@@ -33,6 +33,7 @@ from streamsync.engine import (
     WorkerResult,
     update_engine,
 )
+from streamsync.testing.peers import free_port
 from streamsync.worker import WorkerReceivers
 
 
@@ -409,3 +410,76 @@ def test_lifecycles_register_by_name_like_quirks() -> None:
             choose_lifecycle("nope")
     finally:
         del LIFECYCLES["recording"]
+
+
+class MortalEngine(ThreadEngine):
+    """An engine that can die (its workers' links drop, its RPC fails) and restart (new
+    workers, which open new receivers on the same endpoint)."""
+
+    dead = False
+
+    def die(self) -> None:
+        self.shutdown()
+        self.dead = True
+
+    def restart(self) -> None:
+        self.workers = [WorkerReceivers(name=f"fake-worker{i}") for i in range(len(self.modules))]
+        self.dead = False
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        if self.dead:
+            raise RuntimeError("EngineDeadError: the engine core died")
+        return await super().start_receive(endpoint, options)
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq+tcp"])
+def test_a_dead_engine_fails_its_sync_and_rejoins_when_restarted(transport: str) -> None:
+    pair = [ThreadEngine([model(1)]), MortalEngine([model(2)])]
+    trainer = model(0)
+    url = (
+        f"zmq+tcp://127.0.0.1:{free_port()}"
+        if transport == "zmq+tcp"
+        else f"shm://engine-mortal-{os.getpid()}"
+    )
+    try:
+        with WeightSync(pair, url, timeout=5) as sync:
+            assert sync.update(ss.named_tensors(perturbed(trainer, 0))).complete
+            sender = sync.channel._sender
+            pair[1].die()
+            with pytest.raises(ss.StreamsyncError, match="engine 1") as info:
+                sync.update(ss.named_tensors(perturbed(trainer, 1)))
+            assert info.value.engine == 1
+            assert sync.channel._sender is sender  # not torn down
+            # The channel stayed open: the restarted engine's new worker takes the dead
+            # one's place, and the next sync reaches both, on the same sender.
+            pair[1].restart()
+            report = sync.update(ss.named_tensors(perturbed(trainer, 2)))
+            assert report.complete and report.receivers == 2 and not report.absent
+            assert all(same_weights(trainer, m) for e in pair for m in e.modules)
+    finally:
+        for engine in pair:
+            engine.shutdown()
+
+
+def test_without_require_all_a_dead_engine_is_reported_absent() -> None:
+    pair = [ThreadEngine([model(1)]), MortalEngine([model(2)])]
+    trainer = model(0)
+    try:
+        url = f"shm://engine-absent-{os.getpid()}"
+        with WeightSync(pair, url, timeout=5, require_all=False) as sync:
+            assert sync.update(ss.named_tensors(perturbed(trainer, 0))).receivers == 2
+            pair[1].die()
+            report = sync.update(ss.named_tensors(perturbed(trainer, 1)))
+            # The survivor got the whole sync; the report names the dead engine.
+            assert report.complete and report.receivers == 1, report
+            assert set(report.instances) == {"engine0.worker0.main"}
+            assert any("engine 1" in a and "EngineDeadError" in a for a in report.absent)
+            assert same_weights(trainer, pair[0].modules[0])
+            assert not same_weights(trainer, pair[1].modules[0])
+            pair[1].restart()  # back: it takes part again
+            report = sync.update(ss.named_tensors(perturbed(trainer, 2)))
+            assert report.receivers == 2 and not report.absent, report
+            assert all(same_weights(trainer, m) for e in pair for m in e.modules)
+    finally:
+        for engine in pair:
+            engine.shutdown()
