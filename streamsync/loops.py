@@ -191,6 +191,9 @@ class HostedSender(Sender):
     def present(self) -> int:
         return self.sender.present
 
+    def seal(self) -> None:
+        self.sender.seal()  # a flag its loop reads at the next newcomer
+
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
     ) -> None:

@@ -64,6 +64,10 @@ async def send(
         if bucket_bytes is not None:
             transport_options.setdefault("slot_bytes", bucket_bytes)
         async with open_sender(endpoint, connect_timeout=timeout, **transport_options) as sender:
+            # One sync, then it closes: once its receivers are there, a later arrival (the
+            # next step's receiver, in a loop) is told "busy" and waits for the next sender.
+            await sender.wait_ready(timeout=timeout)
+            sender.seal()
             return await send(
                 weights,
                 sender,

@@ -106,6 +106,10 @@ class Sender(_Resource):
         """Receivers counted in now: the next sync goes to them."""
         return self.receivers
 
+    def seal(self) -> None:
+        """Admit no further receivers (a one-shot sender, once its receivers are there):
+        later arrivals are told it is closing, and try again for the next sender."""
+
     @abstractmethod
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False

@@ -99,6 +99,7 @@ class LinkedSender(RingSender):
         self.peers: dict[int, Peer] = {}
         # Welcomed, not yet confirmed: their indices are reserved.
         self._joining: dict[int, Peer] = {}
+        self._sealed = False
         self._refused: deque[str] = deque(maxlen=_KEEP)
         self._left: deque[str] = deque(maxlen=_KEEP)
         self._tasks = ChannelTasks()
@@ -126,10 +127,10 @@ class LinkedSender(RingSender):
             return False
         taken = set(self.peers) | set(self._joining)
         free = [i for i in range(self.receivers) if i not in taken]
-        if self._closed or not free:
+        if self._closed or self._sealed or not free:
             why = (
                 f"{self.url} is closing"
-                if self._closed
+                if self._closed or self._sealed
                 else f"all {self.receivers} receiver(s) of {self.url} are there; open the "
                 "sender with receivers=N to serve more"
             )
@@ -222,6 +223,9 @@ class LinkedSender(RingSender):
             msg = Bye(msg.reason, peer.index)
         self.on_reply(msg)
         return not peer.said_bye
+
+    def seal(self) -> None:
+        self._sealed = True
 
     # -- ring hooks ----------------------------------------------------------------------
     def _admit(self) -> set[int]:
