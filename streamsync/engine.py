@@ -204,6 +204,11 @@ class WeightSync:
         return self.clients[0]
 
     @property
+    def url(self) -> str:
+        """The URL workers connect to: ``endpoint``, with a port 0 resolved once open."""
+        return str(getattr(self._open[0], "url", self.endpoint)) if self._open else self.endpoint
+
+    @property
     def receivers(self) -> int:
         """How many workers a sync reaches, over every engine."""
         return sum(c.receivers for c in self.clients)

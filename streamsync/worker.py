@@ -9,6 +9,9 @@ anyio blocking portal (:class:`EventLoopThread`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
 
 from streamsync._log import log
 from streamsync.engine import WorkerOptions, WorkerResult
@@ -40,11 +43,7 @@ class WorkerReceivers:
         timeout = options.timeout if options.timeout is not None else DEFAULT_TIMEOUT
 
         async def once() -> SyncReport:
-            receiver = self._receivers.get(endpoint)
-            if receiver is None:
-                receiver = open_receiver(endpoint, **options.transport)
-                await receiver.open()
-                self._receivers[endpoint] = receiver
+            receiver = await self._open(endpoint, options.transport)
             return await receive(receiver, sink, timeout=timeout)
 
         async def run() -> SyncReport:
@@ -68,6 +67,30 @@ class WorkerReceivers:
         except StreamsyncError as exc:
             return WorkerResult.failed(exc)
         return WorkerResult.succeeded(report)
+
+    def open(
+        self,
+        endpoint: str,
+        transport: Mapping[str, Any] | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        """Connect the receiver for ``endpoint`` now rather than at the first sync (a wrong
+        endpoint or secret fails here); ``transport``: keyword arguments of
+        :func:`~streamsync.open_receiver`."""
+        self._loop.run(
+            partial(self._open, endpoint, dict(transport or {})),
+            timeout=timeout,
+            what=f"worker-side connect to {endpoint}",
+        )
+
+    async def _open(self, endpoint: str, transport: Mapping[str, Any]) -> Receiver:
+        receiver = self._receivers.get(endpoint)
+        if receiver is None:
+            receiver = open_receiver(endpoint, **transport)
+            await receiver.open()
+            self._receivers[endpoint] = receiver
+        return receiver
 
     def close(self, endpoint: str | None = None) -> int:
         """Close the receiver for ``endpoint`` (or all); returns how many were open."""
