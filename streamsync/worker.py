@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from streamsync._log import log
+from streamsync._log import log, warn
 from streamsync.engine import WorkerOptions, WorkerResult
 from streamsync.errors import EndOfStream, PeerBrokenError, StreamsyncError
 from streamsync.loops import EventLoopThread
@@ -65,8 +65,27 @@ class WorkerReceivers:
                 run, timeout=timeout * 4, what=f"worker-side sync from {endpoint}"
             )
         except StreamsyncError as exc:
+            self._abort(sink, endpoint)
             return WorkerResult.failed(exc)
+        except Exception:
+            self._abort(sink, endpoint)
+            raise
         return WorkerResult.succeeded(report)
+
+    def _abort(self, sink: Sink, endpoint: str) -> None:
+        # A sink with an ``abort`` (VllmSink) puts back what ``prepare`` took apart when the
+        # sync failed after it; on the loop thread, where its other phases ran.
+        abort = getattr(sink, "abort", None)
+        if abort is None:
+            return
+
+        async def run() -> None:
+            abort()
+
+        try:
+            self._loop.run(run, timeout=60, what=f"worker-side abort of the sync from {endpoint}")
+        except Exception as error:
+            warn("worker.abort_failed", endpoint=endpoint, error=repr(error))
 
     def open(
         self,

@@ -204,9 +204,36 @@ def test_dense_server_three_updates(dense: tuple[Server, torch.nn.Module]) -> No
         engine.shutdown()
 
 
-def test_dense_server_bad_input_leaves_it_serving(dense: tuple[Server, torch.nn.Module]) -> None:
-    """A wrong shape fails with the worker's own error class on the trainer; a trainer that
-    goes away mid-update fails the worker's receive; either way the next update works."""
+DYING_TRAINER = """
+import os, sys
+from transformers import AutoModelForCausalLM
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from streamsync.vllm.native import StreamsyncInitInfo
+
+url, path = sys.argv[1:3]
+model = AutoModelForCausalLM.from_pretrained(path)
+
+def dying():
+    for i, (name, param) in enumerate(model.named_parameters()):
+        if i == 12:
+            os._exit(3)  # mid-update, after several buckets went out
+        yield name, param.detach()
+
+engine = WeightTransferTrainerFactory.trainer_init(
+    StreamsyncInitInfo(rank=0, bucket_bytes=64 << 10, timeout=30),
+    client=HTTPVLLMWeightSyncClient(url),
+)
+engine.send_weights(dying())
+"""
+
+
+def test_dense_server_bad_input_leaves_it_serving(
+    dense: tuple[Server, torch.nn.Module], tmp_path: Path
+) -> None:
+    """Wrong shapes, wrong names, a second start while one runs and a trainer that dies
+    mid-update: each fails with a named error, and the server serves and takes the next
+    update."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     import streamsync as ss
@@ -214,15 +241,40 @@ def test_dense_server_bad_input_leaves_it_serving(dense: tuple[Server, torch.nn.
     server, trainer = dense
     engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, timeout=30)
     try:
-        bad = dict(trainer.state_dict())
-        name = "model.layers.0.mlp.down_proj.weight"
-        bad[name] = torch.zeros(3, 5)
         server.post("pause", params={"mode": "keep"})
-        with pytest.raises(ss.StreamsyncError) as info:
-            engine.send_weights(bad)
-        assert isinstance(info.value, ss.ShapeMismatchError | ss.ReceiverFailedError), info.value
+        name = "model.layers.1.mlp.down_proj.weight"
+        bad_shape = {**trainer.state_dict(), name: torch.zeros(3, 5)}
+        with pytest.raises(ss.ReceiverFailedError, match=rf"{name}.*\(3, 5\)"):
+            engine.send_weights(bad_shape)
+        bad_name = {**trainer.state_dict(), "model.no_such.weight": torch.zeros(2)}
+        with pytest.raises(ss.ReceiverFailedError, match=r"model\.no_such\.weight"):
+            engine.send_weights(bad_name)
+        server.post("start_weight_update")
+        with pytest.raises(ss.ReceiverFailedError, match="start_weight_update"):
+            engine.send_weights()
+        server.post("finish_weight_update")
         server.post("resume")
+        assert len(server.greedy_tokens()) == len(PROMPTS)  # still serving
         three_steps(server, trainer, engine, seed=40)
+    finally:
+        engine.shutdown()
+
+    script = tmp_path / "dying_trainer.py"
+    script.write_text(DYING_TRAINER)
+    server.post("pause", params={"mode": "keep"})
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    dead = subprocess.run(
+        [sys.executable, str(script), server.url, server.model], env=env, timeout=600
+    )
+    assert dead.returncode == 3
+    server.post("resume")
+    assert len(server.greedy_tokens()) == len(PROMPTS)  # still serving
+    engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, timeout=30)
+    try:
+        three_steps(server, trainer, engine, seed=50)
     finally:
         engine.shutdown()
 
@@ -289,3 +341,75 @@ def test_drafter_through_the_draft_route(tmp_path: Path) -> None:
             engine.shutdown()
     finally:
         stop_server(server)
+
+
+def test_same_trainer_code_against_an_in_process_async_llm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer code of the server tests, on an ``AsyncLLM`` in this process through
+    ``AsyncLLMWeightSyncClient`` (its engine core and worker are processes of their own)."""
+    import uuid
+
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm_harness import TRAINER
+
+    from streamsync.vllm.native import AsyncLLMWeightSyncClient, StreamsyncInitInfo
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.syspath_prepend(str(plugin_dir(tmp_path / "plugin")))  # the entry point
+    trainer = build_tiny_model(tmp_path / "model", "dense", seed=0)
+    args = AsyncEngineArgs(
+        model=str(tmp_path / "model"),
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=4,
+        seed=0,
+        weight_transfer_config=WeightTransferConfig(backend="streamsync"),
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def start() -> tuple[Any, Any]:
+        llm = AsyncLLM.from_engine_args(args)
+        return llm, AsyncLLMWeightSyncClient(llm)
+
+    async def tokens() -> list[list[int]]:
+        out = []
+        for prompt in PROMPTS:
+            final = None
+            async for o in llm.generate({"prompt_token_ids": prompt}, greedy, str(uuid.uuid4())):
+                final = o
+            assert final is not None
+            out.append(list(final.outputs[0].token_ids))
+        return out
+
+    llm, client = TRAINER.run(start, timeout=600)
+    try:
+        # Trainer code: blocking, on this thread; the client runs the engine's calls on its
+        # loop.
+        engine = WeightTransferTrainerFactory.trainer_init(
+            StreamsyncInitInfo(rank=0, bucket_bytes=256 << 10),
+            client=client,
+            source=ModuleSource(trainer),
+        )
+        try:
+            for step in range(3):
+                perturb(trainer, seed=900 + step)
+                want = reference_outputs(trainer).tokens
+                TRAINER.run(lambda: llm.pause_generation(mode="keep"), timeout=60)
+                engine.send_weights(weight_version=f"inproc-{step}")
+                TRAINER.run(llm.resume_generation, timeout=60)
+                assert TRAINER.run(tokens, timeout=300) == want
+                assert TRAINER.run(llm.get_weight_version, timeout=60) == f"inproc-{step}"
+        finally:
+            engine.shutdown()
+    finally:
+        TRAINER.run(lambda: _shutdown(llm), timeout=120)
+
+
+async def _shutdown(llm: Any) -> None:
+    llm.shutdown()

@@ -36,7 +36,7 @@ our adapters in front of vLLM's own backends.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -73,6 +73,7 @@ from streamsync.worker_messages import WORKER_PROTOCOL, WorkerOptions, WorkerRes
 
 __all__ = [
     "BACKEND",
+    "AsyncLLMWeightSyncClient",
     "StreamsyncInitInfo",
     "StreamsyncTrainerEngine",
     "StreamsyncWeightTransferEngine",
@@ -440,6 +441,64 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         sync, self._sync = self._sync, None
         if sync is not None:
             sync.close()
+
+
+class AsyncLLMWeightSyncClient:
+    """A ``VLLMWeightSyncClient`` on a vLLM ``AsyncLLM`` in this process (vLLM ships HTTP and
+    Ray clients only). Made on the event loop that owns the engine; its blocking methods
+    run the engine's coroutines there, so call them (``trainer_init``, ``send_weights``)
+    from another thread: ``await anyio.to_thread.run_sync(engine.send_weights)``."""
+
+    def __init__(self, llm: Any, *, timeout: float = 300.0) -> None:
+        import anyio.lowlevel
+
+        self.llm = llm
+        self.timeout = timeout
+        try:
+            self._token = anyio.lowlevel.current_token()
+        except RuntimeError:
+            raise ConfigError(
+                "AsyncLLMWeightSyncClient(llm) is made on the event loop that runs the "
+                "AsyncLLM (it drives the engine there)"
+            ) from None
+
+    def _run(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        import anyio.from_thread
+
+        async def bounded() -> Any:
+            with anyio.fail_after(self.timeout):
+                return await fn()
+
+        try:
+            return anyio.from_thread.run(bounded, token=self._token)
+        except TimeoutError:
+            raise SyncTimeoutError(
+                f"AsyncLLM {what} did not finish within {self.timeout:g} s"
+            ) from None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        request = WeightTransferInitRequest(init_info=init_info)
+        self._run("init", lambda: self.llm.init_weight_transfer_engine(request))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._run("shutdown", self.llm.shutdown_weight_transfer_engine)
+
+    def start_weight_update(self) -> None:
+        self._run("start_weight_update", self.llm.start_weight_update)
+
+    def start_draft_weight_update(self) -> None:
+        self._run("start_draft_weight_update", self.llm.start_draft_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        request = WeightTransferUpdateRequest(update_info=update_info)
+        self._run("update_weights", lambda: self.llm.update_weights(request=request))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run("finish_weight_update", lambda: self.llm.finish_weight_update(weight_version))
 
 
 # -- the reverse direction: our adapters in front of vLLM's own backends ---------------------
