@@ -10,6 +10,7 @@ importing :mod:`streamsync.vllm.native`.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -409,6 +410,8 @@ def test_same_trainer_code_against_an_in_process_async_llm(
             engine.shutdown()
     finally:
         TRAINER.run(lambda: _shutdown(llm), timeout=120)
+        llm = client = engine = None  # its finalizer runs now, not at interpreter exit
+        gc.collect()
 
 
 async def _shutdown(llm: Any) -> None:
