@@ -40,6 +40,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
 
     @property
     def rank(self) -> int:
+        """This worker's rank in its engine (named in its errors)."""
         return int(getattr(self.parallel_config, "rank", 0))
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TransferInit:
@@ -67,9 +68,11 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self.last_result = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # The base class ends with torch.accelerator.synchronize(); the sink's loads are
-        # complete when the sync is, and CPU builds have no accelerator to synchronize.
         self.receive_weights(self.parse_update_info(update_info))
+        # As the base class does (the next step must see the new weights), where there is
+        # an accelerator: CPU builds have none to synchronize.
+        if self.device.type != "cpu" and torch.accelerator.is_available():
+            torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WorkerOptions) -> None:
         from streamsync.vllm.lifecycles import choose_lifecycle
