@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from streamsync.adapter import AdapterLike
 from streamsync.errors import ConfigError
-from streamsync.loops import EventLoopThread
+from streamsync.loops import EventLoopThread, caller_cuda
 from streamsync.sources import named_tensors
 from streamsync.sync import DEFAULT_TIMEOUT
 
@@ -46,13 +47,23 @@ class _PipelineSource(WeightSource):
         return list(self._meta)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # The async pipeline runs on a loop thread of its own, under the caller's CUDA
+        # stream (adapters that quantize on the GPU work where the caller would).
         loop = EventLoopThread("streamsync-weight-source")
+        cuda = caller_cuda()
         meta: list[ParamMeta] = []
+
+        async def step(stream: AsyncIterator[Any]) -> Any:
+            with cuda():
+                return await stream.__anext__()
+
         try:
             stream = loop.run(self._open, timeout=self._timeout, what="opening the stream")
             try:
                 while True:
-                    item = loop.run(stream.__anext__, timeout=self._timeout, what="the next tensor")
+                    item = loop.run(
+                        partial(step, stream), timeout=self._timeout, what="the next tensor"
+                    )
                     name, tensor = _named_tensor(item)
                     meta.append(ParamMeta(name, tensor.dtype, tuple(tensor.shape)))
                     yield name, tensor
