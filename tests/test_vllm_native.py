@@ -232,14 +232,18 @@ engine.send_weights(dying())
 def test_dense_server_bad_input_leaves_it_serving(
     dense: tuple[Server, torch.nn.Module], tmp_path: Path
 ) -> None:
-    """Wrong shapes, wrong names, a second start while one runs and a trainer that dies
-    mid-update: each fails with a named error, and the server serves and takes the next
-    update."""
+    """A wrong secret, wrong shapes, wrong names, a second start while one runs and a
+    trainer that dies mid-update: each fails with a named error, and the server serves and
+    takes the next update."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     import streamsync as ss
 
     server, trainer = dense
+    with pytest.MonkeyPatch.context() as mp:  # a secret only the trainer knows
+        mp.setenv("STREAMSYNC_SECRET", "only-the-trainer-knows-it")
+        with pytest.raises(ss.AuthenticationError):
+            trainer_engine(server, ModuleSource(trainer), timeout=30)
     engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, timeout=30)
     try:
         server.post("pause", params={"mode": "keep"})

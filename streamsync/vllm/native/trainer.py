@@ -182,8 +182,20 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             try:
                 engine.client.init_weight_transfer_engine(init.to_wire())
             except Exception as exc:
+                error = _rpc_error("init_weight_transfer_engine", exc)
+                try:  # the sender knows why it refused a worker (secret, worker count)
+                    engine._sync.wait_ready(timeout=1.0)
+                except SyncTimeoutError:
+                    pass
+                except StreamsyncError as refused:
+                    error = refused
                 engine._sync.close()
-                raise _rpc_error("init_weight_transfer_engine", exc) from exc
+                raise error from exc
+            try:
+                engine._sync.wait_ready()  # every worker joined
+            except BaseException:
+                engine._sync.close()
+                raise
             log("vllm.native.trainer_init", endpoint=engine.channel.url)
         return engine
 
