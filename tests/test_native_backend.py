@@ -8,6 +8,7 @@ engine), by a client that holds the engine in this process; the real server is i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,9 +21,14 @@ from streamsync.testing.fakes import FakeVllmModel, fake_state_dict
 pytest.importorskip("vllm")
 
 
+def over_json(info: Any) -> Any:
+    """What crosses HTTP: JSON only (anything else, such as pickled bytes, fails here)."""
+    return json.loads(json.dumps(info))
+
+
 class InProcessClient:
     """A ``VLLMWeightSyncClient`` on a worker engine in this process, calling it as vLLM's
-    worker does (dicts in, the engine's own parse)."""
+    worker does (dicts in, the engine's own parse), with what it is given through JSON."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -30,7 +36,7 @@ class InProcessClient:
         self.active = False
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+        self.engine.init_transfer_engine(self.engine.parse_init_info(over_json(init_info)))
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.engine.shutdown()
@@ -43,7 +49,7 @@ class InProcessClient:
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         try:
-            self.engine.update_weights(update_info)
+            self.engine.update_weights(over_json(update_info))
         except BaseException:
             self.active = False
             raise
