@@ -206,3 +206,10 @@ def test_weight_source_runs_our_pipeline_for_vllms_backends() -> None:
     assert len(list(fresh)) == len(list(fresh)) == len(weights)
     with pytest.raises(ss.ConfigError, match="only once"):
         weight_source(iter(weights.items()))
+
+
+def test_more_receivers_than_workers_fails_at_init(worker: tuple[Any, FakeVllmModel]) -> None:
+    """``receivers`` says how many workers join; trainer_init waits for all of them."""
+    engine, _ = worker
+    with pytest.raises(ss.SyncTimeoutError, match="receivers"):
+        trainer(InProcessClient(engine), None, receivers=2, timeout=2)
