@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -16,6 +17,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
+from streamsync import errors
 from streamsync._log import log
 from streamsync.adapter import AdapterLike
 from streamsync.engine import BlockingWeightSync, WeightSync
@@ -95,11 +97,19 @@ class _VllmClient:
 
 
 def _rpc_error(call: str, exc: Exception) -> StreamsyncError:
+    """A failed control-plane call as a streamsync error: the worker's own class where its
+    message names one (the worker engine leads its messages with it), else
+    :class:`ReceiverFailedError`."""
     if isinstance(exc, StreamsyncError):
         return exc
     body = getattr(getattr(exc, "response", None), "text", "") or ""
-    detail = f"{type(exc).__name__}: {exc}" + (f" ({body.strip()[:500]})" if body else "")
-    return ReceiverFailedError(f"vLLM's {call} failed: {detail}")
+    detail = f"{type(exc).__name__}: {exc}" + (f" ({body.strip()[:1000]})" if body else "")
+    cls: type[StreamsyncError] = ReceiverFailedError
+    for name in re.findall(r"\b([A-Z][A-Za-z]*Error|EndOfStream): ", f"{exc} {body}"):
+        if name in errors.__all__:
+            cls = errors.error_class(name, ReceiverFailedError)
+            break
+    return cls(f"vLLM's {call} failed: {detail}")
 
 
 def _start_draft(client: Any) -> None:
@@ -183,12 +193,13 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
                 engine.client.init_weight_transfer_engine(init.to_wire())
             except Exception as exc:
                 error = _rpc_error("init_weight_transfer_engine", exc)
-                try:  # the sender knows why it refused a worker (secret, worker count)
-                    engine._sync.wait_ready(timeout=1.0)
-                except SyncTimeoutError:
-                    pass
-                except StreamsyncError as refused:
-                    error = refused
+                if type(error) is ReceiverFailedError:  # the sender may know why it refused one
+                    try:
+                        engine._sync.wait_ready(timeout=1.0)
+                    except SyncTimeoutError:
+                        pass
+                    except StreamsyncError as refused:
+                        error = refused
                 engine._sync.close()
                 raise error from exc
             try:

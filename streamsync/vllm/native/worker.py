@@ -9,7 +9,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from streamsync._log import log, warn
-from streamsync.errors import ConfigError
+from streamsync.errors import ConfigError, StreamsyncError
 from streamsync.vllm.native.messages import TransferInit
 from streamsync.worker import WorkerReceivers
 from streamsync.worker_messages import WorkerOptions, WorkerResult
@@ -56,9 +56,11 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self._init = init_info
         try:
             self._receivers.open(init_info.endpoint, init_info.transport, timeout=init_info.timeout)
-        except BaseException:
+        except BaseException as exc:
             self._receivers.shutdown()
             self._receivers = self._init = None
+            if isinstance(exc, StreamsyncError):
+                raise _named(exc) from exc
             raise
         log("vllm.native.init", endpoint=init_info.endpoint, rank=self.rank)
 
@@ -98,7 +100,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self.last_result = result
         error = result.exception(self.rank)
         if error is not None:
-            raise error
+            raise _named(error)
 
     def finish_weight_update(self) -> None:
         if self._target is not None and self.last_result is None:
@@ -117,3 +119,11 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
                 "init_weight_transfer_engine first (WeightTransferTrainerFactory.trainer_init)"
             )
         return self._receivers, self._init
+
+
+def _named(exc: StreamsyncError) -> StreamsyncError:
+    """``exc`` with its class name leading its message: over HTTP only the message reaches
+    the trainer, which re-creates the class from it."""
+    named = type(exc)(f"{type(exc).__name__}: {exc}")
+    named.report = exc.report
+    return named
