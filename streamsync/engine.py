@@ -217,6 +217,11 @@ class WeightSync:
         return self.clients[0]
 
     @property
+    def url(self) -> str:
+        """The URL workers connect to: ``endpoint``, with a port 0 resolved once open."""
+        return str(getattr(self._open[0], "url", self.endpoint)) if self._open else self.endpoint
+
+    @property
     def receivers(self) -> int:
         """How many workers a sync reaches, over every engine."""
         return sum(c.receivers for c in self.clients)
@@ -342,6 +347,12 @@ class WeightSync:
             self._open.append(inner)
             self._sender = HostedSender(inner, loop)
         return self._sender
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until every worker has joined the channel (``timeout``: the channel's); raises
+        why one was refused (a wrong secret, more workers than ``receivers``)."""
+        sender = await self._ensure_sender()
+        await sender.wait_ready(timeout=self.timeout if timeout is None else timeout)
 
     def _engine(self, e: int) -> int | None:
         return e if self.fanout else None
@@ -509,6 +520,11 @@ class BlockingWeightSync:
     def update(self, weights: Any, *, pipeline: AdapterLike | None = None) -> SyncReport:
         """:meth:`WeightSync.update`, blocking."""
         return self.channel._update_blocking(weights, pipeline)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """:meth:`WeightSync.wait_ready`, blocking."""
+        self.channel._check_blocking("sync.wait_ready()", "await sync.wait_ready()")
+        anyio.run(partial(self.channel.wait_ready, timeout))
 
     def close(self) -> None:
         """:meth:`WeightSync.aclose`, blocking: the transport, the workers' receivers and

@@ -9,8 +9,11 @@ anyio blocking portal (:class:`EventLoopThread`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
 
-from streamsync._log import log
+from streamsync._log import log, warn
 from streamsync.engine import WorkerOptions, WorkerResult
 from streamsync.errors import EndOfStream, PeerBrokenError, StreamsyncError
 from streamsync.loops import EventLoopThread
@@ -40,11 +43,7 @@ class WorkerReceivers:
         timeout = options.timeout if options.timeout is not None else DEFAULT_TIMEOUT
 
         async def once() -> SyncReport:
-            receiver = self._receivers.get(endpoint)
-            if receiver is None:
-                receiver = open_receiver(endpoint, **options.transport)
-                await receiver.open()
-                self._receivers[endpoint] = receiver
+            receiver = await self._open(endpoint, options.transport)
             return await receive(receiver, sink, timeout=timeout)
 
         async def run() -> SyncReport:
@@ -66,8 +65,51 @@ class WorkerReceivers:
                 run, timeout=timeout * 4, what=f"worker-side sync from {endpoint}"
             )
         except StreamsyncError as exc:
+            self._abort(sink, endpoint)
             return WorkerResult.failed(exc)
+        except Exception:
+            self._abort(sink, endpoint)
+            raise
         return WorkerResult.succeeded(report)
+
+    def _abort(self, sink: Sink, endpoint: str) -> None:
+        # A sink with an ``abort`` (VllmSink) puts back what ``prepare`` took apart when the
+        # sync failed after it; on the loop thread, where its other phases ran.
+        abort = getattr(sink, "abort", None)
+        if abort is None:
+            return
+
+        async def run() -> None:
+            abort()
+
+        try:
+            self._loop.run(run, timeout=60, what=f"worker-side abort of the sync from {endpoint}")
+        except Exception as error:
+            warn("worker.abort_failed", endpoint=endpoint, error=repr(error))
+
+    def open(
+        self,
+        endpoint: str,
+        transport: Mapping[str, Any] | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        """Connect the receiver for ``endpoint`` now rather than at the first sync (a wrong
+        endpoint or secret fails here); ``transport``: keyword arguments of
+        :func:`~streamsync.open_receiver`."""
+        self._loop.run(
+            partial(self._open, endpoint, dict(transport or {})),
+            timeout=timeout,
+            what=f"worker-side connect to {endpoint}",
+        )
+
+    async def _open(self, endpoint: str, transport: Mapping[str, Any]) -> Receiver:
+        receiver = self._receivers.get(endpoint)
+        if receiver is None:
+            receiver = open_receiver(endpoint, **transport)
+            await receiver.open()
+            self._receivers[endpoint] = receiver
+        return receiver
 
     def close(self, endpoint: str | None = None) -> int:
         """Close the receiver for ``endpoint`` (or all); returns how many were open."""

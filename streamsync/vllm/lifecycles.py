@@ -9,7 +9,9 @@ name (next to the quirks of :mod:`streamsync.vllm.quirks`; users may register th
   ``process_weights_after_loading`` once at the end.
 
 Workers choose one by name (``worker_options={"lifecycle": ...}``), so a lifecycle of your
-own must be registered in the worker process too (in a module the worker imports).
+own must be registered in the worker process too (in a module the worker imports). A
+lifecycle may also have ``abort(inst)``: after a sync that failed between prepare and
+finalize, leave the instance able to serve (:meth:`~streamsync.vllm.sink.VllmSink.abort`).
 """
 
 from __future__ import annotations
@@ -111,6 +113,24 @@ class LayerwiseReload:
     def finalize(self, inst: ModelInstance) -> None:
         self._reload.finalize_layerwise_reload(inst.model, inst.model_config)
 
+    def abort(self, inst: ModelInstance) -> None:
+        """Put every layer still waiting for weights back on its processed tensors (the
+        old weights; layers that completed keep the new ones). Finalizing instead would
+        process the incomplete layers from uninitialised memory, and leaving them would
+        leave meta tensors in the model, which kills the engine at its next step."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        for module in inst.model.modules():
+            info = layerwise.LAYERWISE_INFO.get(module)
+            if info is None or not info.can_load():
+                continue
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(module, info)
+            info.reset()
+        layerwise.LOADING_LAYERS.clear()
+        if hasattr(inst.model, "_original_do_torchao_reload"):
+            inst.model._do_torchao_reload = inst.model._original_do_torchao_reload
+
 
 @register_lifecycle
 class DirectLoad:
@@ -131,6 +151,10 @@ class DirectLoad:
 
         device = next(inst.model.parameters()).device
         process_weights_after_loading(inst.model, inst.model_config, device)
+
+    def abort(self, inst: ModelInstance) -> None:
+        """What was loaded is in place: process it, as finalize does."""
+        self.finalize(inst)
 
 
 def choose_lifecycle(name: str | None = None) -> Lifecycle:

@@ -24,7 +24,7 @@ import torch
 from streamsync._log import log
 from streamsync.adapter import NamedTensor
 from streamsync.adapters.split_buffers import MANIFEST_NAME, BufferRouter
-from streamsync.errors import ConfigError
+from streamsync.errors import ConfigError, ReceiverFailedError, StreamsyncError
 from streamsync.report import LoadResult
 from streamsync.vllm.lifecycles import (
     DirectLoad,
@@ -70,6 +70,18 @@ def model_instances(worker: Any) -> list[ModelInstance]:
     return instances
 
 
+class _Tracked(list[NamedTensor]):
+    """A bucket that remembers the last name its consumer took (the model's loader walks
+    it; when the loader fails, that is the tensor it failed on)."""
+
+    current: str | None = None
+
+    def __iter__(self) -> Iterator[NamedTensor]:
+        for item in super().__iter__():
+            self.current = item[0]
+            yield item
+
+
 class VllmSink:
     """A sink that applies each sync to every model instance of one vLLM worker."""
 
@@ -91,6 +103,7 @@ class VllmSink:
         self.quirks = list(quirks) if quirks is not None else active_quirks()
         self._router = BufferRouter({inst.name: inst.model for inst in self.instances})
         self._buffers: list[NamedTensor] = []
+        self._prepared = False  # between prepare and finalize: what abort undoes
 
     @classmethod
     def from_worker(
@@ -125,6 +138,7 @@ class VllmSink:
             yield
 
     def prepare(self) -> None:
+        self._prepared = True
         with self._context():
             self._router.begin()
             self._buffers = []
@@ -149,9 +163,39 @@ class VllmSink:
                 offered = [(n, t) for n, t in params if inst.accepts is None or inst.accepts(n)]
                 inst.offered.update(n for n, _ in offered)
                 if offered:
-                    inst.loaded |= self.lifecycle.load(inst, offered)
+                    tracked = _Tracked(offered)
+                    try:
+                        inst.loaded |= self.lifecycle.load(inst, tracked)
+                    except StreamsyncError:
+                        raise
+                    except Exception as exc:  # the model's own loader: name the tensor
+                        shape = dict(offered)[tracked.current].shape if tracked.current else ()
+                        raise ReceiverFailedError(
+                            f"model instance {inst.name!r} could not load tensor "
+                            f"{tracked.current!r} of shape {tuple(shape)}: "
+                            f"{type(exc).__name__}: {exc}"
+                        ) from exc
+
+    def abort(self) -> None:
+        """After a sync that failed between :meth:`prepare` and :meth:`finalize`: leave every
+        instance able to serve (the lifecycle's ``abort``: the layers that completed keep
+        the new weights, the others the old), then run the quirks over what was loaded.
+        Nothing to do unless the sync had been prepared and not finalized."""
+        if not self._prepared:
+            return
+        self._prepared = False
+        with self._context():
+            for inst in self.instances:
+                abort = getattr(self.lifecycle, "abort", None)
+                if abort is not None:
+                    abort(inst)
+                for quirk in self.quirks:
+                    quirk.after_finalize(inst)
+            self._buffers = []
+        log("vllm.abort", lifecycle=self.lifecycle.name, instances=[i.name for i in self.instances])
 
     def finalize(self) -> LoadResult:
+        self._prepared = False
         per_instance: dict[str, LoadResult] = {}
         with self._context():
             for inst in self.instances:

@@ -1,0 +1,320 @@
+"""The trainer side of the ``streamsync`` backend: :class:`StreamsyncInitInfo`, vLLM's
+``TrainerWeightTransferEngine`` on a :class:`~streamsync.engine.WeightSync`, and a
+``VLLMWeightSyncClient`` for an in-process ``AsyncLLM``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+import anyio.to_thread
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+
+from streamsync import errors
+from streamsync._log import log
+from streamsync.adapter import AdapterLike
+from streamsync.engine import BlockingWeightSync, WeightSync
+from streamsync.errors import (
+    ConfigError,
+    PeerBrokenError,
+    ReceiverFailedError,
+    SenderAbortedError,
+    StreamsyncError,
+    SyncTimeoutError,
+)
+from streamsync.report import SyncReport
+from streamsync.sync import DEFAULT_TIMEOUT
+from streamsync.vllm.native.messages import BACKEND, TransferInit
+from streamsync.worker_messages import WorkerOptions, WorkerResult
+
+__all__ = ["AsyncLLMWeightSyncClient", "StreamsyncInitInfo", "StreamsyncTrainerEngine"]
+
+
+@dataclass
+class StreamsyncInitInfo(TrainerInitInfo):
+    """The trainer's init info for the ``streamsync`` backend
+    (``WeightTransferTrainerFactory.trainer_init(StreamsyncInitInfo(rank=...), ...)``)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    #: The transport URL the trainer binds (port 0: a free one) and the workers connect to.
+    endpoint: str = "zmq+tcp://127.0.0.1:0"
+    #: Adapters applied to the source's stream on the trainer (MoE expansion, FP8, ...).
+    pipeline: AdapterLike | None = None
+    #: Bytes per bucket (the transport's slot size).
+    bucket_bytes: int = 64 << 20
+    #: Seconds for each wait of a sync, and for the workers' connect.
+    timeout: float = DEFAULT_TIMEOUT
+    #: The channel's shared secret. It is sent to the workers in the init call (over the
+    #: control plane, in clear); leave it ``None`` and set ``$STREAMSYNC_SECRET`` on both
+    #: sides to keep it off the wire.
+    secret: str | None = None
+    #: How many workers the engine has (tensor x pipeline x data parallel size).
+    receivers: int = 1
+    #: :class:`~streamsync.engine.WorkerOptions` fields for every sync (``lifecycle``,
+    #: ``quirks``, ``transport``).
+    worker_options: Mapping[str, Any] | None = None
+
+
+class _VllmClient:
+    """The :class:`~streamsync.engine.EngineClient` over a ``VLLMWeightSyncClient``: the
+    receive is vLLM's ``update_weights`` call (blocking, so in a thread)."""
+
+    def __init__(self, client: VLLMWeightSyncClient, receivers: int) -> None:
+        self.client = client
+        self.receivers = receivers
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        # The workers receive from the endpoint of init_weight_transfer_engine.
+        try:
+            await anyio.to_thread.run_sync(
+                self.client.update_weights, options.to_wire(), abandon_on_cancel=True
+            )
+        except Exception as exc:
+            # The server says little (HTTP 500); the worker's own error, by class, reached
+            # the sender over the transport and is raised from StreamsyncTrainerEngine.
+            error = _rpc_error("update_weights", exc)
+            return [WorkerResult.failed(error) for _ in range(self.receivers)]
+        return [WorkerResult(pid=0) for _ in range(self.receivers)]
+
+    async def after_sync(self) -> None:
+        # vLLM's /pause and /resume own the caches (pause(clear_cache=...)).
+        pass
+
+    async def close_receivers(self, endpoint: str) -> int:
+        shutdown = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        if shutdown is None:
+            return 0
+        await anyio.to_thread.run_sync(shutdown, abandon_on_cancel=True)
+        return self.receivers
+
+
+def _rpc_error(call: str, exc: Exception) -> StreamsyncError:
+    """A failed control-plane call as a streamsync error: the worker's own class where its
+    message names one (the worker engine leads its messages with it), else
+    :class:`ReceiverFailedError`."""
+    if isinstance(exc, StreamsyncError):
+        return exc
+    body = getattr(getattr(exc, "response", None), "text", "") or ""
+    detail = f"{type(exc).__name__}: {exc}" + (f" ({body.strip()[:1000]})" if body else "")
+    cls: type[StreamsyncError] = ReceiverFailedError
+    for name in re.findall(r"\b([A-Z][A-Za-z]*Error|EndOfStream): ", f"{exc} {body}"):
+        if name in errors.__all__:
+            cls = errors.error_class(name, ReceiverFailedError)
+            break
+    return cls(f"vLLM's {call} failed: {detail}")
+
+
+def _start_draft(client: Any) -> None:
+    """``start_draft_weight_update`` on ``client``; vLLM's ``HTTPVLLMWeightSyncClient`` has
+    no method for the server's route, so it is posted to its ``base_url``."""
+    method = getattr(client, "start_draft_weight_update", None)
+    if method is not None:
+        method()
+        return
+    base_url = getattr(client, "base_url", None)
+    if base_url is None:
+        raise ConfigError(
+            f"{type(client).__name__} has no start_draft_weight_update method (nor a "
+            "base_url to post /start_draft_weight_update to); draft=True needs one"
+        )
+    import requests
+
+    timeout = getattr(client, "timeout", DEFAULT_TIMEOUT)
+    requests.post(f"{base_url}/start_draft_weight_update", timeout=timeout).raise_for_status()
+
+
+# Errors that only follow from another: the one that caused them is raised instead.
+_CONSEQUENCES = (ReceiverFailedError, SyncTimeoutError, PeerBrokenError, SenderAbortedError)
+
+
+class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
+    """vLLM's trainer-side engine for the ``streamsync`` backend.
+
+    ``trainer_init`` binds the transport on the sender (rank 0) and tells the workers to
+    connect (``init_weight_transfer_engine``); each :meth:`send_weights` drives
+    ``start_weight_update``, runs ``update_weights`` beside the streamsync send of the source
+    through the pipeline, then ``finish_weight_update``. Failures raise streamsync's errors.
+    """
+
+    init_info_cls = StreamsyncInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        init_info: StreamsyncInitInfo,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.init_info = init_info
+        transport: dict[str, Any] = {"connect_timeout": init_info.timeout}
+        if init_info.secret is not None:
+            transport["secret"] = init_info.secret
+        self.channel = WeightSync(
+            _VllmClient(client, init_info.receivers),
+            init_info.endpoint,
+            pipeline=init_info.pipeline,
+            bucket_bytes=init_info.bucket_bytes,
+            timeout=init_info.timeout,
+            worker_options=init_info.worker_options,
+            **transport,
+        )
+        self._sync: BlockingWeightSync | None = None
+        #: The sender's report of the last :meth:`send_weights`.
+        self.last_report: SyncReport | None = None
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: StreamsyncInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        engine = cls(
+            client=client, source=source, is_sender=init_info.is_sender, init_info=init_info
+        )
+        if engine.is_sender:
+            engine._sync = engine.channel.__enter__()  # binds the endpoint (port 0 resolved)
+            transport = {"secret": init_info.secret} if init_info.secret is not None else {}
+            init = TransferInit(
+                endpoint=engine.channel.url, transport=transport, timeout=init_info.timeout
+            )
+            try:
+                engine.client.init_weight_transfer_engine(init.to_wire())
+            except Exception as exc:
+                error = _rpc_error("init_weight_transfer_engine", exc)
+                if type(error) is ReceiverFailedError:  # the sender may know why it refused one
+                    try:
+                        engine._sync.wait_ready(timeout=1.0)
+                    except SyncTimeoutError:
+                        pass
+                    except StreamsyncError as refused:
+                        error = refused
+                engine._sync.close()
+                raise error from exc
+            try:
+                engine._sync.wait_ready()  # every worker joined
+            except BaseException:
+                engine._sync.close()
+                raise
+            log("vllm.native.trainer_init", endpoint=engine.channel.url)
+        return engine
+
+    def send_weights(
+        self, weights: Any = None, *, weight_version: str | None = None, draft: bool = False
+    ) -> None:
+        """Stream the source (or ``weights``: anything :func:`~streamsync.named_tensors`
+        takes) into the workers, between ``start_weight_update`` (with ``draft=True``:
+        ``start_draft_weight_update``, into the speculative drafter) and
+        ``finish_weight_update(weight_version)``; the sender's report is then in
+        :attr:`last_report`. Ranks other than the sender iterate the source (its gathers
+        are collectives) and send nothing."""
+        weights = self.source if weights is None else weights
+        if weights is None:
+            raise ConfigError(
+                "send_weights: no weights; pass source= to trainer_init or weights= here"
+            )
+        if not self.is_sender:
+            if isinstance(weights, WeightSource):
+                for _ in weights:
+                    pass
+            return
+        if self._sync is None:
+            raise ConfigError("send_weights after shutdown(); call trainer_init again")
+        start = "start_draft_weight_update" if draft else "start_weight_update"
+        try:
+            if draft:
+                _start_draft(self.client)
+            else:
+                self.client.start_weight_update()
+        except Exception as exc:
+            raise _rpc_error(start, exc) from exc
+        try:
+            report = self._sync.update(weights)
+        except ReceiverFailedError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, StreamsyncError) and not isinstance(cause, _CONSEQUENCES):
+                # The worker's own error, as the transport carried it to the sender.
+                cause.add_note(str(exc))
+                raise cause from None
+            raise
+        try:
+            self.client.finish_weight_update(weight_version)
+        except Exception as exc:
+            raise _rpc_error("finish_weight_update", exc) from exc
+        self.last_report = report
+
+    def shutdown(self) -> None:
+        """Close the transport and the workers' receivers (``shutdown_weight_transfer_engine``
+        where the client has it)."""
+        sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.close()
+
+
+class AsyncLLMWeightSyncClient:
+    """A ``VLLMWeightSyncClient`` on a vLLM ``AsyncLLM`` in this process (vLLM ships HTTP and
+    Ray clients only). Made on the event loop that owns the engine; its blocking methods
+    run the engine's coroutines there, so call them (``trainer_init``, ``send_weights``)
+    from another thread: ``await anyio.to_thread.run_sync(engine.send_weights)``."""
+
+    def __init__(self, llm: Any, *, timeout: float = 300.0) -> None:
+        import anyio.lowlevel
+
+        self.llm = llm
+        self.timeout = timeout
+        try:
+            self._token = anyio.lowlevel.current_token()
+        except RuntimeError:
+            raise ConfigError(
+                "AsyncLLMWeightSyncClient(llm) is made on the event loop that runs the "
+                "AsyncLLM (it drives the engine there)"
+            ) from None
+
+    def _run(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        import anyio.from_thread
+
+        async def bounded() -> Any:
+            with anyio.fail_after(self.timeout):
+                return await fn()
+
+        try:
+            return anyio.from_thread.run(bounded, token=self._token)
+        except TimeoutError:
+            raise SyncTimeoutError(
+                f"AsyncLLM {what} did not finish within {self.timeout:g} s"
+            ) from None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        request = WeightTransferInitRequest(init_info=init_info)
+        self._run("init", lambda: self.llm.init_weight_transfer_engine(request))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._run("shutdown", self.llm.shutdown_weight_transfer_engine)
+
+    def start_weight_update(self) -> None:
+        self._run("start_weight_update", self.llm.start_weight_update)
+
+    def start_draft_weight_update(self) -> None:
+        self._run("start_draft_weight_update", self.llm.start_draft_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        request = WeightTransferUpdateRequest(update_info=update_info)
+        self._run("update_weights", lambda: self.llm.update_weights(request=request))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run("finish_weight_update", lambda: self.llm.finish_weight_update(weight_version))

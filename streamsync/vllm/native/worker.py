@@ -1,0 +1,129 @@
+"""The worker side of the ``streamsync`` backend: vLLM's ``WeightTransferEngine``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from streamsync._log import log, warn
+from streamsync.errors import ConfigError, StreamsyncError
+from streamsync.vllm.native.messages import TransferInit
+from streamsync.worker import WorkerReceivers
+from streamsync.worker_messages import WorkerOptions, WorkerResult
+
+__all__ = ["StreamsyncWeightTransferEngine"]
+
+
+class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
+    """vLLM's worker-side engine for the ``streamsync`` backend (one per worker).
+
+    ``init_transfer_engine`` connects a receiver to the trainer's endpoint;
+    ``start_weight_update`` takes the model vLLM targets (main or drafter);
+    ``update_weights`` runs one sync into it (the sink's whole lifecycle, with the quirks
+    and buffers of :class:`~streamsync.vllm.sink.VllmSink`) and raises the streamsync error
+    that ended it, which leaves the server serving; ``shutdown`` closes the receiver.
+    """
+
+    init_info_cls = TransferInit
+    update_info_cls = WorkerOptions
+    supports_draft_weight_update = True
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._receivers: WorkerReceivers | None = None
+        self._init: TransferInit | None = None
+        self._target: str | None = None  # "main" or "drafter", between start and finish
+        self.last_result: WorkerResult | None = None
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in its engine (named in its errors)."""
+        return int(getattr(self.parallel_config, "rank", 0))
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> TransferInit:
+        return TransferInit.from_wire(init_dict)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> WorkerOptions:
+        return WorkerOptions.from_wire(update_dict)
+
+    def init_transfer_engine(self, init_info: TransferInit) -> None:
+        if self._receivers is not None:  # a new trainer replaces the old one
+            self._receivers.shutdown()
+        self._receivers = WorkerReceivers(f"streamsync-vllm-worker{self.rank}")
+        self._init = init_info
+        try:
+            self._receivers.open(init_info.endpoint, init_info.transport, timeout=init_info.timeout)
+        except BaseException as exc:
+            self._receivers.shutdown()
+            self._receivers = self._init = None
+            if isinstance(exc, StreamsyncError):
+                raise _named(exc) from exc
+            raise
+        log("vllm.native.init", endpoint=init_info.endpoint, rank=self.rank)
+
+    def start_weight_update(self) -> None:
+        self._require()
+        self._target = "main" if self.model is self._default_model else "drafter"
+        self.last_result = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        # As the base class does (the next step must see the new weights), where there is
+        # an accelerator: CPU builds have none to synchronize.
+        if self.device.type != "cpu" and torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: WorkerOptions) -> None:
+        from streamsync.vllm.lifecycles import choose_lifecycle
+        from streamsync.vllm.quirks import quirks_by_name
+        from streamsync.vllm.sink import ModelInstance, VllmSink
+
+        receivers, init = self._require()
+        if self._target is None:
+            raise ConfigError("streamsync update_weights before start_weight_update")
+        options = msgspec.structs.replace(
+            update_info,
+            transport={**init.transport, **update_info.transport},
+            timeout=update_info.timeout if update_info.timeout is not None else init.timeout,
+        )
+        quirks = options.quirks
+        sink = VllmSink(
+            [ModelInstance(self._target, self.model, self.model_config)],
+            lifecycle=choose_lifecycle(options.lifecycle),
+            vllm_config=self.vllm_config,
+            quirks=quirks_by_name(quirks) if quirks is not None else None,
+        )
+        result = receivers.receive(init.endpoint, options, sink)
+        self.last_result = result
+        error = result.exception(self.rank)
+        if error is not None:
+            raise _named(error)
+
+    def finish_weight_update(self) -> None:
+        if self._target is not None and self.last_result is None:
+            warn("vllm.native.finish_without_update", target=self._target, rank=self.rank)
+        self._target = None
+
+    def shutdown(self) -> None:
+        if self._receivers is not None:
+            self._receivers.shutdown()
+        self._receivers = self._init = None
+
+    def _require(self) -> tuple[WorkerReceivers, TransferInit]:
+        if self._receivers is None or self._init is None:
+            raise ConfigError(
+                "the streamsync weight-transfer engine has no trainer: call "
+                "init_weight_transfer_engine first (WeightTransferTrainerFactory.trainer_init)"
+            )
+        return self._receivers, self._init
+
+
+def _named(exc: StreamsyncError) -> StreamsyncError:
+    """``exc`` with its class name leading its message: over HTTP only the message reaches
+    the trainer, which re-creates the class from it."""
+    named = type(exc)(f"{type(exc).__name__}: {exc}")
+    named.report = exc.report
+    return named

@@ -1,0 +1,215 @@
+"""The ``streamsync`` vLLM weight-transfer backend without an engine: vLLM's factories and
+base classes, our worker-side engine on a fake vLLM-style model, and ``weight_source``.
+
+The worker engine is driven the way vLLM's worker drives it (parse the dict, then call the
+engine), by a client that holds the engine in this process; the real server is in
+``test_vllm_native.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import streamsync as ss
+from streamsync.testing.fakes import FakeVllmModel, fake_state_dict
+
+pytest.importorskip("vllm")
+
+
+def over_json(info: Any) -> Any:
+    """What crosses HTTP: JSON only (anything else, such as pickled bytes, fails here)."""
+    return json.loads(json.dumps(info))
+
+
+class InProcessClient:
+    """A ``VLLMWeightSyncClient`` on a worker engine in this process, calling it as vLLM's
+    worker does (dicts in, the engine's own parse), with what it is given through JSON."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.version: str | None = None
+        self.active = False
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.engine.init_transfer_engine(self.engine.parse_init_info(over_json(init_info)))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.engine.shutdown()
+
+    def start_weight_update(self) -> None:
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is active")
+        self.engine.start_weight_update()
+        self.active = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        try:
+            self.engine.update_weights(over_json(update_info))
+        except BaseException:
+            self.active = False
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.engine.finish_weight_update()
+        self.active = False
+        self.version = weight_version
+
+
+class LoadOnly:
+    """A lifecycle for the fake model: ``load_weights`` only (it has nothing to process)."""
+
+    name = "test-load-only"
+
+    def prepare(self, inst: Any) -> None:
+        pass
+
+    def load(self, inst: Any, tensors: Any) -> set[str]:
+        return set(inst.model.load_weights(tensors))
+
+    def finalize(self, inst: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[Any, FakeVllmModel]]:
+    from vllm.config import VllmConfig, WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    import streamsync.vllm.native  # noqa: F401  (registers the backend)
+    from streamsync.vllm.lifecycles import LIFECYCLES, register_lifecycle
+
+    register_lifecycle(LoadOnly)
+
+    model = FakeVllmModel()
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="streamsync"), VllmConfig(), torch.device("cpu"), model
+    )
+    yield engine, model
+    engine.shutdown()
+    LIFECYCLES.pop(LoadOnly.name, None)
+
+
+def trainer(client: Any, source: Any, **options: Any) -> Any:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from streamsync.vllm.native import StreamsyncInitInfo
+
+    options.setdefault("worker_options", {"lifecycle": LoadOnly.name, "quirks": []})
+    options.setdefault("timeout", 20)
+    return WeightTransferTrainerFactory.trainer_init(
+        StreamsyncInitInfo(rank=0, bucket_bytes=64 << 10, **options),
+        client=client,
+        source=source,
+    )
+
+
+def test_send_weights_through_vllms_factories(worker: tuple[Any, FakeVllmModel]) -> None:
+    from streamsync.vllm.native import StreamsyncTrainerEngine, StreamsyncWeightTransferEngine
+
+    engine, model = worker
+    assert isinstance(engine, StreamsyncWeightTransferEngine)
+    client = InProcessClient(engine)
+    for step in range(2):
+        weights = fake_state_dict(seed=step)
+        sender = trainer(client, weights) if step == 0 else sender  # noqa: F821
+        assert isinstance(sender, StreamsyncTrainerEngine)
+        sender.send_weights(weights, weight_version=f"v{step}")
+        assert sender.last_report.tensors == len(weights)
+        got = model.named_weights()
+        assert torch.equal(got["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])
+        assert client.version == f"v{step}"
+        assert engine.last_result.ok
+    sender.shutdown()
+
+
+def test_errors_are_named_and_the_next_update_works(worker: tuple[Any, FakeVllmModel]) -> None:
+    engine, model = worker
+    client = InProcessClient(engine)
+    sender = trainer(client, None)
+    try:
+        bad = {**fake_state_dict(seed=1), "model.no_such.weight": torch.zeros(2)}
+        with pytest.raises(ss.UnknownTensorError, match=r"model\.no_such\.weight"):
+            sender.send_weights(bad)
+        assert not client.active  # the worker's update ended; the engine serves on
+        # A second start while one runs is refused by the engine, by name.
+        client.start_weight_update()
+        with pytest.raises(ss.ReceiverFailedError, match="start_weight_update"):
+            sender.send_weights(fake_state_dict(seed=2))
+        client.finish_weight_update()
+        weights = fake_state_dict(seed=3)
+        sender.send_weights(weights)
+        got = model.named_weights()["lm_head.weight"]
+        assert torch.equal(got, weights["lm_head.weight"])
+    finally:
+        sender.shutdown()
+
+
+def test_wrong_secret_fails_at_init(worker: tuple[Any, FakeVllmModel]) -> None:
+    from streamsync.vllm.native import TransferInit
+
+    engine, _ = worker
+
+    class WrongSecret(InProcessClient):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            init = TransferInit.from_wire(init_info)
+            wrong = {**init.to_wire(), "transport": {"secret": "not-the-secret"}, "timeout": 5}
+            super().init_weight_transfer_engine(wrong)
+
+    with pytest.raises(ss.StreamsyncError) as info:
+        trainer(WrongSecret(engine), None, secret="the-secret", timeout=5)
+    assert isinstance(info.value, ss.AuthenticationError), repr(info.value)
+
+
+def test_update_before_init_and_bad_init_are_named(worker: tuple[Any, FakeVllmModel]) -> None:
+    engine, _ = worker
+    with pytest.raises(ss.ConfigError, match="init_weight_transfer_engine"):
+        engine.start_weight_update()
+    with pytest.raises(ss.ConfigError, match="valid fields: endpoint"):
+        engine.parse_init_info({"endpoint": "zmq+tcp://127.0.0.1:1", "packed": True})
+    with pytest.raises(ss.ProtocolVersionError):
+        engine.parse_init_info({"endpoint": "zmq+tcp://127.0.0.1:1", "version": 99})
+
+
+def test_weight_source_runs_our_pipeline_for_vllms_backends() -> None:
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    from streamsync.adapters import cast, rename
+    from streamsync.vllm.native import weight_source
+
+    weights = fake_state_dict(seed=0)
+    pipeline = rename({"lm_head.weight": "output.weight"}) | cast(torch.bfloat16)
+    source = weight_source(weights, pipeline=pipeline)
+    assert isinstance(source, WeightSource)
+    meta = source.metadata()
+    names = [m.name for m in meta]
+    assert "output.weight" in names and "lm_head.weight" not in names
+    assert all(m.dtype == torch.bfloat16 for m in meta)
+    for _ in range(2):  # re-iterable, one fresh pass per round, agreeing with metadata()
+        got = list(source)
+        assert [(n, t.dtype, tuple(t.shape)) for n, t in got] == [
+            (m.name, m.dtype, m.shape) for m in meta
+        ]
+    # vLLM's own grouping over it (what its backends iterate).
+    groups = list(source.iter_groups())
+    assert sum(len(names) for names, _ in groups) == len(meta)
+    out = dict(got)
+    assert torch.equal(out["output.weight"], weights["lm_head.weight"].to(torch.bfloat16))
+
+    module = torch.nn.Linear(4, 3)
+    assert [m.name for m in weight_source(module).metadata()] == ["weight", "bias"]
+    fresh = weight_source(lambda: iter(weights.items()))
+    assert len(list(fresh)) == len(list(fresh)) == len(weights)
+    with pytest.raises(ss.ConfigError, match="only once"):
+        weight_source(iter(weights.items()))
+
+
+def test_more_receivers_than_workers_fails_at_init(worker: tuple[Any, FakeVllmModel]) -> None:
+    """``receivers`` says how many workers join; trainer_init waits for all of them."""
+    engine, _ = worker
+    with pytest.raises(ss.SyncTimeoutError, match="receivers"):
+        trainer(InProcessClient(engine), None, receivers=2, timeout=2)

@@ -1,0 +1,422 @@
+"""streamsync as vLLM's own weight-transfer backend: the real OpenAI-compatible server in a
+subprocess, driven by vLLM's ``HTTPVLLMWeightSyncClient`` through
+``WeightTransferTrainerFactory`` exactly as vLLM documents it.
+
+The server's processes register the backend through a ``vllm.general_plugins`` entry point
+(a throwaway ``.dist-info`` on their ``PYTHONPATH``, the same metadata an install of
+streamsync writes), so the plugin path is the real one; this process registers it by
+importing :mod:`streamsync.vllm.native`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm_harness import PROMPTS, reference_outputs
+
+from streamsync.testing.models import build_tiny_model, perturb
+from streamsync.testing.peers import free_port
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+requests = pytest.importorskip("requests")
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 900.0  # two shared cores: the server takes minutes to come up
+
+
+def plugin_dir(tmp: Path) -> Path:
+    """A directory whose ``.dist-info`` declares the entry point pyproject.toml declares."""
+    info = tmp / "streamsync_native_plugin-0.0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: streamsync-native-plugin\nVersion: 0.0.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nstreamsync = streamsync.vllm.native:register\n"
+    )
+    return tmp
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def post(self, path: str, **kwargs: Any) -> Any:
+        response = requests.post(f"{self.url}/{path}", timeout=300, **kwargs)
+        assert response.status_code == 200, (path, response.status_code, response.text)
+        return response.json()
+
+    def get(self, path: str) -> Any:
+        response = requests.get(f"{self.url}/{path}", timeout=60)
+        assert response.status_code == 200, (path, response.status_code, response.text)
+        return response.json()
+
+    def greedy_tokens(self) -> list[list[int]]:
+        """Greedy tokens for the fixed token-id prompts, through /v1/completions."""
+        out = []
+        for prompt in PROMPTS:
+            body = self.post(
+                "v1/completions",
+                json={
+                    "model": self.model,
+                    "prompt": prompt,
+                    "max_tokens": 8,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+            out.append(list(body["choices"][0]["token_ids"]))
+        return out
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+
+def start_server(model: Path, tmp: Path, *extra: str) -> Server:
+    port = free_port()
+    log = tmp / "server.log"
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(plugin_dir(tmp / "plugin")), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default: an engine process
+    # `vllm serve` of vllm-cpu fails (it looks up a distribution named "vllm"): run the module.
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--weight-transfer-config",
+        json.dumps({"backend": "streamsync"}),
+        *extra,
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", str(model), proc, log)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the vLLM server exited with {proc.returncode}:\n{server.tail()}")
+        try:
+            if requests.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    stop_server(server)
+    pytest.fail(f"the vLLM server did not come up within {START_TIMEOUT:g} s:\n{server.tail()}")
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait(timeout=30)
+
+
+def trainer_engine(server: Server, source: Any, **options: Any) -> Any:
+    """Exactly vLLM's usage, with the streamsync init info."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from streamsync.vllm.native import StreamsyncInitInfo
+
+    return WeightTransferTrainerFactory.trainer_init(
+        StreamsyncInitInfo(endpoint="zmq+tcp://127.0.0.1:0", rank=0, **options),
+        client=HTTPVLLMWeightSyncClient(server.url),
+        source=source,
+    )
+
+
+def three_steps(
+    server: Server, trainer: torch.nn.Module, engine: Any, *, seed: int, **kwargs: Any
+) -> None:
+    """pause(keep) -> send_weights -> resume, three times; each followed by greedy
+    completions that equal the trainer's, and the weight version in /weight_info."""
+    before = server.greedy_tokens()
+    changed = False
+    for step in range(3):
+        perturb(trainer, seed=seed + step)
+        want = reference_outputs(trainer).tokens
+        changed |= want != before
+        server.post("pause", params={"mode": "keep"})
+        engine.send_weights(weight_version=f"step-{seed + step}", **kwargs)
+        server.post("resume")
+        before = server.greedy_tokens()
+        assert before == want, f"step {step}"
+        assert server.get("weight_info") == {"weight_version": f"step-{seed + step}"}
+    assert changed, "the perturbations did not change the greedy tokens: nothing was shown"
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, torch.nn.Module]]:
+    tmp = tmp_path_factory.mktemp("native-dense")
+    trainer = build_tiny_model(tmp / "model", "dense", seed=0)
+    server = start_server(tmp / "model", tmp)
+    yield server, trainer
+    stop_server(server)
+
+
+def test_dense_server_three_updates(dense: tuple[Server, torch.nn.Module]) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    server, trainer = dense
+    assert server.greedy_tokens() == reference_outputs(trainer).tokens  # as loaded
+    engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10)
+    try:
+        three_steps(server, trainer, engine, seed=10)
+    finally:
+        engine.shutdown()
+
+
+DYING_TRAINER = """
+import os, sys
+from transformers import AutoModelForCausalLM
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from streamsync.vllm.native import StreamsyncInitInfo
+
+url, path = sys.argv[1:3]
+model = AutoModelForCausalLM.from_pretrained(path)
+
+def dying():
+    for i, (name, param) in enumerate(model.named_parameters()):
+        if i == 12:
+            os._exit(3)  # mid-update, after several buckets went out
+        yield name, param.detach()
+
+engine = WeightTransferTrainerFactory.trainer_init(
+    StreamsyncInitInfo(rank=0, bucket_bytes=64 << 10, timeout=30),
+    client=HTTPVLLMWeightSyncClient(url),
+)
+engine.send_weights(dying())
+"""
+
+
+def test_dense_server_bad_input_leaves_it_serving(
+    dense: tuple[Server, torch.nn.Module], tmp_path: Path
+) -> None:
+    """A wrong secret, wrong shapes, wrong names, a second start while one runs and a
+    trainer that dies mid-update: each fails with a named error, and the server serves and
+    takes the next update."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    import streamsync as ss
+
+    server, trainer = dense
+    with pytest.MonkeyPatch.context() as mp:  # a secret only the trainer knows
+        mp.setenv("STREAMSYNC_SECRET", "only-the-trainer-knows-it")
+        with pytest.raises(ss.AuthenticationError):
+            trainer_engine(server, ModuleSource(trainer), timeout=30)
+    engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, timeout=30)
+    try:
+        server.post("pause", params={"mode": "keep"})
+        name = "model.layers.1.mlp.down_proj.weight"
+        bad_shape = {**trainer.state_dict(), name: torch.zeros(3, 5)}
+        with pytest.raises(ss.ReceiverFailedError, match=rf"{name}.*\(3, 5\)"):
+            engine.send_weights(bad_shape)
+        bad_name = {**trainer.state_dict(), "model.no_such.weight": torch.zeros(2)}
+        with pytest.raises(ss.ReceiverFailedError, match=r"model\.no_such\.weight"):
+            engine.send_weights(bad_name)
+        server.post("start_weight_update")
+        with pytest.raises(ss.ReceiverFailedError, match="start_weight_update"):
+            engine.send_weights()
+        server.post("finish_weight_update")
+        server.post("resume")
+        assert len(server.greedy_tokens()) == len(PROMPTS)  # still serving
+        three_steps(server, trainer, engine, seed=40)
+    finally:
+        engine.shutdown()
+
+    script = tmp_path / "dying_trainer.py"
+    script.write_text(DYING_TRAINER)
+    server.post("pause", params={"mode": "keep"})
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    dead = subprocess.run(
+        [sys.executable, str(script), server.url, server.model], env=env, timeout=600
+    )
+    assert dead.returncode == 3
+    server.post("resume")
+    assert len(server.greedy_tokens()) == len(PROMPTS)  # still serving
+    engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, timeout=30)
+    try:
+        three_steps(server, trainer, engine, seed=50)
+    finally:
+        engine.shutdown()
+
+
+def test_moe_server_three_updates_with_the_expander(tmp_path: Path) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from streamsync.adapters import expand_moe
+
+    # Smaller weights than dense: the CPU MoE kernel sums experts in another order.
+    trainer = build_tiny_model(tmp_path / "model", "moe", seed=0, init_std=0.12)
+    server = start_server(tmp_path / "model", tmp_path)
+    try:
+        pipeline = expand_moe(when="always", model_type="qwen3_moe")
+        engine = trainer_engine(server, ModuleSource(trainer), pipeline=pipeline)
+        try:
+            three_steps(server, trainer, engine, seed=70)
+        finally:
+            engine.shutdown()
+    finally:
+        stop_server(server)
+
+
+def spec_counts(server: Server) -> tuple[float, float]:
+    """(drafted, accepted) tokens so far, from the server's Prometheus metrics."""
+    text = requests.get(f"{server.url}/metrics", timeout=60).text
+    counts = {"num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+    for line in text.splitlines():
+        for key in counts:
+            if line.startswith(f"vllm:spec_decode_{key}_total"):
+                counts[key] += float(line.rsplit(" ", 1)[1])
+    return counts["num_draft_tokens"], counts["num_accepted_tokens"]
+
+
+def test_drafter_through_the_draft_route(tmp_path: Path) -> None:
+    """A draft-model server: the main model and, through /start_draft_weight_update, the
+    drafter get the trainer's weights; then every drafted token is accepted."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    trainer = build_tiny_model(tmp_path / "main", "dense", seed=0)
+    build_tiny_model(tmp_path / "draft", "dense", seed=1)  # a different drafter to start
+    spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    server = start_server(tmp_path / "main", tmp_path, "--speculative-config", json.dumps(spec))
+    try:
+        drafted0, accepted0 = spec_counts(server)
+        server.greedy_tokens()
+        drafted1, accepted1 = spec_counts(server)
+        assert accepted1 - accepted0 < drafted1 - drafted0  # the drafter differs
+        engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10)
+        try:
+            for step in range(2):
+                perturb(trainer, seed=300 + step)
+                want = reference_outputs(trainer).tokens
+                server.post("pause", params={"mode": "keep"})
+                engine.send_weights(weight_version=f"main-{step}")
+                engine.send_weights(weight_version=f"draft-{step}", draft=True)
+                server.post("resume")
+                drafted0, accepted0 = spec_counts(server)
+                assert server.greedy_tokens() == want
+                drafted1, accepted1 = spec_counts(server)
+                assert drafted1 > drafted0 and accepted1 - accepted0 == drafted1 - drafted0
+                assert server.get("weight_info") == {"weight_version": f"draft-{step}"}
+        finally:
+            engine.shutdown()
+    finally:
+        stop_server(server)
+
+
+def test_same_trainer_code_against_an_in_process_async_llm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer code of the server tests, on an ``AsyncLLM`` in this process through
+    ``AsyncLLMWeightSyncClient`` (its engine core and worker are processes of their own)."""
+    import uuid
+
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm_harness import TRAINER
+
+    from streamsync.vllm.native import AsyncLLMWeightSyncClient, StreamsyncInitInfo
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.syspath_prepend(str(plugin_dir(tmp_path / "plugin")))  # the entry point
+    trainer = build_tiny_model(tmp_path / "model", "dense", seed=0)
+    args = AsyncEngineArgs(
+        model=str(tmp_path / "model"),
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=4,
+        seed=0,
+        weight_transfer_config=WeightTransferConfig(backend="streamsync"),
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def start() -> tuple[Any, Any]:
+        llm = AsyncLLM.from_engine_args(args)
+        return llm, AsyncLLMWeightSyncClient(llm)
+
+    async def tokens() -> list[list[int]]:
+        out = []
+        for prompt in PROMPTS:
+            final = None
+            async for o in llm.generate({"prompt_token_ids": prompt}, greedy, str(uuid.uuid4())):
+                final = o
+            assert final is not None
+            out.append(list(final.outputs[0].token_ids))
+        return out
+
+    llm, client = TRAINER.run(start, timeout=600)
+    try:
+        # Trainer code: blocking, on this thread; the client runs the engine's calls on its
+        # loop.
+        engine = WeightTransferTrainerFactory.trainer_init(
+            StreamsyncInitInfo(rank=0, bucket_bytes=256 << 10),
+            client=client,
+            source=ModuleSource(trainer),
+        )
+        try:
+            for step in range(3):
+                perturb(trainer, seed=900 + step)
+                want = reference_outputs(trainer).tokens
+                TRAINER.run(lambda: llm.pause_generation(mode="keep"), timeout=60)
+                engine.send_weights(weight_version=f"inproc-{step}")
+                TRAINER.run(llm.resume_generation, timeout=60)
+                assert TRAINER.run(tokens, timeout=300) == want
+                assert TRAINER.run(llm.get_weight_version, timeout=60) == f"inproc-{step}"
+        finally:
+            engine.shutdown()
+    finally:
+        TRAINER.run(lambda: _shutdown(llm), timeout=120)
+        llm = client = engine = None  # its finalizer runs now, not at interpreter exit
+        gc.collect()
+
+
+async def _shutdown(llm: Any) -> None:
+    llm.shutdown()
