@@ -1,0 +1,613 @@
+"""``torch+gloo://HOST:PORT`` and ``torch+nccl://HOST:PORT``: each bucket broadcast once to
+every receiver in a private ``torch.distributed`` process group.
+
+The slot ring is the one every linked transport runs (:mod:`streamsync.transports.linked`):
+the handshake, headers, acks and reports travel as authenticated msgspec frames over a
+ZeroMQ link (:mod:`streamsync.transports.zeromq`); only a bucket's bytes take the process
+group, as one ``broadcast`` from the sender's slot into the same slot of every receiver.
+
+Rendezvous: the sender hosts a ``TCPStore`` at HOST:PORT (port 0 picks one; the sender's
+``url`` then names it) and writes the port of its ZeroMQ link there; a receiver reads it
+and joins the link. The ``Welcome`` names the group (a random key prefix in the store and
+its size); sender = rank 0, receiver ``i`` = rank ``i + 1`` in join order. The group is
+formed on the first bucket, never through the default group (``init_process_group`` is not
+called, so it coexists with an FSDP trainer's or a vLLM worker's own groups; vLLM's
+``StatelessProcessGroup`` is the pattern). Nothing is pickled: the store holds bytes only.
+
+With a bucket's header each receiver gets a 12-byte marker (slot, size) as a payload
+frame: its link reader then joins the broadcast into that slot, so receivers take part in
+the same order as the sender publishes, while their sinks load earlier slots.
+
+Failures: every broadcast has the sync's timeout (the process group's own timeout, so no
+thread waits forever); a receiver's death seen on the link (ZeroMQ's monitor) ends the
+sender's wait at once. A failed or timed-out broadcast leaves the group unusable, so the
+channel is then broken (:class:`~streamsync.PeerBrokenError` or
+:class:`~streamsync.SyncTimeoutError`): the group has a fixed size, and a receiver that
+restarts needs a new channel (a new sender), not a seat in the old group.
+
+``torch+nccl`` keeps the ring on the GPU (``device=`` on the sender, default the current
+device; each receiver uses its current device): no host staging. The data path is not
+encrypted or authenticated (as ``zmq+tcp`` payloads); the store listens on every interface
+(torch's ``TCPStore``), the link on HOST as ``zmq+tcp`` does.
+
+URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
+``connect_timeout``, ``heartbeat`` (the link's, seconds), ``device`` (nccl sender).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import torch
+
+from streamsync.bucket import Bucket, allocate_slot
+from streamsync.errors import (
+    ConfigError,
+    PeerBrokenError,
+    StreamsyncError,
+    SyncTimeoutError,
+    WireFormatError,
+)
+from streamsync.transports.link import Fds, LinkEvents, LinkLost, Peer, ReceiverLink, SenderLink
+from streamsync.transports.linked import LinkedReceiver, LinkedSender
+from streamsync.transports.slots import Shared, SlotStore, SlotView
+from streamsync.transports.zeromq import ZmqDialer, ZmqLink
+from streamsync.wire import Abort, BucketHeader, Bye, End, Welcome
+
+if TYPE_CHECKING:
+    from streamsync.transports import Endpoint
+
+__all__ = [
+    "GroupDialer",
+    "GroupLink",
+    "GroupPlan",
+    "GroupSender",
+    "GroupSlots",
+    "GroupView",
+    "ProcessGroupMember",
+    "receiver_from_url",
+    "sender_from_url",
+]
+
+#: Where the sender writes its link's port in the store.
+_CONTROL_KEY = "streamsync/control-port"
+#: The marker that follows a bucket's header: slot and size of the coming broadcast.
+_MARKER = struct.Struct("<IQ")
+#: Longest wait for a stuck broadcast to give up its group when a channel closes.
+_CLOSE_S = 1.0
+BACKENDS = {"torch+gloo": "gloo", "torch+nccl": "nccl"}
+
+
+class GroupPlan(msgspec.Struct, frozen=True, array_like=True):
+    """What a joining receiver needs to join the channel's process group (in its
+    ``Welcome``): the backend, the group's key prefix in the store and its size."""
+
+    backend: str
+    prefix: str
+    world_size: int
+
+
+def _host_port(scheme: str, target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"{scheme}://{target}: expected {scheme}://HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+def _timeout(seconds: float) -> timedelta:
+    return timedelta(seconds=max(seconds, 0.001))
+
+
+class ProcessGroupMember:
+    """One side's seat in a channel's private process group: the store, its rank, and the
+    group itself once formed. Every method blocks: callers run them in a worker thread."""
+
+    def __init__(self, url: str, backend: str, *, device: torch.device | None = None) -> None:
+        self.url = url
+        self.backend = backend
+        self.device = device or torch.device("cpu")
+        self.store: Any = None
+        self.local_host = ""
+        self.rank = -1
+        self.plan: GroupPlan | None = None
+        self._group: Any = None
+        self._broken: StreamsyncError | None = None
+
+    @property
+    def formed(self) -> bool:
+        """The group exists (formed on the first bucket)."""
+        return self._group is not None
+
+    def form(self, timeout: float) -> None:
+        """Meet every other rank through the store (all of them call this)."""
+        from torch._C._distributed_c10d import PrefixStore
+
+        assert self.plan is not None and self.store is not None
+        store = PrefixStore(self.plan.prefix, self.store)
+        rank, size = self.rank, self.plan.world_size
+        if self.backend == "gloo":
+            from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+            # The gloo options with devices (``Options`` is the generic backend's here).
+            options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            options._timeout = _timeout(timeout)
+            options._devices = [_gloo_device(self.local_host)]
+            self._group = ProcessGroupGloo(store, rank, size, options)
+        else:
+            from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+            nccl_options = ProcessGroupNCCL.Options()
+            nccl_options._timeout = _timeout(timeout)
+            self._group = ProcessGroupNCCL(store, rank, size, nccl_options)
+
+    def broadcast(self, data: torch.Tensor, timeout: float, *, form_timeout: float) -> None:
+        """Broadcast ``data`` from rank 0 into every rank's ``data`` within ``timeout``
+        seconds (forming the group first if needed); raises a named error and leaves the
+        member broken if it cannot."""
+        import torch.distributed as dist
+
+        if self._broken is not None:
+            raise self._broken
+        try:
+            if self._group is None:
+                self.form(form_timeout)
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            options.rootTensor = 0
+            options.timeout = _timeout(timeout)
+            work = self._group.broadcast([data], options)
+            if self.backend == "gloo":
+                work.wait()  # bounded by options.timeout
+            else:
+                # NCCL: wait on the work's completion event, abort the group on timeout.
+                deadline = time.monotonic() + timeout
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        self._group.abort()
+                        raise TimeoutError(f"timed out after {timeout:g} s")
+                    time.sleep(0.0002)
+        except Exception as exc:
+            self._broken = self._error(exc, data.numel(), timeout)
+            raise self._broken from exc
+
+    def poison(self) -> None:
+        """Refuse every later broadcast (the group is out of step with its peers)."""
+        if self._broken is None:
+            self._broken = PeerBrokenError(
+                f"{self.url}: an earlier broadcast failed; open a new channel"
+            )
+
+    def _error(self, exc: Exception, nbytes: int, timeout: float) -> StreamsyncError:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if isinstance(exc, TimeoutError) or "timed out" in text.lower():
+            return SyncTimeoutError(
+                f"{self.url}: a broadcast of {nbytes} bytes did not complete within "
+                f"{timeout:g} s (rank {self.rank}; a peer is not taking part); the channel's "
+                "process group is unusable now: open a new channel"
+            )
+        return PeerBrokenError(
+            f"{self.url}: the {self.backend} broadcast failed at rank {self.rank} ({text}); "
+            "a peer went away: open a new channel"
+        )
+
+    def close(self) -> None:
+        """Shut the group down and let go of the store (idempotent)."""
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.abort() if self._broken is not None else group.shutdown()
+        self.store = None
+
+
+def _gloo_device(host: str) -> Any:
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return ProcessGroupGloo.create_device(interface=os.environ["GLOO_SOCKET_IFNAME"])
+    if host in ("", "*", "0.0.0.0", "::"):
+        return ProcessGroupGloo.create_default_device()
+    return ProcessGroupGloo.create_device(hostname=host)
+
+
+def _local_address(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family[0], socket.SOCK_DGRAM) as probe:
+            probe.connect(family[4])
+            return str(probe.getsockname()[0])
+    except OSError:
+        return ""
+
+
+async def _in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a worker thread; cancelling the caller abandons the thread (every blocking
+    call here carries its own timeout, so the thread ends by itself)."""
+    return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+
+
+# -- sender -------------------------------------------------------------------------------
+class GroupSlots(SlotStore):
+    """Sender side: the slots (host memory for gloo, one device ring for nccl); a joining
+    receiver is told the group's plan."""
+
+    payload_frames = True  # a marker, not the bytes, follows each header (see GroupSender)
+
+    def __init__(self, slots: int, slot_bytes: int, member: ProcessGroupMember) -> None:
+        super().__init__(slots, slot_bytes)
+        self.member = member
+
+    def open(self) -> None:
+        self._bufs = _allocate(self.slots, self.slot_bytes, self.member.device)
+
+    def shared(self) -> Shared:
+        assert self.member.plan is not None
+        return Shared(layout=msgspec.msgpack.encode(self.member.plan))
+
+
+def _allocate(slots: int, slot_bytes: int, device: torch.device) -> list[torch.Tensor]:
+    if device.type == "cpu":
+        bufs = [allocate_slot(slot_bytes) for _ in range(slots)]
+        for buf in bufs:
+            buf.zero_()  # fault the pages in now, not during the first sync
+        return bufs
+    ring = torch.zeros(slots * slot_bytes, dtype=torch.uint8, device=device)
+    return list(ring.view(slots, slot_bytes).unbind(0))
+
+
+class GroupLink(SenderLink):
+    """Sender end: the rendezvous store at HOST:PORT and a ZeroMQ link on HOST (its port
+    written to the store) for the ring's frames."""
+
+    def __init__(
+        self,
+        scheme: str,
+        target: str,
+        member: ProcessGroupMember,
+        *,
+        hwm: int,
+        heartbeat: float,
+        timeout: float,
+    ) -> None:
+        self.url = f"{scheme}://{target}"
+        self.scheme = scheme
+        self.host, self.port = _host_port(scheme, target)
+        self.member = member
+        self.timeout = timeout
+        self.inner = ZmqLink("zmq+tcp", f"{self.host}:0", hwm=hwm, heartbeat=heartbeat)
+
+    async def open(self) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        host = "127.0.0.1" if self.host in ("*", "0.0.0.0") else self.host
+
+        def serve_store() -> Any:
+            return TCPStore(
+                host,
+                self.port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_timeout(self.timeout),
+            )
+
+        try:
+            store = await _in_thread(serve_store)
+        except (RuntimeError, OSError) as exc:
+            raise ConfigError(
+                f"{self.url}: cannot serve the rendezvous store on port {self.port} ({exc}); "
+                "is another sender there?"
+            ) from None
+        self.member.store = store
+        self.port = int(store.port)
+        self.url = f"{self.scheme}://{self.host}:{self.port}"
+        self.member.url = self.url
+        self.member.local_host = self.host
+        await self.inner.open()
+        control_port = self.inner.url.rpartition(":")[2]
+        await _in_thread(lambda: store.set(_CONTROL_KEY, control_port.encode()))
+
+    async def serve(self, events: LinkEvents) -> None:
+        await self.inner.serve(events)
+
+    async def send(
+        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
+    ) -> None:
+        await self.inner.send(peer, frame, payload, fds)
+
+    def all_joined(self) -> None:
+        self.inner.all_joined()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class GroupSender(LinkedSender):
+    """The ring over a :class:`GroupLink`: headers over the link, each bucket's bytes in
+    one broadcast of its slot."""
+
+    def __init__(self, link: GroupLink, store: GroupSlots, **kwargs: Any) -> None:
+        super().__init__(link, store, **kwargs)
+        self.member = store.member
+        self.member.rank = 0
+        self.member.plan = GroupPlan(
+            self.member.backend, f"streamsync/{os.urandom(8).hex()}/", self.receivers + 1
+        )
+        self._marker = torch.zeros(_MARKER.size, dtype=torch.uint8)
+        self._sync_timeout = 60.0
+
+    async def send(
+        self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
+    ) -> None:
+        self._sync_timeout = timeout
+        await super().send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
+
+    async def _publish(
+        self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
+    ) -> None:
+        if not isinstance(msg, BucketHeader) or payload is None:
+            await super()._publish(msg, None)
+            return
+        self._marker = torch.frombuffer(
+            bytearray(_MARKER.pack(msg.slot, msg.nbytes)), dtype=torch.uint8
+        )
+        await super()._publish(msg, payload)
+        await self._broadcast(payload)
+
+    async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
+        # The header goes with the marker; the bytes go once, by broadcast.
+        await self.link.send(peer, frame, self._marker if payload is not None else None)
+
+    async def _broadcast(self, data: torch.Tensor) -> None:
+        timeout = self._sync_timeout
+        form = 0.0 if self.member.formed else self.connect_timeout
+        done: list[BaseException | None] = []
+
+        async def run() -> None:
+            try:
+                await _in_thread(
+                    lambda: self.member.broadcast(data, timeout, form_timeout=self.connect_timeout)
+                )
+                done.append(None)
+            except Exception as exc:
+                done.append(exc)
+            self._signal.notify()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            try:
+                # A receiver's death seen on the link ends the wait before the broadcast's
+                # own timeout does.
+                await self._signal.wait_until(
+                    lambda: bool(done) or self._broken is not None,
+                    timeout=timeout + form + 1.0,
+                    what=f"the broadcast of {data.numel()} bytes",
+                )
+            except SyncTimeoutError as exc:
+                done.append(exc)
+            finally:
+                tg.cancel_scope.cancel()
+        if done and done[0] is None:
+            return
+        # The group is out of step now (or its thread still runs): no later broadcast.
+        self.member.poison()
+        error = done[0] if done else None
+        # The reason a receiver gave (its failure, its goodbye) may still be in flight.
+        with contextlib.suppress(SyncTimeoutError):
+            await self._signal.wait_until(
+                lambda: self._failed is not None or bool(self._departed), timeout=0.2, what=""
+            )
+        if isinstance(error, StreamsyncError):
+            self.on_broken(error)
+        self._check()
+        self.on_broken(
+            PeerBrokenError(f"{self.url}: a receiver left during a broadcast; open a new channel")
+        )
+        self._check()
+
+    async def _shutdown(self) -> None:
+        await super()._shutdown()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
+            await _in_thread(self.member.close)
+
+
+def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> GroupSender:
+    """``torch+gloo://HOST:PORT?receivers=&slots=&slot_bytes=`` (or ``torch+nccl://``)."""
+    backend = BACKENDS[endpoint.scheme]
+    opts = endpoint.sender_options(kwargs)
+    heartbeat = opts.pop("heartbeat", 1.0)
+    device = _sender_device(endpoint, backend, opts.pop("device", None))
+    url = f"{endpoint.scheme}://{endpoint.target}"
+    member = ProcessGroupMember(url, backend, device=device)
+    link = GroupLink(
+        endpoint.scheme,
+        endpoint.target,
+        member,
+        hwm=2 * opts["slots"] + 8,
+        heartbeat=heartbeat,
+        timeout=opts.get("connect_timeout", 60.0),
+    )
+    store = GroupSlots(opts.pop("slots"), opts.pop("slot_bytes"), member)
+    return GroupSender(link, store, **opts)
+
+
+def _sender_device(endpoint: Endpoint, backend: str, device: Any) -> torch.device:
+    if backend == "gloo":
+        if device is not None and torch.device(device).type != "cpu":
+            raise ConfigError(f"{endpoint.scheme}: device={device}; gloo sends from host memory")
+        return torch.device("cpu")
+    return _cuda_device(f"{endpoint.scheme}://{endpoint.target}", device)
+
+
+def _cuda_device(url: str, device: Any) -> torch.device:
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise ConfigError(
+            f"{url}: NCCL needs CUDA and a torch built with NCCL in this process; "
+            "use torch+gloo:// instead"
+        )
+    dev = torch.device(device if device is not None else "cuda")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+# -- receiver ------------------------------------------------------------------------------
+class GroupView(SlotView):
+    """Receiver side: this rank's own slots, into which the link reader broadcasts."""
+
+    def __init__(self, member: ProcessGroupMember) -> None:
+        self.member = member
+        self.slots: list[torch.Tensor] = []
+
+    def attach(self, welcome: Welcome, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        try:
+            plan = msgspec.msgpack.decode(welcome.layout, type=GroupPlan)
+        except msgspec.DecodeError as exc:
+            raise WireFormatError(f"the Welcome names no process group: {exc}") from None
+        if plan.backend != self.member.backend:
+            raise ConfigError(
+                f"the sender broadcasts with {plan.backend}, this receiver joined with "
+                f"{self.member.backend}; use torch+{plan.backend}://"
+            )
+        if not 0 <= welcome.index < plan.world_size - 1:
+            raise WireFormatError(f"receiver index {welcome.index} in a group of {plan.world_size}")
+        self.member.plan = plan
+        self.member.rank = welcome.index + 1
+        self.slots = _allocate(welcome.slots, welcome.slot_bytes, self.member.device)
+
+    def target(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Where the broadcast announced by a marker lands."""
+        if not 0 <= slot < len(self.slots) or not 0 <= nbytes <= self.slots[slot].numel():
+            raise WireFormatError(
+                f"a broadcast of {nbytes} bytes into slot {slot}; the ring has "
+                f"{len(self.slots)} slots of {self.slots[0].numel() if self.slots else 0}"
+            )
+        return self.slots[slot][:nbytes]
+
+    def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
+        if not isinstance(payload, tuple):
+            raise WireFormatError(f"bucket {header.seq} arrived without its broadcast")
+        slot, data = payload
+        assert isinstance(data, torch.Tensor)
+        if slot != header.slot or data.numel() != header.nbytes:
+            raise WireFormatError(
+                f"bucket {header.seq} is {header.nbytes} bytes in slot {header.slot}; its "
+                f"broadcast was {data.numel()} bytes into slot {slot}"
+            )
+        return data
+
+    def close(self) -> None:
+        self.slots = []
+
+
+class GroupDialer(ReceiverLink):
+    """Receiver end: reads the link's port from the store, joins the link, and takes part
+    in each bucket's broadcast as its header arrives."""
+
+    def __init__(
+        self,
+        scheme: str,
+        target: str,
+        view: GroupView,
+        *,
+        heartbeat: float,
+        timeout: float,
+    ) -> None:
+        self.url = f"{scheme}://{target}"
+        self.host, self.port = _host_port(scheme, target)
+        if self.host == "*":
+            raise ConfigError(f"{self.url}: a receiver needs the sender's host, not '*'")
+        self.view = view
+        self.member = view.member
+        self.heartbeat = heartbeat
+        self.timeout = timeout
+        self.inner: ZmqDialer | None = None
+
+    async def connect(self) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        def rendezvous() -> tuple[Any, bytes]:
+            deadline = time.monotonic() + self.timeout
+            while True:  # the sender may not be there yet
+                try:
+                    store = TCPStore(
+                        self.host,
+                        self.port,
+                        is_master=False,
+                        timeout=_timeout(max(deadline - time.monotonic(), 0.1)),
+                    )
+                    return store, store.get(_CONTROL_KEY)
+                except (RuntimeError, OSError):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+
+        try:
+            store, port = await _in_thread(rendezvous)
+        except (RuntimeError, OSError) as exc:
+            raise SyncTimeoutError(
+                f"{self.url}: no sender answered within {self.timeout:g} s ({exc})"
+            ) from None
+        self.member.store = store
+        self.member.url = self.url
+        self.member.local_host = _local_address(self.host, self.port)
+        self.inner = ZmqDialer("zmq+tcp", f"{self.host}:{port.decode()}", heartbeat=self.heartbeat)
+        await self.inner.connect()
+
+    async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
+        assert self.inner is not None
+        return await self.inner.handshake(hello)
+
+    async def send(self, frame: bytes) -> None:
+        assert self.inner is not None
+        await self.inner.send(frame)
+
+    async def receive(self) -> tuple[bytes, Any]:
+        assert self.inner is not None
+        frame, marker = await self.inner.receive()
+        if marker is None:
+            return frame, None
+        if len(marker) != _MARKER.size:
+            raise WireFormatError(f"{self.url}: a bucket marker of {len(marker)} bytes")
+        slot, nbytes = _MARKER.unpack(bytes(marker))
+        data = self.view.target(slot, nbytes)
+        try:
+            await _in_thread(
+                lambda: self.member.broadcast(data, self.timeout, form_timeout=self.timeout)
+            )
+        except StreamsyncError as exc:
+            raise LinkLost(str(exc)) from None
+        return frame, (slot, data)
+
+    async def aclose(self) -> None:
+        if self.inner is not None:
+            await self.inner.aclose()
+            self.inner = None
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
+            await _in_thread(self.member.close)
+
+
+def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
+    """``torch+gloo://HOST:PORT`` (or ``torch+nccl://``)."""
+    backend = BACKENDS[endpoint.scheme]
+    url = f"{endpoint.scheme}://{endpoint.target}"
+    device = torch.device("cpu") if backend == "gloo" else _cuda_device(url, None)
+    view = GroupView(ProcessGroupMember(url, backend, device=device))
+    link = GroupDialer(
+        endpoint.scheme,
+        endpoint.target,
+        view,
+        heartbeat=kwargs.pop("heartbeat", 1.0),
+        timeout=kwargs.get("connect_timeout", 60.0),
+    )
+    return LinkedReceiver(link, view, **kwargs)
