@@ -31,7 +31,8 @@ encrypted or authenticated (as ``zmq+tcp`` payloads); the store listens on every
 (torch's ``TCPStore``), the link on HOST as ``zmq+tcp`` does.
 
 URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
-``connect_timeout``, ``heartbeat`` (the link's, seconds), ``device`` (nccl sender).
+``connect_timeout``, ``heartbeat`` (the link's, seconds), ``device`` (nccl: this side's
+GPU, default the current device).
 """
 
 from __future__ import annotations
@@ -360,13 +361,13 @@ class GroupSender(LinkedSender):
             bytearray(_MARKER.pack(msg.slot, msg.nbytes)), dtype=torch.uint8
         )
         await super()._publish(msg, payload)
-        await self._broadcast(payload)
+        await self._broadcast(msg.sync_id, payload)
 
     async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
         # The header goes with the marker; the bytes go once, by broadcast.
         await self.link.send(peer, frame, self._marker if payload is not None else None)
 
-    async def _broadcast(self, data: torch.Tensor) -> None:
+    async def _broadcast(self, sync_id: int, data: torch.Tensor) -> None:
         timeout = self._sync_timeout
         form = 0.0 if self.member.formed else self.connect_timeout
         done: list[BaseException | None] = []
@@ -405,13 +406,23 @@ class GroupSender(LinkedSender):
             await self._signal.wait_until(
                 lambda: self._failed is not None or bool(self._departed), timeout=0.2, what=""
             )
-        if isinstance(error, StreamsyncError):
-            self.on_broken(error)
+        if not isinstance(error, StreamsyncError):
+            error = PeerBrokenError(
+                f"{self.url}: a receiver left during a broadcast; open a new channel"
+            )
+        # The receivers still there would wait out their timeout for a bucket that never
+        # comes: they hear now that this sync is over (a dead one's link just fails).
+        await self._abort_survivors(Abort(sync_id, f"{type(error).__name__}: {error}"))
         self._check()
-        self.on_broken(
-            PeerBrokenError(f"{self.url}: a receiver left during a broadcast; open a new channel")
-        )
+        self.on_broken(error)
         self._check()
+
+    async def _abort_survivors(self, abort: Abort) -> None:
+        for peer in list(self.peers.values()):
+            if peer.codec is None or peer.said_bye:
+                continue
+            with anyio.move_on_after(0.5), contextlib.suppress(StreamsyncError):
+                await self._send_frame(peer, peer.codec.encode(abort), None)
 
     async def _shutdown(self) -> None:
         await super()._shutdown()
@@ -424,7 +435,7 @@ def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> GroupSender:
     backend = BACKENDS[endpoint.scheme]
     opts = endpoint.sender_options(kwargs)
     heartbeat = opts.pop("heartbeat", 1.0)
-    device = _sender_device(endpoint, backend, opts.pop("device", None))
+    device = _device(endpoint, backend, opts.pop("device", None))
     url = f"{endpoint.scheme}://{endpoint.target}"
     member = ProcessGroupMember(url, backend, device=device)
     link = GroupLink(
@@ -439,7 +450,7 @@ def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> GroupSender:
     return GroupSender(link, store, **opts)
 
 
-def _sender_device(endpoint: Endpoint, backend: str, device: Any) -> torch.device:
+def _device(endpoint: Endpoint, backend: str, device: Any) -> torch.device:
     if backend == "gloo":
         if device is not None and torch.device(device).type != "cpu":
             raise ConfigError(f"{endpoint.scheme}: device={device}; gloo sends from host memory")
@@ -598,10 +609,11 @@ class GroupDialer(ReceiverLink):
 
 
 def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
-    """``torch+gloo://HOST:PORT`` (or ``torch+nccl://``)."""
+    """``torch+gloo://HOST:PORT`` (or ``torch+nccl://``, ``device=`` defaulting to the
+    current CUDA device)."""
     backend = BACKENDS[endpoint.scheme]
     url = f"{endpoint.scheme}://{endpoint.target}"
-    device = torch.device("cpu") if backend == "gloo" else _cuda_device(url, None)
+    device = _device(endpoint, backend, kwargs.pop("device", None))
     view = GroupView(ProcessGroupMember(url, backend, device=device))
     link = GroupDialer(
         endpoint.scheme,
