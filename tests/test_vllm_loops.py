@@ -35,6 +35,7 @@ from vllm_harness import (
 
 import streamsync as ss
 from streamsync.testing.models import build_tiny_model, perturb
+from streamsync.testing.peers import free_port
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -99,11 +100,15 @@ async def generate(llm: Any) -> Outputs:
 
 
 @pytest.mark.slow
-def test_two_engines_from_one_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "form", ["shm://loops-fan-{pid}", "zmq+tcp://127.0.0.1:{port}", "torch+gloo://127.0.0.1:{port}"]
+)
+def test_two_engines_from_one_trainer(tmp_path: Path, form: str) -> None:
     """Two ``AsyncLLM`` replicas, each with its engine core (and worker) in a process of its
-    own, as data-parallel replicas run, fed by one channel. (Two in-process engines cannot
-    share a channel: vLLM keeps the current config in a process-wide global, and their
-    concurrent loads tripped an assertion inside vLLM; ``WeightSync`` refuses them.)"""
+    own, as data-parallel replicas run, fed by one channel: a shared-memory ring, or one
+    gloo broadcast per bucket to both workers (``torch+gloo``). (Two in-process engines
+    cannot share a channel: vLLM keeps the current config in a process-wide global, and
+    their concurrent loads tripped an assertion inside vLLM; ``WeightSync`` refuses them.)"""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -134,7 +139,7 @@ def test_two_engines_from_one_trainer(tmp_path: Path) -> None:
         before = [TRAINER.run(functools.partial(generate, llm), timeout=120) for llm in engines]
         assert_matches(before[1], reference_outputs(other))  # each serves its own weights
         assert before[0].tokens != before[1].tokens
-        endpoint = f"shm://loops-fan-{os.getpid()}"
+        endpoint = form.format(pid=os.getpid(), port=free_port())
 
         async def train() -> None:
             async with WeightSync(engines, endpoint, bucket_bytes=BUCKET) as sync:
