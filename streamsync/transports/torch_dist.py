@@ -43,6 +43,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -331,6 +332,17 @@ class GroupLink(SenderLink):
         await self.inner.aclose()
 
 
+@dataclass
+class _Broadcast:
+    """The sender's broadcast in flight."""
+
+    sync_id: int
+    nbytes: int
+    deadline: float
+    done: bool = False
+    error: BaseException | None = None
+
+
 class GroupSender(LinkedSender):
     """The ring over a :class:`GroupLink`: headers over the link, each bucket's bytes in
     one broadcast of its slot."""
@@ -344,6 +356,7 @@ class GroupSender(LinkedSender):
         )
         self._marker = torch.zeros(_MARKER.size, dtype=torch.uint8)
         self._sync_timeout = 60.0
+        self._pending: _Broadcast | None = None
 
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
@@ -354,6 +367,9 @@ class GroupSender(LinkedSender):
     async def _publish(
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:
+        # One broadcast in flight at a time: the next bucket is packed while it runs (its
+        # slot is not reused before every receiver acked it, hence after it completed).
+        await self._settle(quiet=isinstance(msg, Abort | Bye))
         if not isinstance(msg, BucketHeader) or payload is None:
             await super()._publish(msg, None)
             return
@@ -361,46 +377,51 @@ class GroupSender(LinkedSender):
             bytearray(_MARKER.pack(msg.slot, msg.nbytes)), dtype=torch.uint8
         )
         await super()._publish(msg, payload)
-        await self._broadcast(msg.sync_id, payload)
+        self._launch(msg.sync_id, payload)
 
     async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
         # The header goes with the marker; the bytes go once, by broadcast.
         await self.link.send(peer, frame, self._marker if payload is not None else None)
 
-    async def _broadcast(self, sync_id: int, data: torch.Tensor) -> None:
+    def _launch(self, sync_id: int, data: torch.Tensor) -> None:
         timeout = self._sync_timeout
         form = 0.0 if self.member.formed else self.connect_timeout
-        done: list[BaseException | None] = []
+        pending = _Broadcast(sync_id, data.numel(), time.monotonic() + timeout + form + 1.0)
+        self._pending = pending
 
         async def run() -> None:
             try:
                 await _in_thread(
                     lambda: self.member.broadcast(data, timeout, form_timeout=self.connect_timeout)
                 )
-                done.append(None)
             except Exception as exc:
-                done.append(exc)
+                pending.error = exc
+            pending.done = True
             self._signal.notify()
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            try:
-                # A receiver's death seen on the link ends the wait before the broadcast's
-                # own timeout does.
-                await self._signal.wait_until(
-                    lambda: bool(done) or self._broken is not None,
-                    timeout=timeout + form + 1.0,
-                    what=f"the broadcast of {data.numel()} bytes",
-                )
-            except SyncTimeoutError as exc:
-                done.append(exc)
-            finally:
-                tg.cancel_scope.cancel()
-        if done and done[0] is None:
+        self._tasks.start_soon(run)
+
+    async def _settle(self, *, quiet: bool = False) -> None:
+        """Wait for the broadcast in flight; a failed one breaks the channel (``quiet``:
+        without raising, for an abort or a goodbye)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            # A receiver's death seen on the link ends the wait before the broadcast's own
+            # timeout does.
+            await self._signal.wait_until(
+                lambda: pending.done or self._broken is not None,
+                timeout=max(0.0, pending.deadline - time.monotonic()),
+                what=f"the broadcast of {pending.nbytes} bytes",
+            )
+        except SyncTimeoutError as exc:
+            pending.error = exc
+        if pending.done and pending.error is None:
             return
         # The group is out of step now (or its thread still runs): no later broadcast.
         self.member.poison()
-        error = done[0] if done else None
+        error = pending.error
         # The reason a receiver gave (its failure, its goodbye) may still be in flight.
         with contextlib.suppress(SyncTimeoutError):
             await self._signal.wait_until(
@@ -412,9 +433,14 @@ class GroupSender(LinkedSender):
             )
         # The receivers still there would wait out their timeout for a bucket that never
         # comes: they hear now that this sync is over (a dead one's link just fails).
-        await self._abort_survivors(Abort(sync_id, f"{type(error).__name__}: {error}"))
-        self._check()
-        self.on_broken(error)
+        if quiet:
+            self.on_broken(error)
+            return
+        await self._abort_survivors(Abort(pending.sync_id, f"{type(error).__name__}: {error}"))
+        try:
+            self._check()  # what a receiver said, if it said why
+        finally:
+            self.on_broken(error)
         self._check()
 
     async def _abort_survivors(self, abort: Abort) -> None:
