@@ -184,7 +184,8 @@ def test_import_streamsync_stays_light() -> None:
         "import sys, streamsync, streamsync.transports as t; t.schemes(); "
         "print(sorted(m for m in ('zmq', 'streamsync.transports.shm', "
         "'streamsync.transports.zeromq', 'streamsync.transports.cuda_ipc', "
-        "'streamsync.transports.torch_dist') if m in sys.modules)); "
+        "'streamsync.transports.torch_dist', 'streamsync.transports.torch_group') "
+        "if m in sys.modules)); "
         "import torch.distributed as d; print(d.is_available() and d.is_initialized())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -9,8 +9,9 @@ group, as one ``broadcast`` from the sender's slot into the same slot of every r
 Rendezvous: the sender hosts a ``TCPStore`` at HOST:PORT (port 0 picks one; the sender's
 ``url`` then names it) and writes the port of its ZeroMQ link there; a receiver reads it
 and joins the link. The ``Welcome`` names the group (a random key prefix in the store and
-its size); sender = rank 0, receiver ``i`` = rank ``i + 1`` in join order. The group is
-formed on the first bucket, never through the default group (``init_process_group`` is not
+its size); sender = rank 0, receiver ``i`` = rank ``i + 1`` in join order. The group
+(:mod:`streamsync.transports.torch_group`) is formed on the first bucket, never through
+the default group (``init_process_group`` is not
 called, so it coexists with an FSDP trainer's or a vLLM worker's own groups; vLLM's
 ``StatelessProcessGroup`` is the pattern). Nothing is pickled: the store holds bytes only.
 
@@ -39,12 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -62,6 +61,13 @@ from streamsync.errors import (
 from streamsync.transports.link import Fds, LinkEvents, LinkLost, Peer, ReceiverLink, SenderLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.slots import Shared, SlotStore, SlotView
+from streamsync.transports.torch_group import (
+    GroupPlan,
+    ProcessGroupMember,
+    as_timedelta,
+    cuda_device,
+    local_address,
+)
 from streamsync.transports.zeromq import ZmqDialer, ZmqLink
 from streamsync.wire import Abort, BucketHeader, Bye, End, Welcome
 
@@ -71,11 +77,9 @@ if TYPE_CHECKING:
 __all__ = [
     "GroupDialer",
     "GroupLink",
-    "GroupPlan",
     "GroupSender",
     "GroupSlots",
     "GroupView",
-    "ProcessGroupMember",
     "receiver_from_url",
     "sender_from_url",
 ]
@@ -89,146 +93,11 @@ _CLOSE_S = 1.0
 BACKENDS = {"torch+gloo": "gloo", "torch+nccl": "nccl"}
 
 
-class GroupPlan(msgspec.Struct, frozen=True, array_like=True):
-    """What a joining receiver needs to join the channel's process group (in its
-    ``Welcome``): the backend, the group's key prefix in the store and its size."""
-
-    backend: str
-    prefix: str
-    world_size: int
-
-
 def _host_port(scheme: str, target: str) -> tuple[str, int]:
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"{scheme}://{target}: expected {scheme}://HOST:PORT")
     return host or "127.0.0.1", int(port)
-
-
-def _timeout(seconds: float) -> timedelta:
-    return timedelta(seconds=max(seconds, 0.001))
-
-
-class ProcessGroupMember:
-    """One side's seat in a channel's private process group: the store, its rank, and the
-    group itself once formed. Every method blocks: callers run them in a worker thread."""
-
-    def __init__(self, url: str, backend: str, *, device: torch.device | None = None) -> None:
-        self.url = url
-        self.backend = backend
-        self.device = device or torch.device("cpu")
-        self.store: Any = None
-        self.local_host = ""
-        self.rank = -1
-        self.plan: GroupPlan | None = None
-        self._group: Any = None
-        self._broken: StreamsyncError | None = None
-
-    @property
-    def formed(self) -> bool:
-        """The group exists (formed on the first bucket)."""
-        return self._group is not None
-
-    def form(self, timeout: float) -> None:
-        """Meet every other rank through the store (all of them call this)."""
-        from torch._C._distributed_c10d import PrefixStore
-
-        assert self.plan is not None and self.store is not None
-        store = PrefixStore(self.plan.prefix, self.store)
-        rank, size = self.rank, self.plan.world_size
-        if self.backend == "gloo":
-            from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-            # The gloo options with devices (``Options`` is the generic backend's here).
-            options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-            options._timeout = _timeout(timeout)
-            options._devices = [_gloo_device(self.local_host)]
-            self._group = ProcessGroupGloo(store, rank, size, options)
-        else:
-            from torch.distributed.distributed_c10d import ProcessGroupNCCL
-
-            nccl_options = ProcessGroupNCCL.Options()
-            nccl_options._timeout = _timeout(timeout)
-            self._group = ProcessGroupNCCL(store, rank, size, nccl_options)
-
-    def broadcast(self, data: torch.Tensor, timeout: float, *, form_timeout: float) -> None:
-        """Broadcast ``data`` from rank 0 into every rank's ``data`` within ``timeout``
-        seconds (forming the group first if needed); raises a named error and leaves the
-        member broken if it cannot."""
-        import torch.distributed as dist
-
-        if self._broken is not None:
-            raise self._broken
-        try:
-            if self._group is None:
-                self.form(form_timeout)
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            options.rootTensor = 0
-            options.timeout = _timeout(timeout)
-            work = self._group.broadcast([data], options)
-            if self.backend == "gloo":
-                work.wait()  # bounded by options.timeout
-            else:
-                # NCCL: wait on the work's completion event, abort the group on timeout.
-                deadline = time.monotonic() + timeout
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        self._group.abort()
-                        raise TimeoutError(f"timed out after {timeout:g} s")
-                    time.sleep(0.0002)
-        except Exception as exc:
-            self._broken = self._error(exc, data.numel(), timeout)
-            raise self._broken from exc
-
-    def poison(self) -> None:
-        """Refuse every later broadcast (the group is out of step with its peers)."""
-        if self._broken is None:
-            self._broken = PeerBrokenError(
-                f"{self.url}: an earlier broadcast failed; open a new channel"
-            )
-
-    def _error(self, exc: Exception, nbytes: int, timeout: float) -> StreamsyncError:
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if isinstance(exc, TimeoutError) or "timed out" in text.lower():
-            return SyncTimeoutError(
-                f"{self.url}: a broadcast of {nbytes} bytes did not complete within "
-                f"{timeout:g} s (rank {self.rank}; a peer is not taking part); the channel's "
-                "process group is unusable now: open a new channel"
-            )
-        return PeerBrokenError(
-            f"{self.url}: the {self.backend} broadcast failed at rank {self.rank} ({text}); "
-            "a peer went away: open a new channel"
-        )
-
-    def close(self) -> None:
-        """Shut the group down and let go of the store (idempotent)."""
-        group, self._group = self._group, None
-        if group is not None:
-            with contextlib.suppress(Exception):
-                group.abort() if self._broken is not None else group.shutdown()
-        self.store = None
-
-
-def _gloo_device(host: str) -> Any:
-    from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return ProcessGroupGloo.create_device(interface=os.environ["GLOO_SOCKET_IFNAME"])
-    if host in ("", "*", "0.0.0.0", "::"):
-        return ProcessGroupGloo.create_default_device()
-    return ProcessGroupGloo.create_device(hostname=host)
-
-
-def _local_address(host: str, port: int) -> str:
-    """This machine's address on the route to ``host`` (no packet is sent)."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family[0], socket.SOCK_DGRAM) as probe:
-            probe.connect(family[4])
-            return str(probe.getsockname()[0])
-    except OSError:
-        return ""
 
 
 async def _in_thread(fn: Callable[[], Any]) -> Any:
@@ -298,7 +167,7 @@ class GroupLink(SenderLink):
                 self.port,
                 is_master=True,
                 wait_for_workers=False,
-                timeout=_timeout(self.timeout),
+                timeout=as_timedelta(self.timeout),
             )
 
         try:
@@ -481,19 +350,7 @@ def _device(endpoint: Endpoint, backend: str, device: Any) -> torch.device:
         if device is not None and torch.device(device).type != "cpu":
             raise ConfigError(f"{endpoint.scheme}: device={device}; gloo sends from host memory")
         return torch.device("cpu")
-    return _cuda_device(f"{endpoint.scheme}://{endpoint.target}", device)
-
-
-def _cuda_device(url: str, device: Any) -> torch.device:
-    import torch.distributed as dist
-
-    if not torch.cuda.is_available() or not dist.is_nccl_available():
-        raise ConfigError(
-            f"{url}: NCCL needs CUDA and a torch built with NCCL in this process; "
-            "use torch+gloo:// instead"
-        )
-    dev = torch.device(device if device is not None else "cuda")
-    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    return cuda_device(f"{endpoint.scheme}://{endpoint.target}", device)
 
 
 # -- receiver ------------------------------------------------------------------------------
@@ -581,7 +438,7 @@ class GroupDialer(ReceiverLink):
                         self.host,
                         self.port,
                         is_master=False,
-                        timeout=_timeout(max(deadline - time.monotonic(), 0.1)),
+                        timeout=as_timedelta(max(deadline - time.monotonic(), 0.1)),
                     )
                     return store, store.get(_CONTROL_KEY)
                 except (RuntimeError, OSError):
@@ -597,7 +454,7 @@ class GroupDialer(ReceiverLink):
             ) from None
         self.member.store = store
         self.member.url = self.url
-        self.member.local_host = _local_address(self.host, self.port)
+        self.member.local_host = local_address(self.host, self.port)
         self.inner = ZmqDialer("zmq+tcp", f"{self.host}:{port.decode()}", heartbeat=self.heartbeat)
         await self.inner.connect()
 
