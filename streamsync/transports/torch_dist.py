@@ -257,11 +257,14 @@ class GroupSender(LinkedSender):
         form = 0.0 if self.member.formed else self.connect_timeout
         pending = _Broadcast(sync_id, data.numel(), time.monotonic() + timeout + form + 1.0)
         self._pending = pending
+        packed = self.member.ready_event()  # nccl: the slot's packing, queued on this stream
 
         async def run() -> None:
             try:
                 await _in_thread(
-                    lambda: self.member.broadcast(data, timeout, form_timeout=self.connect_timeout)
+                    lambda: self.member.broadcast(
+                        data, timeout, form_timeout=self.connect_timeout, after=packed
+                    )
                 )
             except Exception as exc:
                 pending.error = exc
@@ -360,6 +363,7 @@ class GroupView(SlotView):
     def __init__(self, member: ProcessGroupMember) -> None:
         self.member = member
         self.slots: list[torch.Tensor] = []
+        self._released: dict[int, Any] = {}
 
     def attach(self, welcome: Welcome, fds: list[int]) -> None:
         for fd in fds:
@@ -388,6 +392,14 @@ class GroupView(SlotView):
             )
         return self.slots[slot][:nbytes]
 
+    def release(self, header: BucketHeader) -> None:
+        # nccl: the next broadcast into this slot waits until the sink's copies are done.
+        self._released[header.slot] = self.member.ready_event()
+
+    def released(self, slot: int) -> Any:
+        """The event the sink's last use of ``slot`` ends with (``None``: nothing to wait)."""
+        return self._released.pop(slot, None)
+
     def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
         if not isinstance(payload, tuple):
             raise WireFormatError(f"bucket {header.seq} arrived without its broadcast")
@@ -402,6 +414,7 @@ class GroupView(SlotView):
 
     def close(self) -> None:
         self.slots = []
+        self._released = {}
 
 
 class GroupDialer(ReceiverLink):
@@ -475,9 +488,12 @@ class GroupDialer(ReceiverLink):
             raise WireFormatError(f"{self.url}: a bucket marker of {len(marker)} bytes")
         slot, nbytes = _MARKER.unpack(bytes(marker))
         data = self.view.target(slot, nbytes)
+        released = self.view.released(slot)
         try:
             await _in_thread(
-                lambda: self.member.broadcast(data, self.timeout, form_timeout=self.timeout)
+                lambda: self.member.broadcast(
+                    data, self.timeout, form_timeout=self.timeout, after=released
+                )
             )
         except StreamsyncError as exc:
             raise LinkLost(str(exc)) from None

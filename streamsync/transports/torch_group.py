@@ -83,15 +83,29 @@ class ProcessGroupMember:
             nccl_options._timeout = as_timedelta(timeout)
             self._group = ProcessGroupNCCL(store, rank, size, nccl_options)
 
-    def broadcast(self, data: torch.Tensor, timeout: float, *, form_timeout: float) -> None:
+    def ready_event(self) -> Any:
+        """On a GPU: an event recorded now on this thread's current stream (what was queued
+        on it, a packing or a sink's copies, is done when it fires); ``None`` on the host."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def broadcast(
+        self, data: torch.Tensor, timeout: float, *, form_timeout: float, after: Any = None
+    ) -> None:
         """Broadcast ``data`` from rank 0 into every rank's ``data`` within ``timeout``
-        seconds (forming the group first if needed); raises a named error and leaves the
-        member broken if it cannot."""
+        seconds (forming the group first if needed, and once ``after``, a
+        :meth:`ready_event`, fired); raises a named error and leaves the member broken if
+        it cannot."""
         import torch.distributed as dist
 
         if self._broken is not None:
             raise self._broken
         try:
+            if after is not None:
+                after.synchronize()  # this worker thread waits, not the device
             if self._group is None:
                 self.form(form_timeout)
             options = dist.BroadcastOptions()
