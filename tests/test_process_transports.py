@@ -275,3 +275,10 @@ def test_torch_nccl_gpu_check() -> None:
     args = [sys.executable, script, "--gib", "0.25", "--repeat", "1", "--bucket-mib", "32"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and '"bit_exact": true' in out.stdout, out.stdout + out.stderr
+
+
+async def test_torch_gloo_receiver_times_out_without_a_sender() -> None:
+    url = f"torch+gloo://127.0.0.1:{free_port()}"
+    with anyio.fail_after(5), pytest.raises(ss.SyncTimeoutError, match="no sender answered"):
+        async with open_receiver(url, connect_timeout=0.5):
+            pass

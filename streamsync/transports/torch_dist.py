@@ -254,7 +254,9 @@ class GroupSender(LinkedSender):
 
     def _launch(self, sync_id: int, data: torch.Tensor) -> None:
         timeout = self._sync_timeout
-        form = 0.0 if self.member.formed else self.connect_timeout
+        # The group forms on the first bucket, within the sync's timeout too: every
+        # receiver is on the link by then.
+        form = 0.0 if self.member.formed else timeout
         pending = _Broadcast(sync_id, data.numel(), time.monotonic() + timeout + form + 1.0)
         self._pending = pending
         packed = self.member.ready_event()  # nccl: the slot's packing, queued on this stream
@@ -262,9 +264,7 @@ class GroupSender(LinkedSender):
         async def run() -> None:
             try:
                 await _in_thread(
-                    lambda: self.member.broadcast(
-                        data, timeout, form_timeout=self.connect_timeout, after=packed
-                    )
+                    lambda: self.member.broadcast(data, timeout, form_timeout=form, after=packed)
                 )
             except Exception as exc:
                 pending.error = exc
