@@ -282,3 +282,22 @@ async def test_torch_gloo_receiver_times_out_without_a_sender() -> None:
     with anyio.fail_after(5), pytest.raises(ss.SyncTimeoutError, match="no sender answered"):
         async with open_receiver(url, connect_timeout=0.5):
             pass
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hexport = local.rpartition(":")
+                if state == "0A" and int(hexport, 16) == port:
+                    found.add(address)
+    return found
+
+
+async def test_torch_gloo_store_listens_on_host_only() -> None:
+    async with open_sender("torch+gloo://127.0.0.1:0") as tx:
+        port = int(tx.url.rpartition(":")[2])  # type: ignore[attr-defined]
+        assert _listening(port) == {"0100007F"}  # 127.0.0.1, not every interface

@@ -26,10 +26,11 @@ channel is then broken (:class:`~streamsync.PeerBrokenError` or
 :class:`~streamsync.SyncTimeoutError`): the group has a fixed size, and a receiver that
 restarts needs a new channel (a new sender), not a seat in the old group.
 
-``torch+nccl`` keeps the ring on the GPU (``device=`` on the sender, default the current
-device; each receiver uses its current device): no host staging. The data path is not
-encrypted or authenticated (as ``zmq+tcp`` payloads); the store listens on every interface
-(torch's ``TCPStore``), the link on HOST as ``zmq+tcp`` does.
+``torch+nccl`` keeps the ring on the GPU (``device=``, default the current device): no
+host staging. The store and the link listen on HOST only (127.0.0.1 unless HOST says
+otherwise, ``*`` for every interface), as ``zmq+tcp``; gloo's own connections use the
+interface that reaches HOST (``GLOO_SOCKET_IFNAME`` overrides it). The broadcast bytes are
+neither encrypted nor authenticated (as ``zmq+tcp`` payloads are not).
 
 URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
 ``connect_timeout``, ``heartbeat`` (the link's, seconds), ``device`` (nccl: this side's
@@ -39,7 +40,9 @@ GPU, default the current device).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -125,6 +128,26 @@ class GroupSlots(SlotStore):
         return Shared(layout=msgspec.msgpack.encode(self.member.plan))
 
 
+def _listen(url: str, host: str, port: int) -> socket.socket:
+    """A listening TCP socket on HOST:PORT for the rendezvous store (``*``: every interface)."""
+    address = "" if host in ("*", "0.0.0.0") else host
+    try:
+        family = socket.getaddrinfo(address or None, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigError(f"{url}: cannot listen on {host}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{url}: port {port} is taken; is another sender there?") from None
+        raise ConfigError(f"{url}: cannot listen on {host}:{port}: {exc}") from None
+    return sock
+
+
 def _allocate(slots: int, slot_bytes: int, device: torch.device) -> list[torch.Tensor]:
     if device.type == "cpu":
         bufs = [allocate_slot(slot_bytes) for _ in range(slots)]
@@ -159,6 +182,11 @@ class GroupLink(SenderLink):
     async def open(self) -> None:
         from torch._C._distributed_c10d import TCPStore
 
+        # The store listens on a socket bound here, on HOST only (TCPStore itself would
+        # listen on every interface).
+        listener = _listen(self.url, self.host, self.port)
+        self.port = listener.getsockname()[1]
+        fd = listener.detach()
         host = "127.0.0.1" if self.host in ("*", "0.0.0.0") else self.host
 
         def serve_store() -> Any:
@@ -168,15 +196,14 @@ class GroupLink(SenderLink):
                 is_master=True,
                 wait_for_workers=False,
                 timeout=as_timedelta(self.timeout),
+                master_listen_fd=fd,
             )
 
         try:
             store = await _in_thread(serve_store)
-        except (RuntimeError, OSError) as exc:
-            raise ConfigError(
-                f"{self.url}: cannot serve the rendezvous store on port {self.port} ({exc}); "
-                "is another sender there?"
-            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
         self.member.store = store
         self.port = int(store.port)
         self.url = f"{self.scheme}://{self.host}:{self.port}"
