@@ -405,8 +405,8 @@ def test_fault(transport: str, fault: str) -> None:
 @pytest.mark.parametrize("transport", ["torch+gloo", "zmq+tcp"])
 def test_receiver_killed_mid_broadcast_fails_every_survivor(transport: str) -> None:
     """Two receivers in their own processes, 4 MiB buckets: one is killed once buckets flow;
-    the sender raises PeerBrokenError and the other receiver hears that the sync is over
-    (as over zmq+tcp), each within twice the timeout."""
+    the sender raises PeerBrokenError and the other receiver's sync ends in a named error,
+    each within twice the timeout."""
     import anyio
     import torch
 
@@ -449,10 +449,14 @@ def test_receiver_killed_mid_broadcast_fails_every_survivor(transport: str) -> N
         assert isinstance(caught, ss.PeerBrokenError), repr(caught)
         assert at - killed[0] < LIMIT, f"the sender took {at - killed[0]:.2f} s"
         survivor = m._pull(lambda i: i.get("tag") == "rx1" and "ok" in i, 60)
-        # The sender's abort, the broken group, or the sender closing the channel at once.
-        assert survivor["error"] in ("SenderAbortedError", "PeerBrokenError", "EndOfStream"), repr(
-            survivor
-        )
+        # The sender's abort or its closing the channel, read at once; or, over torch+gloo,
+        # a survivor still inside the broadcast (gloo's root serves ranks in turn, and its
+        # abort does not wake them): the group breaks when the root's broadcast times out,
+        # or the survivor's own receive times out first. Either within the limit.
+        wanted = {"SenderAbortedError", "PeerBrokenError", "EndOfStream"}
+        if transport == "torch+gloo":
+            wanted.add("SyncTimeoutError")
+        assert survivor["error"] in wanted, repr(survivor)
         assert survivor["t"] - killed[0] < LIMIT, repr(survivor)
         passed = True
     finally:
