@@ -235,6 +235,29 @@ def silent_receiver(m: Matrix) -> None:
     succeeded(m.outcome("tx", 0, 1))
 
 
+def silent_sender_breaks_the_group(m: Matrix) -> None:
+    """torch+gloo: a sender frozen in the middle of a broadcast for longer than the timeout
+    finds it timed out when it resumes, which leaves the process group unusable: the
+    receiver's sync fails as with every transport, the sender's with a named error, and the
+    next sync runs on a fresh channel. (Frozen between broadcasts, the channel survives,
+    as in ``silent_sender``; which one happens is a race, so the next sync uses a fresh
+    channel either way.)"""
+    url, fresh = m.url(), m.url()
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}]), (fresh, [{"seed": 1}]))
+    m.spawn("tx", "sender", (url, [{}]), (fresh, [{"seed": 1}]))
+    m.event("rx", "loading")
+    stopped = m.signal("tx", signal.SIGSTOP)
+    rx = failed(m.outcome("rx"), "SyncTimeoutError", since=stopped)
+    partial(rx)
+    prefix(rx, 3)
+    resumed = m.signal("tx", signal.SIGCONT)
+    tx = m.outcome("tx")
+    assert tx["error"] in ("ReceiverFailedError", "SyncTimeoutError", "PeerBrokenError"), repr(tx)
+    failed(tx, tx["error"], since=resumed)
+    succeeded(m.outcome("rx", 1))
+    succeeded(m.outcome("tx", 1))
+
+
 def silent_receiver_breaks_the_group(m: Matrix) -> None:
     """torch+gloo: a stopped receiver stalls the broadcast itself (the sender's bytes wait for
     it), and a broadcast that timed out leaves the process group unusable: the sync fails as
@@ -374,6 +397,7 @@ FAULTS: dict[str, Callable[[Matrix], None]] = {
 }
 # What a fault does where a transport's nature makes it differ (said in each function).
 _VARIANTS: dict[tuple[str, str], Callable[[Matrix], None]] = {
+    ("torch+gloo", "silent-sender"): silent_sender_breaks_the_group,
     ("torch+gloo", "silent-receiver"): silent_receiver_breaks_the_group,
 }
 # shm has no payload frame: its bytes are in the shared slot; torch+gloo broadcasts them.
