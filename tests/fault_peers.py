@@ -428,3 +428,46 @@ SOAK_CONFIG = FakeConfig(
     head_dim=64,
     intermediate_size=256,
 )
+
+
+# -- fan-out -------------------------------------------------------------------------------
+class _Counting:
+    """A sink that keeps nothing: counts buckets, says when it loads its first."""
+
+    def __init__(self, conn: Any, tag: str) -> None:
+        self.conn, self.tag, self.buckets = conn, tag, 0
+
+    def prepare(self) -> None:
+        self.buckets = 0
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.buckets == 0:
+            self.conn.send({"event": "loading", "tag": self.tag})
+        self.buckets += 1
+
+    def finalize(self) -> None:
+        pass
+
+
+def fan_out_receiver(tag: str, url: str, syncs: int, conn: Any) -> None:
+    """One of several receivers on ``url``: ``syncs`` syncs into a counting sink; reports
+    each outcome (the exception's name and when it surfaced) on ``conn``."""
+
+    async def run() -> None:
+        async with open_receiver(url, connect_timeout=CONNECT_S) as rx:
+            conn.send({"event": "joined", "tag": tag})
+            for _ in range(syncs):
+                sink = _Counting(conn, tag)
+                try:
+                    await ss.receive(rx, sink, timeout=TIMEOUT)
+                    conn.send({"tag": tag, "ok": True, "t": time.monotonic()})
+                except ss.StreamsyncError as exc:
+                    out = _failure({"tag": tag, "t": time.monotonic()}, exc)
+                    conn.send(out)
+                    return
+
+    try:
+        asyncio.run(run())
+    except BaseException as exc:
+        conn.send({"crash": f"{type(exc).__name__}: {exc}", "tag": tag})
+        raise

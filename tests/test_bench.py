@@ -206,3 +206,28 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
     assert data["models"]["dense-fp32-cast"]["source_bytes"] == 2 * data["models"]["dense"]["bytes"]
     assert {t["target"] for t in data["targets"]} >= {"peak extra memory vs ring + largest tensor"}
     assert png.stat().st_size > 0
+
+
+def test_bench_fan_out_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--transport", "torch+gloo"]) == 2
+    assert "with --receivers N only" in capsys.readouterr().err
+    assert main(["bench", "--receivers", "1", "--transport", "shm"]) == 2
+    assert "runs over zmq+tcp, torch+gloo" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--receivers", "0,2"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_fan_out_to_two_receivers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "fanout.json"
+    args = ["bench", "--receivers", "1,2", "--size", "4MiB", "--runs", "1"]
+    assert main([*args, "--bucket-bytes", "1MiB", "--json", str(out)]) == 0
+    assert "raw gloo s" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["schema"] == "streamsync.bench.fanout/1"
+    rows = {(r["receivers"], r["transport"]): r for r in data["rows"]}
+    assert set(rows) == {(n, t) for n in (1, 2) for t in ("zmq+tcp", "torch+gloo")}
+    for row in rows.values():
+        assert row["ok"] and row["verified"], row
+        assert row["sender_s_per_sync"] > 0 and row["raw_gloo_s"] > 0, row

@@ -54,3 +54,9 @@ class TestSharedMemoryWithSecret(TransportConformance):
 
     def make_url(self, tag: str) -> str:
         return f"shm://{_fresh(tag)}"
+
+
+@pytest.mark.slow
+class TestTorchGloo(TransportConformance):
+    def make_url(self, tag: str) -> str:
+        return f"torch+gloo://127.0.0.1:{free_port()}"

@@ -28,7 +28,7 @@ from fault_peers import NAMES, SLOT_BYTES, TIMEOUT
 import streamsync.wire
 from streamsync.testing.peers import context, free_port
 
-TRANSPORTS = ["shm", "zmq+tcp", "zmq+ipc"]
+TRANSPORTS = ["shm", "zmq+tcp", "zmq+ipc", "torch+gloo"]
 LIMIT = 2 * TIMEOUT
 _ids = itertools.count()
 
@@ -51,12 +51,12 @@ class Matrix:
         self.seen: list[dict[str, Any]] = []
         # zmq: heartbeats slower than the sync timeout, so that a silent peer is caught by
         # the timeout (a heartbeat would catch it as PeerBrokenError after 3 x heartbeat).
-        self.options = {"heartbeat": 5.0} if transport.startswith("zmq") else {}
+        self.options = {"heartbeat": 5.0} if transport.startswith(("zmq", "torch")) else {}
 
     def url(self) -> str:
         tag = f"fault-{os.getpid()}-{next(_ids)}"
-        if self.transport == "zmq+tcp":
-            return f"zmq+tcp://127.0.0.1:{free_port()}"
+        if self.transport in ("zmq+tcp", "torch+gloo"):
+            return f"{self.transport}://127.0.0.1:{free_port()}"
         return f"{self.transport}://{tag}"
 
     def spawn(
@@ -236,6 +236,49 @@ def silent_receiver(m: Matrix) -> None:
     succeeded(m.outcome("tx", 0, 1))
 
 
+def silent_sender_breaks_the_group(m: Matrix) -> None:
+    """torch+gloo: a sender frozen in the middle of a broadcast for longer than the timeout
+    finds it timed out when it resumes, which leaves the process group unusable: the
+    receiver's sync fails as with every transport, the sender's with a named error, and the
+    next sync runs on a fresh channel. (Frozen between broadcasts, the channel survives,
+    as in ``silent_sender``; which one happens is a race, so the next sync uses a fresh
+    channel either way.)"""
+    url, fresh = m.url(), m.url()
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}]), (fresh, [{"seed": 1}]))
+    m.spawn("tx", "sender", (url, [{}]), (fresh, [{"seed": 1}]))
+    m.event("rx", "loading")
+    stopped = m.signal("tx", signal.SIGSTOP)
+    rx = failed(m.outcome("rx"), "SyncTimeoutError", since=stopped)
+    partial(rx)
+    prefix(rx, 3)
+    resumed = m.signal("tx", signal.SIGCONT)
+    tx = m.outcome("tx")
+    assert tx["error"] in ("ReceiverFailedError", "SyncTimeoutError", "PeerBrokenError"), repr(tx)
+    failed(tx, tx["error"], since=resumed)
+    succeeded(m.outcome("rx", 1))
+    succeeded(m.outcome("tx", 1))
+
+
+def silent_receiver_breaks_the_group(m: Matrix) -> None:
+    """torch+gloo: a stopped receiver stalls the broadcast itself (the sender's bytes wait for
+    it), and a broadcast that timed out leaves the process group unusable: the sync fails as
+    with every transport, and the next one runs on a fresh channel."""
+    url, fresh = m.url(), m.url()
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}]), (fresh, [{"seed": 1}]))
+    m.spawn("tx", "sender", (url, [{}]), (fresh, [{"seed": 1}]))
+    m.event("rx", "loading")
+    stopped = m.signal("rx", signal.SIGSTOP)
+    failed(m.outcome("tx"), "SyncTimeoutError", since=stopped)
+    resumed = m.signal("rx", signal.SIGCONT)
+    rx = m.outcome("rx")
+    assert rx["error"] in ("SenderAbortedError", "PeerBrokenError"), repr(rx)
+    failed(rx, rx["error"], since=resumed)
+    partial(rx)
+    prefix(rx, 3)
+    succeeded(m.outcome("rx", 1))
+    succeeded(m.outcome("tx", 1))
+
+
 def bad_bucket(
     rx_error: str,
     sender: dict[str, Any],
@@ -392,8 +435,13 @@ FAULTS: dict[str, Callable[[Matrix], None]] = {
     "restarted-receiver": restarted_receiver,
     "late-receiver": late_receiver,
 }
-# shm has no payload frame: its bytes are in the shared slot.
-_NOT_APPLICABLE = {("shm", "truncated-payload")}
+# What a fault does where a transport's nature makes it differ (said in each function).
+_VARIANTS: dict[tuple[str, str], Callable[[Matrix], None]] = {
+    ("torch+gloo", "silent-sender"): silent_sender_breaks_the_group,
+    ("torch+gloo", "silent-receiver"): silent_receiver_breaks_the_group,
+}
+# shm has no payload frame: its bytes are in the shared slot; torch+gloo broadcasts them.
+_NOT_APPLICABLE = {("shm", "truncated-payload"), ("torch+gloo", "truncated-payload")}
 
 
 @pytest.mark.slow
@@ -410,7 +458,70 @@ def test_fault(transport: str, fault: str) -> None:
     m = Matrix(transport)
     passed = False
     try:
-        FAULTS[fault](m)
+        _VARIANTS.get((transport, fault), FAULTS[fault])(m)
+        passed = True
+    finally:
+        m.close(kill=not passed)
+
+
+# -- several receivers: one killed while buckets are broadcast ------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["torch+gloo", "zmq+tcp"])
+def test_receiver_killed_mid_broadcast_fails_every_survivor(transport: str) -> None:
+    """Two receivers in their own processes, 4 MiB buckets: one is killed once buckets flow;
+    the sender raises PeerBrokenError and the other receiver's sync ends in a named error,
+    each within twice the timeout."""
+    import anyio
+    import torch
+
+    import streamsync as ss
+
+    m = Matrix(transport)
+    url = f"{transport}://127.0.0.1:{free_port()}?receivers=2&slot_bytes={4 << 20}"
+    for tag in ("rx0", "rx1"):
+        reports, report_end = m.ctx.Pipe(duplex=False)
+        proc = m.ctx.Process(target=fault_peers.fan_out_receiver, args=(tag, url, 1, report_end))
+        proc.start()
+        report_end.close()
+        m.procs[tag] = proc
+        m.pipes.append(reports)
+    weights = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(16)}  # 16 x 4 MiB
+    killed: list[float] = []
+
+    async def send() -> tuple[BaseException | None, float]:
+        async with ss.transports.open_sender(url, connect_timeout=60) as tx:
+            await anyio.to_thread.run_sync(lambda: [m.event(t, "joined") for t in ("rx0", "rx1")])
+
+            async def kill() -> None:
+                await anyio.to_thread.run_sync(m.event, "rx0", "loading")
+                killed.append(m.signal("rx0", signal.SIGKILL))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill)
+                try:
+                    await ss.send(weights, tx, bucket_bytes=4 << 20, timeout=TIMEOUT)
+                except ss.StreamsyncError as exc:
+                    return exc, time.monotonic()
+                finally:
+                    tg.cancel_scope.cancel()
+        return None, time.monotonic()
+
+    passed = False
+    try:
+        caught, at = anyio.run(send)
+        assert killed, "the receiver was not killed"
+        assert isinstance(caught, ss.PeerBrokenError), repr(caught)
+        assert at - killed[0] < LIMIT, f"the sender took {at - killed[0]:.2f} s"
+        survivor = m._pull(lambda i: i.get("tag") == "rx1" and "ok" in i, 60)
+        # The sender's abort or its closing the channel, read at once; or, over torch+gloo,
+        # a survivor still inside the broadcast (gloo's root serves ranks in turn, and its
+        # abort does not wake them): the group breaks when the root's broadcast times out,
+        # or the survivor's own receive times out first. Either within the limit.
+        wanted = {"SenderAbortedError", "PeerBrokenError", "EndOfStream"}
+        if transport == "torch+gloo":
+            wanted.add("SyncTimeoutError")
+        assert survivor["error"] in wanted, repr(survivor)
+        assert survivor["t"] - killed[0] < LIMIT, repr(survivor)
         passed = True
     finally:
         m.close(kill=not passed)

@@ -22,7 +22,7 @@ from streamsync.transports.cuda_ipc import local_device
 from streamsync.transports.zeromq import zmq_address
 
 _ids = itertools.count()
-URLS = ["shm://{tag}", "zmq+ipc://{tag}", "zmq+tcp://127.0.0.1:0"]
+URLS = ["shm://{tag}", "zmq+ipc://{tag}", "zmq+tcp://127.0.0.1:0", "torch+gloo://127.0.0.1:0"]
 
 
 def _url(form: str) -> str:
@@ -98,7 +98,15 @@ async def test_secret_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert isinstance(out["tx"], ss.SyncReport), out
 
 
-@pytest.mark.parametrize("form", ["shm://{tag}", "zmq+ipc://{tag}", "zmq+tcp://127.0.0.1:{port}"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        "shm://{tag}",
+        "zmq+ipc://{tag}",
+        "zmq+tcp://127.0.0.1:{port}",
+        "torch+gloo://127.0.0.1:{port}",
+    ],
+)
 async def test_a_receiver_too_many_is_refused(form: str) -> None:
     # It is told "busy" and tries again until its connect timeout: a place may free up.
     url = _url(form.replace("{port}", str(free_port())))
@@ -187,11 +195,16 @@ def test_import_streamsync_stays_light() -> None:
     code = (
         "import sys, streamsync, streamsync.transports as t; t.schemes(); "
         "print(sorted(m for m in ('zmq', 'streamsync.transports.shm', "
-        "'streamsync.transports.zeromq', 'streamsync.transports.cuda_ipc') if m in sys.modules))"
+        "'streamsync.transports.zeromq', 'streamsync.transports.cuda_ipc', "
+        "'streamsync.transports.torch_dist', 'streamsync.transports.torch_group') "
+        "if m in sys.modules)); "
+        "import torch.distributed as d; print(d.is_available() and d.is_initialized())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-    assert {"shm", "zmq+tcp", "zmq+ipc", "cuda-ipc"} <= set(ss.transports.schemes())
+    assert out.stdout.split() == ["[]", "False"]  # no process group anywhere
+    assert {"shm", "zmq+tcp", "zmq+ipc", "cuda-ipc", "torch+gloo", "torch+nccl"} <= set(
+        ss.transports.schemes()
+    )
 
 
 # -- cuda-ipc ------------------------------------------------------------------------
@@ -214,3 +227,89 @@ async def test_cuda_ipc_without_cuda_says_what_to_use() -> None:
 class TestCudaIpc(TransportConformance):
     def make_url(self, tag: str) -> str:
         return _url("cuda-ipc://" + tag + "-{tag}")
+
+
+# -- torch+gloo / torch+nccl ------------------------------------------------------------
+async def test_torch_gloo_receiver_that_never_joins_times_out_everyone() -> None:
+    # Two receivers expected, one comes: the sender and the receiver that came both end
+    # the sync with SyncTimeoutError within twice the timeout (nobody waits on the group).
+    url = f"torch+gloo://127.0.0.1:{free_port()}?receivers=2"
+    async with open_sender(url, connect_timeout=1) as tx:
+
+        async def rx() -> object:
+            async with open_receiver(tx.url, connect_timeout=5) as r:  # type: ignore[attr-defined]
+                return await ss.receive(r, Keep(), timeout=1)
+
+        with anyio.fail_after(2 * 1 + 1):
+            out = await run_both(rx=rx, tx=lambda: ss.send({"w": torch.ones(8)}, tx, timeout=1))
+    assert isinstance(out["tx"], ss.SyncTimeoutError) and "1 of 2" in str(out["tx"]), out
+    assert isinstance(out["rx"], ss.SyncTimeoutError), out
+
+
+def test_torch_bad_urls_name_what_is_valid() -> None:
+    with pytest.raises(ss.ConfigError, match="HOST:PORT"):
+        open_sender("torch+gloo://localhost")
+    with pytest.raises(ss.ConfigError, match="not '\\*'"):
+        open_receiver("torch+gloo://*:5555")
+    with pytest.raises(ss.ConfigError, match="gloo sends from host memory"):
+        open_sender("torch+gloo://127.0.0.1:0", device="cuda")
+
+
+async def test_torch_gloo_taken_port_is_refused() -> None:
+    async with open_sender("torch+gloo://127.0.0.1:0") as tx:
+        with pytest.raises(ss.ConfigError, match="another sender"):
+            async with open_sender(tx.url):  # type: ignore[attr-defined]
+                pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_torch_nccl_without_cuda_says_what_to_use() -> None:
+    with pytest.raises(ss.ConfigError, match="use torch\\+gloo://"):
+        open_sender(f"torch+nccl://127.0.0.1:{free_port()}")
+    with pytest.raises(ss.ConfigError, match="use torch\\+gloo://"):
+        open_receiver(f"torch+nccl://127.0.0.1:{free_port()}")
+
+
+def _nccl_devices() -> int:
+    import torch.distributed as dist
+
+    return torch.cuda.device_count() if dist.is_nccl_available() else 0
+
+
+@pytest.mark.skipif(
+    _nccl_devices() < 2,
+    reason="torch+nccl needs a torch with NCCL and one GPU per rank (two or more GPUs; "
+    "NCCL refuses two ranks on one device, so the in-process conformance tests cannot run it)",
+)
+@pytest.mark.slow
+def test_torch_nccl_gpu_check() -> None:
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_torch_nccl.py")
+    args = [sys.executable, script, "--gib", "0.25", "--repeat", "1", "--bucket-mib", "32"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and '"bit_exact": true' in out.stdout, out.stdout + out.stderr
+
+
+async def test_torch_gloo_receiver_times_out_without_a_sender() -> None:
+    url = f"torch+gloo://127.0.0.1:{free_port()}"
+    with anyio.fail_after(5), pytest.raises(ss.SyncTimeoutError, match="no sender answered"):
+        async with open_receiver(url, connect_timeout=0.5):
+            pass
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hexport = local.rpartition(":")
+                if state == "0A" and int(hexport, 16) == port:
+                    found.add(address)
+    return found
+
+
+async def test_torch_gloo_store_listens_on_host_only() -> None:
+    async with open_sender("torch+gloo://127.0.0.1:0") as tx:
+        port = int(tx.url.rpartition(":")[2])  # type: ignore[attr-defined]
+        assert _listening(port) == {"0100007F"}  # 127.0.0.1, not every interface

@@ -36,6 +36,7 @@ from vllm_harness import (
 
 import streamsync as ss
 from streamsync.testing.models import build_tiny_model, perturb
+from streamsync.testing.peers import free_port
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -100,13 +101,22 @@ async def generate(llm: Any) -> Outputs:
 
 
 @pytest.mark.slow
-def test_two_engines_from_one_trainer_one_killed_mid_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("form", "kill"),
+    [
+        ("shm://loops-fan-{pid}", True),
+        ("zmq+tcp://127.0.0.1:{port}", False),
+        ("torch+gloo://127.0.0.1:{port}", False),
+    ],
+)
+def test_two_engines_from_one_trainer(tmp_path: Path, form: str, kill: bool) -> None:
     """Two ``AsyncLLM`` replicas, each with its engine core (and worker) in a process of its
-    own, as data-parallel replicas run, fed by one channel; then one is SIGKILLed and the
-    channel, opened with ``require_all=False``, goes on serving the other. (Two in-process
-    engines cannot share a channel: vLLM keeps the current config in a process-wide global,
-    and their concurrent loads tripped an assertion inside vLLM; ``WeightSync`` refuses
-    them.)"""
+    own, as data-parallel replicas run, fed by one channel: a shared-memory ring, zmq, or
+    one gloo broadcast per bucket to both workers (``torch+gloo``). Over shm the channel is
+    opened with ``require_all=False`` and one engine is then SIGKILLed: the channel goes on
+    serving the other, and the report names the dead one. (Two in-process engines cannot
+    share a channel: vLLM keeps the current config in a process-wide global, and their
+    concurrent loads tripped an assertion inside vLLM; ``WeightSync`` refuses them.)"""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -137,11 +147,11 @@ def test_two_engines_from_one_trainer_one_killed_mid_run(tmp_path: Path) -> None
         before = [TRAINER.run(functools.partial(generate, llm), timeout=120) for llm in engines]
         assert_matches(before[1], reference_outputs(other))  # each serves its own weights
         assert before[0].tokens != before[1].tokens
-        endpoint = f"shm://loops-fan-{os.getpid()}"
+        endpoint = form.format(pid=os.getpid(), port=free_port())
 
         async def train() -> None:
             async with WeightSync(
-                engines, endpoint, bucket_bytes=BUCKET, require_all=False
+                engines, endpoint, bucket_bytes=BUCKET, require_all=not kill
             ) as sync:
                 for step in range(3):
                     perturb(trainer, seed=500 + step)
@@ -153,6 +163,8 @@ def test_two_engines_from_one_trainer_one_killed_mid_run(tmp_path: Path) -> None
                     assert all(r.missing == () for r in report.instances.values())
                     for llm in engines:
                         assert_matches(await generate(llm), want)
+                if not kill:
+                    return
                 # Engine 1's core process (its worker with it) dies between two steps.
                 core = engines[1].engine_core.resources.engine_manager.processes[0]
                 os.kill(core.pid, signal.SIGKILL)
@@ -163,10 +175,14 @@ def test_two_engines_from_one_trainer_one_killed_mid_run(tmp_path: Path) -> None
                 assert set(report.instances) == {"engine0.worker0.main"}, report
                 assert any(a.startswith("engine 1: ") for a in report.absent), report
                 assert_matches(await generate(engines[0]), want)
-            # Leaving the block closed the live engine's receivers.
-            assert await engines[0].collective_rpc("streamsync_close") == [0]
+
+        async def closed() -> list[Any]:
+            alive = engines[:1] if kill else engines
+            return [await llm.collective_rpc("streamsync_close") for llm in alive]
 
         TRAINER.run(train, timeout=600)
+        # Leaving the block closed every live engine's receivers.
+        assert all(c == [0] for c in TRAINER.run(closed, timeout=60))
     finally:
         for llm in engines:
             llm.shutdown()

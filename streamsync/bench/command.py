@@ -51,8 +51,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--transport",
         action="append",
-        choices=list(TRANSPORTS),
-        help="a transport to run; repeatable (default: every one that runs here)",
+        choices=[*TRANSPORTS, "torch+gloo"],
+        help="a transport to run; repeatable (default: every one that runs here; "
+        "torch+gloo with --receivers only)",
     )
     parser.add_argument(
         "--scenario",
@@ -83,9 +84,26 @@ def add_parser(subparsers: Any) -> None:
         default=120.0,
         help="seconds to wait for a peer or a bucket (default 120)",
     )
+    parser.add_argument(
+        "--receivers",
+        type=_counts,
+        metavar="N[,N...]",
+        help="fan-out instead: the sender's seconds per sync to N receiver processes over "
+        "zmq+tcp and torch+gloo, next to a raw gloo broadcast (e.g. 1,2,4)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="draw GB/s against the bounds")
     parser.set_defaults(run=run)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: receiver counts like 1,2,4")
+    return counts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +111,12 @@ def run(args: argparse.Namespace) -> int:
     2 for options that cannot run here."""
     from tqdm import tqdm
 
+    if args.receivers:
+        return _run_fanout(args)
     for name in args.transport or ():
+        if name not in TRANSPORTS:
+            sys.stderr.write(f"streamsync bench: {name} runs with --receivers N only\n")
+            return 2
         reason = TRANSPORTS[name].unavailable()
         if reason is not None:
             sys.stderr.write(f"streamsync bench: {reason}\n")
@@ -137,10 +160,45 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _run_fanout(args: argparse.Namespace) -> int:
+    from streamsync.bench.fanout import FANOUT_TRANSPORTS, FanoutConfig, format_fanout, run_fanout
+
+    transports = tuple(dict.fromkeys(args.transport or FANOUT_TRANSPORTS))
+    others = [t for t in transports if t not in FANOUT_TRANSPORTS]
+    if others or args.runs < 1:
+        sys.stderr.write(
+            f"streamsync bench --receivers: runs over {', '.join(FANOUT_TRANSPORTS)} "
+            "with --runs 1 or more\n"
+        )
+        return 2
+    config = FanoutConfig(
+        receivers=args.receivers,
+        transports=transports,
+        size=args.size,
+        runs=args.runs,
+        bucket_bytes=args.bucket_bytes,
+        slots=args.slots,
+        timeout=args.timeout,
+    )
+
+    def progress(label: str) -> None:
+        sys.stderr.write(f"{label}\n")
+
+    data = run_fanout(config, progress)
+    data["command"] = _command_line(args)
+    sys.stdout.write(format_fanout(data) + "\n")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=2)
+    return 0 if all(r["ok"] and r["verified"] for r in data["rows"]) else 1
+
+
 def _command_line(args: argparse.Namespace) -> str:
     parts = ["streamsync bench", f"--size {human(args.size).replace(' ', '')}"]
     parts += [f"--transport {t}" for t in args.transport or ()]
     parts += [f"--scenario {s}" for s in args.scenario or ()]
+    parts += [f"--receivers {','.join(map(str, args.receivers))}"] if args.receivers else []
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}", f"--slots {args.slots}"]
     parts += [f"--json {args.json}"] if args.json else []
     parts += [f"--plot {args.plot}"] if args.plot else []

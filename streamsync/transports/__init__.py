@@ -1,16 +1,19 @@
 """Transports, chosen by URL so that swapping one is a configuration string.
 
-=========================  ============================================================
-``memory://NAME``          in-process, for tests (:mod:`streamsync.transports.memory`)
-``shm://NAME``             shared-memory ring between processes on one Linux machine
-                           (:mod:`streamsync.transports.shm`)
-``zmq+tcp://HOST:PORT``    ZeroMQ over TCP, across machines; HOST defaults to 127.0.0.1,
-                           ``*`` binds every interface (:mod:`streamsync.transports.zeromq`)
-``zmq+ipc://PATH``         ZeroMQ over a unix socket: an absolute path, ``@name`` (abstract)
-                           or a bare name (in a per-user 0700 directory)
-``cuda-ipc://NAME``        a ring of CUDA buffers shared between processes on one machine
-                           (:mod:`streamsync.transports.cuda_ipc`)
-=========================  ============================================================
+===========================  ============================================================
+``memory://NAME``            in-process, for tests (:mod:`streamsync.transports.memory`)
+``shm://NAME``               shared-memory ring between processes on one Linux machine
+                             (:mod:`streamsync.transports.shm`)
+``zmq+tcp://HOST:PORT``      ZeroMQ over TCP, across machines; HOST defaults to 127.0.0.1,
+                             ``*`` binds every interface (:mod:`streamsync.transports.zeromq`)
+``zmq+ipc://PATH``           ZeroMQ over a unix socket: an absolute path, ``@name`` (abstract)
+                             or a bare name (in a per-user 0700 directory)
+``cuda-ipc://NAME``          a ring of CUDA buffers shared between processes on one machine
+                             (:mod:`streamsync.transports.cuda_ipc`)
+``torch+gloo://HOST:PORT``   each bucket broadcast once to every receiver in a private
+                             ``torch.distributed`` gloo group (:mod:`.torch_dist`)
+``torch+nccl://HOST:PORT``   the same over NCCL, the ring on the GPU
+===========================  ============================================================
 
 Further schemes register themselves with :func:`register`; a URL's query string holds the
 transport's options (``shm://demo?receivers=2&slots=3``). Secrets are never URL options:
@@ -146,7 +149,13 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    modules = {"zmq+tcp": "zeromq", "zmq+ipc": "zeromq", "cuda-ipc": "cuda_ipc"}
+    modules = {
+        "zmq+tcp": "zeromq",
+        "zmq+ipc": "zeromq",
+        "cuda-ipc": "cuda_ipc",
+        "torch+gloo": "torch_dist",
+        "torch+nccl": "torch_dist",
+    }
     for scheme in ("memory", "shm", *modules):
         module = modules.get(scheme, scheme)
         register(scheme, _lazy(module, "sender_from_url"), _lazy(module, "receiver_from_url"))

@@ -1,0 +1,555 @@
+"""``torch+gloo://HOST:PORT`` and ``torch+nccl://HOST:PORT``: each bucket broadcast once to
+every receiver in a private ``torch.distributed`` process group.
+
+The slot ring is the one every linked transport runs (:mod:`streamsync.transports.linked`):
+the handshake, headers, acks and reports travel as authenticated msgspec frames over a
+ZeroMQ link (:mod:`streamsync.transports.zeromq`); only a bucket's bytes take the process
+group, as one ``broadcast`` from the sender's slot into the same slot of every receiver.
+
+Rendezvous: the sender hosts a ``TCPStore`` at HOST:PORT (port 0 picks one; the sender's
+``url`` then names it) and writes the port of its ZeroMQ link there; a receiver reads it
+and joins the link. The ``Welcome`` names the group (a random key prefix in the store and
+its size); sender = rank 0, receiver ``i`` = rank ``i + 1`` in join order. The group
+(:mod:`streamsync.transports.torch_group`) is formed on the first bucket, never through
+the default group (``init_process_group`` is not
+called, so it coexists with an FSDP trainer's or a vLLM worker's own groups; vLLM's
+``StatelessProcessGroup`` is the pattern). Nothing is pickled: the store holds bytes only.
+
+With a bucket's header each receiver gets a 12-byte marker (slot, size) as a payload
+frame: its link reader then joins the broadcast into that slot, so receivers take part in
+the same order as the sender publishes, while their sinks load earlier slots.
+
+Failures: every broadcast has the sync's timeout (the process group's own timeout, so no
+thread waits forever); a receiver's death seen on the link (ZeroMQ's monitor) ends the
+sender's wait at once. A failed or timed-out broadcast leaves the group unusable, so the
+channel is then broken (:class:`~streamsync.PeerBrokenError` or
+:class:`~streamsync.SyncTimeoutError`): the group has a fixed size, and a receiver that
+restarts needs a new channel (a new sender), not a seat in the old group.
+
+``torch+nccl`` keeps the ring on the GPU (``device=``, default the current device): no
+host staging. The store and the link listen on HOST only (127.0.0.1 unless HOST says
+otherwise, ``*`` for every interface), as ``zmq+tcp``; gloo's own connections use the
+interface that reaches HOST (``GLOO_SOCKET_IFNAME`` overrides it). The broadcast bytes are
+neither encrypted nor authenticated (as ``zmq+tcp`` payloads are not).
+
+URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
+``connect_timeout``, ``heartbeat`` (the link's, seconds), ``device`` (nccl: this side's
+GPU, default the current device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import torch
+
+from streamsync.bucket import Bucket, allocate_slot
+from streamsync.errors import (
+    ConfigError,
+    PeerBrokenError,
+    StreamsyncError,
+    SyncTimeoutError,
+    WireFormatError,
+)
+from streamsync.transports.link import Fds, LinkEvents, LinkLost, Peer, ReceiverLink, SenderLink
+from streamsync.transports.linked import LinkedReceiver, LinkedSender
+from streamsync.transports.slots import Shared, SlotStore, SlotView
+from streamsync.transports.torch_group import (
+    GroupPlan,
+    ProcessGroupMember,
+    as_timedelta,
+    cuda_device,
+    local_address,
+)
+from streamsync.transports.zeromq import ZmqDialer, ZmqLink
+from streamsync.wire import Abort, BucketHeader, Bye, End, Welcome
+
+if TYPE_CHECKING:
+    from streamsync.transports import Endpoint
+
+__all__ = [
+    "GroupDialer",
+    "GroupLink",
+    "GroupSender",
+    "GroupSlots",
+    "GroupView",
+    "receiver_from_url",
+    "sender_from_url",
+]
+
+#: Where the sender writes its link's port in the store.
+_CONTROL_KEY = "streamsync/control-port"
+#: The marker that follows a bucket's header: slot and size of the coming broadcast.
+_MARKER = struct.Struct("<IQ")
+#: Longest wait for a stuck broadcast to give up its group when a channel closes.
+_CLOSE_S = 1.0
+BACKENDS = {"torch+gloo": "gloo", "torch+nccl": "nccl"}
+
+
+def _host_port(scheme: str, target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"{scheme}://{target}: expected {scheme}://HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+async def _in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a worker thread; cancelling the caller abandons the thread (every blocking
+    call here carries its own timeout, so the thread ends by itself)."""
+    return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+
+
+# -- sender -------------------------------------------------------------------------------
+class GroupSlots(SlotStore):
+    """Sender side: the slots (host memory for gloo, one device ring for nccl); a joining
+    receiver is told the group's plan."""
+
+    payload_frames = True  # a marker, not the bytes, follows each header (see GroupSender)
+
+    def __init__(self, slots: int, slot_bytes: int, member: ProcessGroupMember) -> None:
+        super().__init__(slots, slot_bytes)
+        self.member = member
+
+    def open(self) -> None:
+        self._bufs = _allocate(self.slots, self.slot_bytes, self.member.device)
+
+    def shared(self) -> Shared:
+        assert self.member.plan is not None
+        return Shared(layout=msgspec.msgpack.encode(self.member.plan))
+
+
+def _listen(url: str, host: str, port: int) -> socket.socket:
+    """A listening TCP socket on HOST:PORT for the rendezvous store (``*``: every interface)."""
+    address = "" if host in ("*", "0.0.0.0") else host
+    try:
+        family = socket.getaddrinfo(address or None, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigError(f"{url}: cannot listen on {host}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{url}: port {port} is taken; is another sender there?") from None
+        raise ConfigError(f"{url}: cannot listen on {host}:{port}: {exc}") from None
+    return sock
+
+
+def _allocate(slots: int, slot_bytes: int, device: torch.device) -> list[torch.Tensor]:
+    if device.type == "cpu":
+        bufs = [allocate_slot(slot_bytes) for _ in range(slots)]
+        for buf in bufs:
+            buf.zero_()  # fault the pages in now, not during the first sync
+        return bufs
+    ring = torch.zeros(slots * slot_bytes, dtype=torch.uint8, device=device)
+    return list(ring.view(slots, slot_bytes).unbind(0))
+
+
+class GroupLink(SenderLink):
+    """Sender end: the rendezvous store at HOST:PORT and a ZeroMQ link on HOST (its port
+    written to the store) for the ring's frames."""
+
+    def __init__(
+        self,
+        scheme: str,
+        target: str,
+        member: ProcessGroupMember,
+        *,
+        hwm: int,
+        heartbeat: float,
+        timeout: float,
+    ) -> None:
+        self.url = f"{scheme}://{target}"
+        self.scheme = scheme
+        self.host, self.port = _host_port(scheme, target)
+        self.member = member
+        self.timeout = timeout
+        self.inner = ZmqLink("zmq+tcp", f"{self.host}:0", hwm=hwm, heartbeat=heartbeat)
+
+    async def open(self) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        # The store listens on a socket bound here, on HOST only (TCPStore itself would
+        # listen on every interface).
+        listener = _listen(self.url, self.host, self.port)
+        self.port = listener.getsockname()[1]
+        fd = listener.detach()
+        host = "127.0.0.1" if self.host in ("*", "0.0.0.0") else self.host
+
+        def serve_store() -> Any:
+            return TCPStore(
+                host,
+                self.port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=as_timedelta(self.timeout),
+                master_listen_fd=fd,
+            )
+
+        try:
+            store = await _in_thread(serve_store)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.member.store = store
+        self.port = int(store.port)
+        self.url = f"{self.scheme}://{self.host}:{self.port}"
+        self.member.url = self.url
+        self.member.local_host = self.host
+        await self.inner.open()
+        control_port = self.inner.url.rpartition(":")[2]
+        await _in_thread(lambda: store.set(_CONTROL_KEY, control_port.encode()))
+
+    async def serve(self, events: LinkEvents) -> None:
+        await self.inner.serve(events)
+
+    async def send(
+        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
+    ) -> None:
+        await self.inner.send(peer, frame, payload, fds)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@dataclass
+class _Broadcast:
+    """The sender's broadcast in flight."""
+
+    sync_id: int
+    nbytes: int
+    deadline: float
+    done: bool = False
+    error: BaseException | None = None
+
+
+class GroupSender(LinkedSender):
+    """The ring over a :class:`GroupLink`: headers over the link, each bucket's bytes in
+    one broadcast of its slot."""
+
+    def __init__(self, link: GroupLink, store: GroupSlots, **kwargs: Any) -> None:
+        if kwargs.get("require_all") is False:
+            raise ConfigError(
+                f"{link.url}: require_all=False; a process group has a fixed size, so every "
+                "receiver takes part in every broadcast (use zmq+tcp:// to go on without one)"
+            )
+        super().__init__(link, store, **kwargs)
+        self.member = store.member
+        self.member.rank = 0
+        self.member.plan = GroupPlan(
+            self.member.backend, f"streamsync/{os.urandom(8).hex()}/", self.receivers + 1
+        )
+        self._marker = torch.zeros(_MARKER.size, dtype=torch.uint8)
+        self._sync_timeout = 60.0
+        self._pending: _Broadcast | None = None
+
+    async def send(
+        self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
+    ) -> None:
+        self._sync_timeout = timeout
+        await super().send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
+
+    async def _publish(
+        self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
+    ) -> None:
+        # One broadcast in flight at a time: the next bucket is packed while it runs (its
+        # slot is not reused before every receiver acked it, hence after it completed).
+        await self._settle(quiet=isinstance(msg, Abort | Bye))
+        if not isinstance(msg, BucketHeader) or payload is None:
+            await super()._publish(msg, None)
+            return
+        self._marker = torch.frombuffer(
+            bytearray(_MARKER.pack(msg.slot, msg.nbytes)), dtype=torch.uint8
+        )
+        await super()._publish(msg, payload)
+        self._launch(msg.sync_id, payload)
+
+    async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
+        # The header goes with the marker; the bytes go once, by broadcast.
+        await self.link.send(peer, frame, self._marker if payload is not None else None)
+
+    def _launch(self, sync_id: int, data: torch.Tensor) -> None:
+        timeout = self._sync_timeout
+        # The group forms on the first bucket, within the sync's timeout too: every
+        # receiver is on the link by then.
+        form = 0.0 if self.member.formed else timeout
+        pending = _Broadcast(sync_id, data.numel(), time.monotonic() + timeout + form + 1.0)
+        self._pending = pending
+        packed = self.member.ready_event()  # nccl: the slot's packing, queued on this stream
+
+        async def run() -> None:
+            try:
+                await _in_thread(
+                    lambda: self.member.broadcast(data, timeout, form_timeout=form, after=packed)
+                )
+            except Exception as exc:
+                pending.error = exc
+            pending.done = True
+            self._signal.notify()
+
+        self._tasks.start_soon(run)
+
+    async def _settle(self, *, quiet: bool = False) -> None:
+        """Wait for the broadcast in flight; a failed one breaks the channel (``quiet``:
+        without raising, for an abort or a goodbye)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            # A receiver's death seen on the link ends the wait before the broadcast's own
+            # timeout does.
+            await self._signal.wait_until(
+                lambda: pending.done or self._broken is not None,
+                timeout=max(0.0, pending.deadline - time.monotonic()),
+                what=f"the broadcast of {pending.nbytes} bytes",
+            )
+        except SyncTimeoutError as exc:
+            pending.error = exc
+        if pending.done and pending.error is None:
+            return
+        # The group is out of step now (or its thread still runs): no later broadcast.
+        self.member.poison()
+        error = pending.error
+        # The reason a receiver gave (its failure, its goodbye) may still be in flight.
+        with contextlib.suppress(SyncTimeoutError):
+            await self._signal.wait_until(
+                lambda: self._failed is not None or self._lost is not None or bool(self._absent),
+                timeout=0.2,
+                what="",
+            )
+        if not isinstance(error, StreamsyncError):
+            error = PeerBrokenError(
+                f"{self.url}: a receiver left during a broadcast; open a new channel"
+            )
+        # The receivers still there would wait out their timeout for a bucket that never
+        # comes: they hear now that this sync is over (a dead one's link just fails).
+        if quiet:
+            self.on_broken(error)
+            return
+        await self._abort_survivors(Abort(pending.sync_id, f"{type(error).__name__}: {error}"))
+        try:
+            self._check()  # what a receiver said, if it said why
+        finally:
+            self.on_broken(error)
+        self._check()
+
+    async def _abort_survivors(self, abort: Abort) -> None:
+        for peer in list(self.peers.values()):
+            if peer.codec is None or peer.said_bye:
+                continue
+            with anyio.move_on_after(0.5), contextlib.suppress(StreamsyncError):
+                await self._send_frame(peer, peer.codec.encode(abort), None)
+
+    async def _shutdown(self) -> None:
+        await super()._shutdown()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
+            await _in_thread(self.member.close)
+
+
+def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> GroupSender:
+    """``torch+gloo://HOST:PORT?receivers=&slots=&slot_bytes=`` (or ``torch+nccl://``)."""
+    backend = BACKENDS[endpoint.scheme]
+    opts = endpoint.sender_options(kwargs)
+    heartbeat = opts.pop("heartbeat", 1.0)
+    device = _device(endpoint, backend, opts.pop("device", None))
+    url = f"{endpoint.scheme}://{endpoint.target}"
+    member = ProcessGroupMember(url, backend, device=device)
+    link = GroupLink(
+        endpoint.scheme,
+        endpoint.target,
+        member,
+        hwm=2 * opts["slots"] + 8,
+        heartbeat=heartbeat,
+        timeout=opts.get("connect_timeout", 60.0),
+    )
+    store = GroupSlots(opts.pop("slots"), opts.pop("slot_bytes"), member)
+    return GroupSender(link, store, **opts)
+
+
+def _device(endpoint: Endpoint, backend: str, device: Any) -> torch.device:
+    if backend == "gloo":
+        if device is not None and torch.device(device).type != "cpu":
+            raise ConfigError(f"{endpoint.scheme}: device={device}; gloo sends from host memory")
+        return torch.device("cpu")
+    return cuda_device(f"{endpoint.scheme}://{endpoint.target}", device)
+
+
+# -- receiver ------------------------------------------------------------------------------
+class GroupView(SlotView):
+    """Receiver side: this rank's own slots, into which the link reader broadcasts."""
+
+    def __init__(self, member: ProcessGroupMember) -> None:
+        self.member = member
+        self.slots: list[torch.Tensor] = []
+        self._released: dict[int, Any] = {}
+
+    def attach(self, welcome: Welcome, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        try:
+            plan = msgspec.msgpack.decode(welcome.layout, type=GroupPlan)
+        except msgspec.DecodeError as exc:
+            raise WireFormatError(f"the Welcome names no process group: {exc}") from None
+        if plan.backend != self.member.backend:
+            raise ConfigError(
+                f"the sender broadcasts with {plan.backend}, this receiver joined with "
+                f"{self.member.backend}; use torch+{plan.backend}://"
+            )
+        if not 0 <= welcome.index < plan.world_size - 1:
+            raise WireFormatError(f"receiver index {welcome.index} in a group of {plan.world_size}")
+        self.member.plan = plan
+        self.member.rank = welcome.index + 1
+        self.slots = _allocate(welcome.slots, welcome.slot_bytes, self.member.device)
+
+    def target(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Where the broadcast announced by a marker lands."""
+        if not 0 <= slot < len(self.slots) or not 0 <= nbytes <= self.slots[slot].numel():
+            raise WireFormatError(
+                f"a broadcast of {nbytes} bytes into slot {slot}; the ring has "
+                f"{len(self.slots)} slots of {self.slots[0].numel() if self.slots else 0}"
+            )
+        return self.slots[slot][:nbytes]
+
+    def release(self, header: BucketHeader) -> None:
+        # nccl: the next broadcast into this slot waits until the sink's copies are done.
+        self._released[header.slot] = self.member.ready_event()
+
+    def released(self, slot: int) -> Any:
+        """The event the sink's last use of ``slot`` ends with (``None``: nothing to wait)."""
+        return self._released.pop(slot, None)
+
+    def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
+        if not isinstance(payload, tuple):
+            raise WireFormatError(f"bucket {header.seq} arrived without its broadcast")
+        slot, data = payload
+        assert isinstance(data, torch.Tensor)
+        if slot != header.slot or data.numel() != header.nbytes:
+            raise WireFormatError(
+                f"bucket {header.seq} is {header.nbytes} bytes in slot {header.slot}; its "
+                f"broadcast was {data.numel()} bytes into slot {slot}"
+            )
+        return data
+
+    def close(self) -> None:
+        self.slots = []
+        self._released = {}
+
+
+class GroupDialer(ReceiverLink):
+    """Receiver end: reads the link's port from the store, joins the link, and takes part
+    in each bucket's broadcast as its header arrives."""
+
+    def __init__(
+        self,
+        scheme: str,
+        target: str,
+        view: GroupView,
+        *,
+        heartbeat: float,
+        timeout: float,
+    ) -> None:
+        self.url = f"{scheme}://{target}"
+        self.host, self.port = _host_port(scheme, target)
+        if self.host == "*":
+            raise ConfigError(f"{self.url}: a receiver needs the sender's host, not '*'")
+        self.view = view
+        self.member = view.member
+        self.heartbeat = heartbeat
+        self.timeout = timeout
+        self.inner: ZmqDialer | None = None
+
+    async def connect(self) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        def rendezvous() -> tuple[Any, bytes]:
+            deadline = time.monotonic() + self.timeout
+            while True:  # the sender may not be there yet
+                try:
+                    store = TCPStore(
+                        self.host,
+                        self.port,
+                        is_master=False,
+                        timeout=as_timedelta(max(deadline - time.monotonic(), 0.1)),
+                    )
+                    return store, store.get(_CONTROL_KEY)
+                except (RuntimeError, OSError):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+
+        try:
+            store, port = await _in_thread(rendezvous)
+        except (RuntimeError, OSError) as exc:
+            raise SyncTimeoutError(
+                f"{self.url}: no sender answered within {self.timeout:g} s ({exc})"
+            ) from None
+        self.member.store = store
+        self.member.url = self.url
+        self.member.local_host = local_address(self.host, self.port)
+        self.inner = ZmqDialer("zmq+tcp", f"{self.host}:{port.decode()}", heartbeat=self.heartbeat)
+        await self.inner.connect()
+
+    async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
+        assert self.inner is not None
+        return await self.inner.handshake(hello)
+
+    async def send(self, frame: bytes) -> None:
+        assert self.inner is not None
+        await self.inner.send(frame)
+
+    async def receive(self) -> tuple[bytes, Any]:
+        assert self.inner is not None
+        frame, marker = await self.inner.receive()
+        if marker is None:
+            return frame, None
+        if len(marker) != _MARKER.size:
+            raise WireFormatError(f"{self.url}: a bucket marker of {len(marker)} bytes")
+        slot, nbytes = _MARKER.unpack(bytes(marker))
+        data = self.view.target(slot, nbytes)
+        released = self.view.released(slot)
+        try:
+            await _in_thread(
+                lambda: self.member.broadcast(
+                    data, self.timeout, form_timeout=self.timeout, after=released
+                )
+            )
+        except StreamsyncError as exc:
+            raise LinkLost(str(exc)) from None
+        return frame, (slot, data)
+
+    async def aclose(self) -> None:
+        if self.inner is not None:
+            await self.inner.aclose()
+            self.inner = None
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
+            await _in_thread(self.member.close)
+
+
+def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
+    """``torch+gloo://HOST:PORT`` (or ``torch+nccl://``, ``device=`` defaulting to the
+    current CUDA device)."""
+    backend = BACKENDS[endpoint.scheme]
+    url = f"{endpoint.scheme}://{endpoint.target}"
+    device = _device(endpoint, backend, kwargs.pop("device", None))
+    view = GroupView(ProcessGroupMember(url, backend, device=device))
+    link = GroupDialer(
+        endpoint.scheme,
+        endpoint.target,
+        view,
+        heartbeat=kwargs.pop("heartbeat", 1.0),
+        timeout=kwargs.get("connect_timeout", 60.0),
+    )
+    return LinkedReceiver(link, view, **kwargs)
