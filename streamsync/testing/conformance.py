@@ -206,6 +206,10 @@ class TransportConformance:
     #: How children start: a fresh interpreter either way; "forkserver" (with torch and
     #: streamsync preloaded) starts them in a fraction of the time "spawn" takes.
     start_method: str = "forkserver"
+    #: Receivers may leave and be replaced while the sender's channel stays open (``False``
+    #: for a transport whose group of receivers is fixed when it forms: the membership
+    #: tests are skipped, with this reason in their message).
+    replaces_receivers: bool = True
     #: Extra keyword arguments for the sender and receivers (``secret=...``).
     sender_options: dict[str, Any] = {}  # noqa: RUF012 - read-only defaults
     receiver_options: dict[str, Any] = {}  # noqa: RUF012
@@ -426,7 +430,14 @@ class TransportConformance:
             assert sink.digests == expected, "a receiver got other bytes than were sent"
         return report
 
+    def _needs_membership(self) -> None:
+        if not self.replaces_receivers:
+            import pytest
+
+            pytest.skip(f"{type(self).__name__}: its receivers are fixed once the group forms")
+
     def test_a_receiver_that_left_is_replaced(self) -> None:
+        self._needs_membership()
         url = self.make_url("leave")
 
         async def run() -> None:
@@ -449,6 +460,7 @@ class TransportConformance:
         asyncio.run(run())
 
     def test_a_late_joiner_takes_part_from_the_next_sync(self) -> None:
+        self._needs_membership()
         url = self.with_receivers(self.make_url("late"), 2)
 
         async def run() -> None:
@@ -484,6 +496,7 @@ class TransportConformance:
             import pytest
 
             pytest.skip("an in-process transport has no receiver process to kill")
+        self._needs_membership()
         url = self.make_url("replace")
 
         async def run(peers: Peers) -> None:
