@@ -16,6 +16,7 @@ import msgspec
 import torch
 import xxhash
 
+from streamsync.copies import CopyBatch, copy_tensors
 from streamsync.dtypes import dtype_from_name, dtype_name
 from streamsync.errors import ChecksumError, ConfigError, DuplicateTensorError, WireFormatError
 from streamsync.wire import BucketHeader, End, Entry
@@ -97,20 +98,26 @@ class Bucket:
             raise ConfigError(
                 f"slot of {buf.numel()} bytes is too small for a bucket of {self.nbytes}"
             )
-        out: list[Entry] = []
+        batch = CopyBatch()
+        base = buf.data_ptr()
         for entry, part in zip(self.entries, self.parts, strict=True):
+            src = part.source if part.whole else part.source[part.start : part.stop]
             dtype = dtype_from_name(entry.dtype)
-            region = buf[entry.offset : entry.offset + entry.nbytes]
-            dst = region.view(dtype)
-            if part.whole:
-                dst = dst.view(part.source.shape)
-                dst.copy_(part.source)
+            if src.dtype == dtype and src.is_cpu and src.is_contiguous():
+                # The common case, a plain memmove: no view of the slot to build.
+                batch.move(base + entry.offset, src.data_ptr(), entry.nbytes)
             else:
-                dst.copy_(part.source[part.start : part.stop])
-            if checksum:
-                entry = msgspec.structs.replace(entry, checksum=_digest(region))
-            out.append(entry)
-        return out
+                region = buf[entry.offset : entry.offset + entry.nbytes]
+                batch.copy(region.view(dtype).view(src.shape), src)
+        batch.run()
+        if not checksum:
+            return list(self.entries)
+        return [
+            msgspec.structs.replace(
+                entry, checksum=_digest(buf[entry.offset : entry.offset + entry.nbytes])
+            )
+            for entry in self.entries
+        ]
 
     def pack(self, *, checksum: bool = False) -> PackedBucket:
         """Pack into a fresh buffer (tests and in-process use; transports pack into slots)."""
@@ -422,7 +429,7 @@ class Unpacker:
             staging = pending.target
         else:
             staging = self._grow_staging(entry.tensor_offset + entry.nbytes, pending.total)
-        staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(region)
+        copy_tensors([(staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes], region)])
         pending.next_chunk += 1
         pending.next_offset += entry.nbytes
         if pending.next_chunk < pending.chunks:
@@ -457,7 +464,7 @@ class Unpacker:
             self._staging = staging = None  # free the old one before allocating the new one
         grown = allocate_slot(size)
         if staging is not None and kept:
-            grown[:kept].copy_(staging[:kept])
+            copy_tensors([(grown[:kept], staging[:kept])])
         self._staging = grown
         return grown
 

@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 import torch
 
 from streamsync.adapter import NamedTensor
+from streamsync.copies import CopyBatch
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.report import LoadResult
 
@@ -137,11 +138,12 @@ class ModuleSink:
                 continue
             plan.append((name, dst, src))
         # Everything checked: now apply the whole bucket.
-        with torch.no_grad():
-            for name, dst, src in plan:
-                if src is not dst:  # a chunked tensor may already be in place (``target``)
-                    dst.copy_(src)
-                self._loaded.add(name)
+        batch = CopyBatch()
+        for _, dst, src in plan:
+            if src is not dst:  # a chunked tensor may already be in place (``target``)
+                batch.copy(dst, src)
+        batch.run()
+        self._loaded.update(name for name, _, _ in plan)
 
     def finalize(self) -> LoadResult:
         done = {alias for name in self._loaded for alias in self._aliases.get(name, (name,))}

@@ -74,8 +74,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch threads per process on two-process paths and their bound (default 1)",
+        default=None,
+        help="torch.set_num_threads(N) in the sender and receiver processes of two-process "
+        "paths (default: torch's own default, what users get)",
     )
     parser.add_argument(
         "--timeout",
@@ -142,6 +143,7 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += [f"--transport {t}" for t in args.transport or ()]
     parts += [f"--scenario {s}" for s in args.scenario or ()]
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}", f"--slots {args.slots}"]
+    parts += [f"--threads {args.threads}"] if args.threads is not None else []
     parts += [f"--json {args.json}"] if args.json else []
     parts += [f"--plot {args.plot}"] if args.plot else []
     return " ".join(parts)

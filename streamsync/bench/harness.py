@@ -21,6 +21,7 @@ from streamsync.bench.models import GiB, MiB, synthetic_model
 from streamsync.bench.scenarios import BOUNDS, SCENARIOS, TRANSPORTS, TransportSpec
 from streamsync.bench.stamped import transfer_seconds
 from streamsync.bench.targets import evaluate_targets
+from streamsync.copies import POOL_THREADS, openmp_runtime
 from streamsync.testing.peers import Peers, free_port
 
 __all__ = ["SCHEMA", "BenchConfig", "run_bench"]
@@ -40,9 +41,9 @@ class BenchConfig:
     bucket_bytes: int = 64 * MiB
     slots: int = 2
     timeout: float = 120.0
-    #: torch threads in each process of a two-process path (sender, receiver, the two
-    #: parallel copiers): two processes share this machine's two cores.
-    threads: int = 1
+    #: torch threads (``torch.set_num_threads``) in each process of a two-process path
+    #: (sender and receiver); ``None``: torch's default, what users get.
+    threads: int | None = None
 
     def selected(self) -> tuple[str, ...]:
         """The transports to run: those asked for, else every one that runs here."""
@@ -274,7 +275,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
     models = {}
     for name in config.scenarios:
         kind = SCENARIOS[name]
-        model = synthetic_model(config.size, moe=kind.moe)
+        model = kind.model(config.size)
         models[name] = {
             "description": kind.description,
             "tensors": len(model.layout(expanded=kind.expanded)),
@@ -291,6 +292,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "machine": {
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "copy_pool": {"threads": POOL_THREADS, "openmp_pinned": openmp_runtime()},
             "python": platform.python_version(),
             "torch": torch.__version__,
             "streamsync": ss.__version__,

@@ -13,13 +13,22 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _threads(data: dict[str, Any]) -> str:
+    """The torch thread setting the two-process paths ran with."""
+    threads = data["config"].get("threads")
+    if threads is None:
+        default = data["machine"].get("torch_threads")
+        return f"torch's default thread count ({default}) in every process"
+    return f"torch.set_num_threads({threads}) in each two-process path's processes"
+
+
 def format_table(data: dict[str, Any]) -> str:
     """The results as a Markdown table, bounds and targets below it."""
     cfg = data["config"]
     lines = [
         f"{human(cfg['size'])} requested, buckets of {human(cfg['bucket_bytes'])} x "
-        f"{cfg['slots']} slots, {cfg.get('threads', 1)} torch thread(s) per process on "
-        f"two-process paths, median of {cfg['runs']} runs after a warm-up; "
+        f"{cfg['slots']} slots, {_threads(data)}, median of {cfg['runs']} runs after a "
+        "warm-up; "
         f"{data['machine']['cpus']} CPUs, torch {data['machine']['torch']}",
         "",
         "| transport | scenario | GB/s | pack | transfer | load | bound | x bound "

@@ -42,7 +42,17 @@ class Target:
 
 TARGETS: tuple[Target, ...] = (
     Target("shm vs two memcpys at once", "vs_bound", ">=", 0.8, "dense bf16", "shm"),
-    Target("zmq+tcp vs raw pyzmq tcp", "vs_bound", ">=", 0.85, "dense bf16", "zmq+tcp"),
+    Target("zmq+tcp vs raw pyzmq tcp", "vs_bound", ">=", 0.9, "dense bf16", "zmq+tcp"),
+    Target(
+        "{transport}: 16 KiB tensors vs 8 MiB tensors",
+        "gbps_ratio",
+        ">=",
+        0.5,
+        "small-tensors / large-tensors",
+        EACH_TRANSPORT,
+        scenario="small-tensors",
+        baseline="large-tensors",
+    ),
     Target(
         "{transport}: fp32 cast vs bf16",
         "gbps_ratio",
