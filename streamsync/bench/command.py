@@ -4,11 +4,13 @@ table (stdout), ``--json`` and ``--plot``."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 from typing import Any
 
+from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.bench.harness import BenchConfig, run_bench
 from streamsync.bench.models import GiB, MiB, human, parse_size
 from streamsync.bench.plot import plot
@@ -84,6 +86,25 @@ def add_parser(subparsers: Any) -> None:
         default=120.0,
         help="seconds to wait for a peer or a bucket (default 120)",
     )
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also sync a ~400 MiB Qwen3 into a real vLLM engine (update_weights over shm) "
+        "against vLLM's own reload_weights from in-memory tensors, in the same run",
+    )
+    parser.add_argument(
+        "--vllm-only",
+        action="store_true",
+        help="only the vLLM comparison (implies --vllm; no transport table)",
+    )
+    parser.add_argument(
+        "--vllm-bucket-bytes",
+        type=parse_size,
+        action="append",
+        metavar="SIZE",
+        help="bucket size of the vLLM comparison; repeatable (default: the library's, "
+        f"{DEFAULT_BUCKET_BYTES >> 20}MiB)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="draw GB/s against the bounds")
     parser.set_defaults(run=run)
@@ -112,28 +133,44 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         timeout=args.timeout,
     )
-    with tqdm(total=config.steps(), file=sys.stderr, disable=None, unit="step") as bar:
-        last: list[str] = []
+    vllm = args.vllm or args.vllm_only
+    if vllm and importlib.util.find_spec("vllm") is None:
+        sys.stderr.write("streamsync bench: --vllm needs vLLM (pip install 'streamsync[vllm]')\n")
+        return 2
+    data: dict[str, Any] = {}
+    if not args.vllm_only:
+        with tqdm(total=config.steps(), file=sys.stderr, disable=None, unit="step") as bar:
+            last: list[str] = []
 
-        def progress(label: str) -> None:
-            if last:
-                bar.update()
-            last[:] = [label]
-            bar.set_description(label)
+            def progress(label: str) -> None:
+                if last:
+                    bar.update()
+                last[:] = [label]
+                bar.set_description(label)
 
-        data = run_bench(config, progress)
-        bar.update()
+            data = run_bench(config, progress)
+            bar.update()
+        sys.stdout.write(format_table(data) + "\n")  # the command's output
+    if vllm:
+        from streamsync.bench.engine import format_engine_table, run_engine_bench
+
+        sizes = args.vllm_bucket_bytes or [DEFAULT_BUCKET_BYTES]
+        with tqdm(total=None, file=sys.stderr, disable=None, bar_format="{desc}") as bar:
+            engine = run_engine_bench(
+                sizes, runs=args.runs, timeout=args.timeout, progress=bar.set_description
+            )
+        data["engine"] = engine
+        sys.stdout.write("\n" + format_engine_table(engine) + "\n")
     data["command"] = _command_line(args)
-    sys.stdout.write(format_table(data) + "\n")  # the command's output
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(data, fh, indent=2)
-    if args.plot:
+    if args.plot and "results" in data:
         plot(data, args.plot)
     ok = all(
         r["ok"] and r["verified"] and r["received_bytes"] == r["model_bytes"]
-        for r in data["results"]
+        for r in data.get("results", [])
     )
     return 0 if ok else 1
 
@@ -144,6 +181,8 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += [f"--scenario {s}" for s in args.scenario or ()]
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}", f"--slots {args.slots}"]
     parts += [f"--threads {args.threads}"] if args.threads is not None else []
+    parts += ["--vllm-only"] if args.vllm_only else ["--vllm"] if args.vllm else []
+    parts += [f"--vllm-bucket-bytes {b}" for b in args.vllm_bucket_bytes or ()]
     parts += [f"--json {args.json}"] if args.json else []
     parts += [f"--plot {args.plot}"] if args.plot else []
     return " ".join(parts)
