@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +207,69 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
     assert data["models"]["dense-fp32-cast"]["source_bytes"] == 2 * data["models"]["dense"]["bytes"]
     assert {t["target"] for t in data["targets"]} >= {"peak extra memory vs ring + largest tensor"}
     assert png.stat().st_size > 0
+
+
+def test_uniform_model_is_tensors_of_one_size() -> None:
+    from streamsync.bench.models import uniform_model
+
+    model = uniform_model(1 << 20, 16 << 10)
+    assert len(model.shapes) == 64
+    assert {math.prod(s) * d.itemsize for s, d in model.shapes.values()} == {16 << 10}
+    assert SCENARIOS["small-tensors"].model(1 << 20).nbytes == model.nbytes
+    assert len(SCENARIOS["large-tensors"].model(64 << 20).shapes) == 8
+
+
+def test_the_table_says_which_thread_setting_ran() -> None:
+    from streamsync.bench.report import format_table
+
+    data: dict[str, Any] = {
+        "config": {"size": 1 << 20, "bucket_bytes": 1 << 20, "slots": 2, "runs": 1},
+        "machine": {"cpus": 2, "torch": "x", "torch_threads": 2},
+        "results": [],
+        "bounds": {},
+        "targets": [],
+    }
+    data["config"]["threads"] = None
+    assert "torch's default thread count (2) in every process" in format_table(data)
+    data["config"]["threads"] = 1
+    assert "torch.set_num_threads(1)" in format_table(data)
+
+
+def test_the_engine_table_gives_the_ratio_and_the_phases() -> None:
+    from streamsync.bench.engine import format_engine_table
+
+    row = {
+        "bucket_bytes": 64 << 20,
+        "buckets": 13,
+        "reload_median_s": 0.5,
+        "update_median_s": 0.6,
+        "ratio": 1.2,
+        "update_gbps": 1.4,
+        "phases_s": {"wait": 0.1, "pack": 0.2, "publish": 0.01, "end": 0.05},
+    }
+    engine = {"model": "dense-400m", "engine_bytes": 800 << 20, "build_seconds": 3.0, "runs": 3}
+    table = format_engine_table({**engine, "rows": [row]})
+    assert "| 64 MiB | 13 | 0.500 | 0.600 | 1.20 | 1.40 | 0.100 | 0.200 | 0.010 | 0.050 |" in table
+
+
+def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
+    import argparse
+
+    from streamsync.bench.command import _command_line
+
+    args = argparse.Namespace(
+        size=1 << 30,
+        transport=None,
+        scenario=None,
+        runs=3,
+        bucket_bytes=64 << 20,
+        slots=2,
+        threads=None,
+        vllm=True,
+        vllm_only=False,
+        vllm_bucket_bytes=[16 << 20],
+        json=None,
+        plot=None,
+    )
+    line = _command_line(args)
+    assert "--vllm --vllm-bucket-bytes 16777216" in line and "--threads" not in line

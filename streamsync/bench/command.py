@@ -60,7 +60,8 @@ def add_parser(subparsers: Any) -> None:
         "--scenario",
         action="append",
         choices=list(SCENARIOS),
-        help="a scenario to run; repeatable (default: all)",
+        metavar="SCENARIO",
+        help="a scenario to run (listed below); repeatable (default: all)",
     )
     parser.add_argument(
         "--runs", type=int, default=3, help="timed syncs after the warm-up (default 3)"

@@ -83,7 +83,7 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "small-tensors",
-            "bf16 tensors of 16 KiB each (FP8 scales, expanded experts)",
+            "many bf16 tensors of 16 KiB (FP8 scales, experts)",
             moe=False,
             tensor_bytes=16 << 10,
         ),
