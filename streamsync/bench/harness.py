@@ -55,7 +55,8 @@ class BenchConfig:
         """How many units of work :func:`run_bench` reports progress in."""
         bounds = {"memcpy", "two_copy_parallel"} | {TRANSPORTS[t].bound for t in self.selected()}
         bounds.discard("two_copy_serial")
-        return len(bounds) + len(self.selected()) * (1 + len(self.scenarios))
+        verl = "shm" in self.selected() and "dense" in self.scenarios
+        return len(bounds) + verl + len(self.selected()) * (1 + len(self.scenarios))
 
 
 # -- child processes ------------------------------------------------------------------------
@@ -125,6 +126,45 @@ def _bound_seconds(config: BenchConfig, key: str) -> list[float]:
     return [e - s for s, e in zip(push["starts"][1:], pull["ends"][1:], strict=True)]
 
 
+#: Bucket sizes the verl baseline is tried at (those below the largest tensor are left out:
+#: verl's shared-memory path refuses a tensor larger than its buffer); its best is kept.
+VERL_BUCKETS = (64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB)
+
+
+def _verl_baseline(config: BenchConfig) -> dict[str, Any] | None:
+    """verl's shared-memory path (:mod:`streamsync.bench.baseline_verl`) at each bucket size
+    that fits, dense bf16: its best median GB/s, or None if no run succeeded."""
+    model = synthetic_model(config.size)
+    largest = model.largest_tensor_bytes()
+    sizes = [s for s in VERL_BUCKETS if s >= largest] or [largest]
+    per_size: dict[int, float] = {}
+    for size in sizes:
+        address = f"ipc://@streamsync-bench-verl-{os.getpid()}-{time.monotonic_ns()}"
+        job = {
+            "size": config.size,
+            "runs": config.runs,
+            "bucket_bytes": size,
+            "address": address,
+            "threads": config.threads,
+        }
+        limit = config.timeout * (config.runs + 2)
+        rx, tx = _run_children(
+            [("verl_receiver", job), ("verl_sender", job)], timeout=limit, barrier=True
+        )
+        if tx["ok"] and rx["ok"] and rx["verified"]:
+            seconds = [t1 - t0 for t0, t1 in tx["spans"][1:]]
+            per_size[size] = _median_gbps(model.nbytes, seconds)
+    if not per_size:
+        return None
+    best = max(per_size, key=lambda s: per_size[s])
+    return {
+        "what": BOUNDS["verl_shm"],
+        "gbps": per_size[best],
+        "bucket_bytes": best,
+        "per_bucket_gbps": {str(k): v for k, v in per_size.items()},
+    }
+
+
 def _add_bound(bounds: dict[str, Any], config: BenchConfig, key: str) -> None:
     """Measure ``key`` (again) and keep the best median: on a shared machine a bound taken
     while others load it would flatter every ratio."""
@@ -151,6 +191,11 @@ def _bounds(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, A
     for key in dict.fromkeys(k for k in keys if k != "two_copy_serial"):
         progress(f"bound: {key}")
         _add_bound(out, config, key)
+    if "shm" in config.selected() and "dense" in config.scenarios:
+        progress("baseline: verl_shm")
+        verl = _verl_baseline(config)
+        if verl is not None:
+            out["verl_shm"] = verl
     return out
 
 
@@ -244,6 +289,11 @@ def _summarise(
         "bound": spec.bound,
         "bound_gbps": bound,
         "vs_bound": gbps / bound if bound else None,
+        "vs_verl": (
+            gbps / bounds["verl_shm"]["gbps"]
+            if spec.name == "shm" and "verl_shm" in bounds
+            else None
+        ),
         "memory": {
             "ring_bytes": ring,
             "largest_tensor_bytes": rx["largest_tensor_bytes"],
@@ -253,6 +303,12 @@ def _summarise(
             "receiver": memory(rx),
         },
         "verified": bool(rx["verified"]),
+        # CPU seconds each process spent per sync (all its threads): spinning OpenMP
+        # workers show up here even when a quiet machine hides them in the GB/s.
+        "cpu_s": {
+            side: statistics.median(r.get("cpu_seconds", 0.0) for r in runs)
+            for side, runs in (("sender", tx_runs), ("receiver", rx_runs))
+        },
     }
 
 

@@ -20,6 +20,7 @@ import anyio
 import torch
 
 import streamsync as ss
+from streamsync.bench.baseline_verl import verl_receiver, verl_sender
 from streamsync.bench.models import SyntheticModel, synthetic_model
 from streamsync.bench.scenarios import SCENARIOS, Scenario
 from streamsync.bench.stamped import StampedReceiver, StampedSender
@@ -88,6 +89,7 @@ async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         for _ in range(_syncs(job)):
             tx.published = []
             exact = _reset_peak()
+            cpu = time.process_time()
             report = await ss.send(
                 weights,
                 tx,
@@ -98,6 +100,7 @@ async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
             runs.append(
                 {
                     **_report_dict(report),
+                    "cpu_seconds": time.process_time() - cpu,
                     "published": tx.published,
                     "peak_rss": _peak_rss(),
                     "peak_exact": exact,
@@ -118,11 +121,14 @@ async def _receiver_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         for _ in range(_syncs(job)):
             rx.arrived, rx.released = [], []
             exact = _reset_peak()
+            cpu = time.process_time()
             report = await ss.receive(rx, sink, timeout=job["timeout"])
+            cpu = time.process_time() - cpu
             runs.append(
                 {
                     **_report_dict(report),
                     **_loaded(report, targets),
+                    "cpu_seconds": cpu,
                     "arrived": rx.arrived,
                     "released": rx.released,
                     "peak_rss": _peak_rss(),
@@ -162,6 +168,7 @@ async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         for _ in range(_syncs(job)):
             tx.published, rx.arrived, rx.released = [], [], []
             exact = _reset_peak()
+            cpu = time.process_time()
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(receive)
@@ -173,11 +180,20 @@ async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
                     timeout=job["timeout"],
                 )
             peak = _peak_rss()
-            tx_runs.append({**_report_dict(sent), "published": tx.published, "peak_rss": peak})
+            cpu = time.process_time() - cpu  # one process: both sides together
+            tx_runs.append(
+                {
+                    **_report_dict(sent),
+                    "published": tx.published,
+                    "peak_rss": peak,
+                    "cpu_seconds": cpu,
+                }
+            )
             rx_runs.append(
                 {
                     **_report_dict(got["rx"]),
                     **_loaded(got["rx"], targets),
+                    "cpu_seconds": cpu,
                     "arrived": rx.arrived,
                     "released": rx.released,
                     "peak_rss": peak,
@@ -302,6 +318,8 @@ async def _zmq_pull(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
 
 
 ROLES: dict[str, Role] = {
+    "verl_sender": verl_sender,
+    "verl_receiver": verl_receiver,
     "sender": _sender_side,
     "receiver": _receiver_side,
     "both": _both_sides,

@@ -14,7 +14,7 @@ __all__ = ["EACH_TRANSPORT", "TARGETS", "Target", "evaluate_targets"]
 #: ``Target.transport`` for a target checked once per transport that ran.
 EACH_TRANSPORT = "each"
 
-Metric = Literal["vs_bound", "gbps_ratio", "extra_memory"]
+Metric = Literal["vs_bound", "vs_verl", "gbps_ratio", "extra_memory"]
 Results = dict[tuple[str, str], dict[str, Any]]
 
 
@@ -23,6 +23,7 @@ class Target:
     """``metric`` of the results, compared (``comparison``) with ``threshold``.
 
     Metrics: ``vs_bound``: GB/s of ``transport`` in ``scenario`` over its bound's;
+    ``vs_verl``: the same over the verl shared-memory baseline's (best bucket size);
     ``gbps_ratio``: GB/s in ``scenario`` over GB/s in ``baseline``, same transport;
     ``extra_memory``: the worst peak extra RSS over its budget (ring + largest tensor),
     either side, every transport and scenario. A target whose results are missing is left
@@ -42,6 +43,7 @@ class Target:
 
 TARGETS: tuple[Target, ...] = (
     Target("shm vs two memcpys at once", "vs_bound", ">=", 0.8, "dense bf16", "shm"),
+    Target("shm vs verl's shared-memory path", "vs_verl", ">=", 3.0, "dense bf16", "shm"),
     Target("zmq+tcp vs raw pyzmq tcp", "vs_bound", ">=", 0.9, "dense bf16", "zmq+tcp"),
     Target(
         "{transport}: 16 KiB tensors vs 8 MiB tensors",
@@ -90,6 +92,11 @@ def _vs_bound(ok: Results, target: Target, transport: str | None) -> float | Non
     return None if row is None else row["vs_bound"]
 
 
+def _vs_verl(ok: Results, target: Target, transport: str | None) -> float | None:
+    row = ok.get((str(transport), target.scenario))
+    return None if row is None else row.get("vs_verl")
+
+
 def _gbps_ratio(ok: Results, target: Target, transport: str | None) -> float | None:
     row = ok.get((str(transport), target.scenario))
     base = ok.get((str(transport), str(target.baseline)))
@@ -107,6 +114,7 @@ def _extra_memory(ok: Results, target: Target, transport: str | None) -> float |
 
 _METRICS: dict[str, Callable[[Results, Target, str | None], float | None]] = {
     "vs_bound": _vs_bound,
+    "vs_verl": _vs_verl,
     "gbps_ratio": _gbps_ratio,
     "extra_memory": _extra_memory,
 }
