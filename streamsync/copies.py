@@ -39,6 +39,7 @@ import torch
 __all__ = [
     "PIECE_BYTES",
     "CopyBatch",
+    "clone",
     "POOL_THREADS",
     "copy_tensors",
     "memmove_many",
@@ -262,3 +263,11 @@ def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for dst, src in pairs:
         batch.copy(dst, src)
     batch.run()
+
+
+def clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` (what ``tensor.clone()`` gives for a contiguous one),
+    made by :func:`copy_tensors`."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    copy_tensors([(out, tensor)])
+    return out
