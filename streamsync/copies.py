@@ -63,12 +63,12 @@ def _find_openmp() -> Callable[[int], Any] | None:
     torch's intra-op parallelism then uses its own pool, which does not spin)."""
     try:
         with open("/proc/self/maps") as fh:
-            paths = {line.split()[-1] for line in fh if line.rstrip().endswith(".so.1")}
+            paths = {line.split()[-1] for line in fh if ".so" in line}
     except OSError:
         return None
     for path in sorted(paths):
         base = os.path.basename(path)
-        if base.startswith(("libgomp", "libiomp5", "libomp")):
+        if base.startswith(("libgomp", "libiomp5", "libomp")) and ".so" in base:
             try:
                 fn = ctypes.CDLL(path).omp_set_num_threads
             except (OSError, AttributeError):
