@@ -164,7 +164,7 @@ def test_bench_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # six scenarios x four transports, the bounds and verl's baseline
 def test_bench_writes_json_and_every_transport_moves_the_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -188,6 +188,13 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
         "command",
     } <= set(data)
     assert {"memcpy", "two_copy_parallel"} <= set(data["bounds"])
+    if "shm" in here:
+        verl = data["bounds"]["verl_shm"]  # the baseline ran, moved the model and checked it
+        assert verl["gbps"] > 0 and verl["bucket_bytes"] == 64 << 20
+        row = next(
+            r for r in data["results"] if (r["transport"], r["scenario"]) == ("shm", "dense")
+        )
+        assert row["vs_verl"] == row["gbps"] / verl["gbps"]
     assert all(b["gbps"] > 0 for b in data["bounds"].values())
     assert [(r["transport"], r["scenario"]) for r in data["results"]] == [
         (t, s) for t in here for s in SCENARIOS
