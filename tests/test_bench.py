@@ -138,8 +138,14 @@ def test_targets_are_one_table_evaluated_in_order() -> None:
         _result("zmq+tcp", "dense-fp32-cast", 0.95, 0.8, 10),
         {"transport": "zmq+tcp", "scenario": "moe", "ok": False, "error": "boom"},
         _result("zmq+tcp", "moe-chain", 1.0, 0.8, 10),
-        _result("shm", "small-tensors", 1.0, 0.3, 10),
-        _result("shm", "large-tensors", 4.0, 0.9, 10),
+        {
+            **_result("shm", "small-tensors", 1.0, 0.3, 10),
+            **{"seconds": 0.1, "bytes": 10**8, "tensors": 7512},
+        },
+        {
+            **_result("shm", "large-tensors", 4.0, 0.9, 10),
+            **{"seconds": 0.025, "bytes": 10**8, "tensors": 12},
+        },
     ]
     got = evaluate_targets(results)
     assert [(t["target"], t["value"], t["want"], t["met"]) for t in got] == [
@@ -147,15 +153,22 @@ def test_targets_are_one_table_evaluated_in_order() -> None:
         ("shm vs verl's shared-memory path", 3.5, ">= 3.0", True),
         ("zmq+tcp vs raw pyzmq tcp", 0.8, ">= 0.9", False),
         ("shm: 16 KiB tensors vs 8 MiB tensors", 0.25, ">= 0.5", False),
+        ("shm: fixed cost per tensor, both sides (us)", pytest.approx(10.0), "<= 5.0", False),
         ("shm: fp32 cast vs bf16", 0.5, ">= 0.9", False),
         ("shm: adapter chain vs none", 0.95, ">= 0.9", True),
         ("zmq+tcp: fp32 cast vs bf16", 0.95, ">= 0.9", True),
         # zmq+tcp's adapter chain has no baseline (its moe run failed): left out.
         ("peak extra memory vs ring + largest tensor", 1.2, "<= 1.0", False),
     ]
-    assert got[4]["detail"] == "dense-fp32-cast / dense"
+    assert got[5]["detail"] == "dense-fp32-cast / dense"
     assert evaluate_targets([]) == []
-    assert {t.metric for t in TARGETS} == {"vs_bound", "vs_verl", "gbps_ratio", "extra_memory"}
+    assert {t.metric for t in TARGETS} == {
+        "vs_bound",
+        "vs_verl",
+        "gbps_ratio",
+        "per_tensor_us",
+        "extra_memory",
+    }
 
 
 def test_bench_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,7 @@ __all__ = ["EACH_TRANSPORT", "TARGETS", "Target", "evaluate_targets"]
 #: ``Target.transport`` for a target checked once per transport that ran.
 EACH_TRANSPORT = "each"
 
-Metric = Literal["vs_bound", "vs_verl", "gbps_ratio", "extra_memory"]
+Metric = Literal["vs_bound", "vs_verl", "gbps_ratio", "per_tensor_us", "extra_memory"]
 Results = dict[tuple[str, str], dict[str, Any]]
 
 
@@ -25,6 +25,8 @@ class Target:
     Metrics: ``vs_bound``: GB/s of ``transport`` in ``scenario`` over its bound's;
     ``vs_verl``: the same over the verl shared-memory baseline's (best bucket size);
     ``gbps_ratio``: GB/s in ``scenario`` over GB/s in ``baseline``, same transport;
+    ``per_tensor_us``: the time per tensor of ``scenario`` beyond its bytes at
+    ``baseline``'s rate;
     ``extra_memory``: the worst peak extra RSS over its budget (ring + largest tensor),
     either side, every transport and scenario. A target whose results are missing is left
     out. ``name`` may say ``{transport}``.
@@ -51,6 +53,16 @@ TARGETS: tuple[Target, ...] = (
         ">=",
         0.5,
         "small-tensors / large-tensors",
+        EACH_TRANSPORT,
+        scenario="small-tensors",
+        baseline="large-tensors",
+    ),
+    Target(
+        "{transport}: fixed cost per tensor, both sides (us)",
+        "per_tensor_us",
+        "<=",
+        5.0,
+        "small-tensors vs large-tensors",
         EACH_TRANSPORT,
         scenario="small-tensors",
         baseline="large-tensors",
@@ -103,6 +115,17 @@ def _gbps_ratio(ok: Results, target: Target, transport: str | None) -> float | N
     return None if row is None or base is None else float(row["gbps"] / base["gbps"])
 
 
+def _per_tensor_us(ok: Results, target: Target, transport: str | None) -> float | None:
+    """Microseconds a sync of ``scenario`` took per tensor beyond what its bytes cost at the
+    per-byte rate of ``baseline`` (few large tensors): the fixed cost of a tensor."""
+    row = ok.get((str(transport), target.scenario))
+    base = ok.get((str(transport), str(target.baseline)))
+    if row is None or base is None or row["tensors"] <= base["tensors"]:
+        return None
+    byte_cost = base["seconds"] / base["bytes"] * row["bytes"]
+    return float((row["seconds"] - byte_cost) / (row["tensors"] - base["tensors"]) * 1e6)
+
+
 def _extra_memory(ok: Results, target: Target, transport: str | None) -> float | None:
     within = [
         r["memory"][side]["extra_bytes"] / r["memory"]["budget_bytes"]
@@ -116,6 +139,7 @@ _METRICS: dict[str, Callable[[Results, Target, str | None], float | None]] = {
     "vs_bound": _vs_bound,
     "vs_verl": _vs_verl,
     "gbps_ratio": _gbps_ratio,
+    "per_tensor_us": _per_tensor_us,
     "extra_memory": _extra_memory,
 }
 
