@@ -16,6 +16,7 @@ import msgspec
 import torch
 import xxhash
 
+from streamsync.copies import CopyBatch, copy_tensors
 from streamsync.dtypes import dtype_from_name, dtype_name
 from streamsync.errors import ChecksumError, ConfigError, DuplicateTensorError, WireFormatError
 from streamsync.wire import BucketHeader, End, Entry
@@ -38,6 +39,9 @@ ALIGN: Final = 64
 MIN_BUCKET_BYTES: Final = 1024
 #: Default limit on one reassembled tensor, checked before allocating its staging buffer.
 DEFAULT_MAX_TENSOR_BYTES: Final = 1 << 40
+#: Checked entries an :class:`Unpacker` remembers (then it starts over): more than a model
+#: has tensors, few enough that a sender sending ever new entries cannot exhaust memory.
+_CHECKED_MAX: Final = 1 << 18
 
 NamedTensor = tuple[str, torch.Tensor]
 #: A fused cast: ``(name, dtype) -> dtype to send, or None to send as is``; it decides on
@@ -62,7 +66,7 @@ def _digest(region: torch.Tensor) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(slots=True)
@@ -97,20 +101,26 @@ class Bucket:
             raise ConfigError(
                 f"slot of {buf.numel()} bytes is too small for a bucket of {self.nbytes}"
             )
-        out: list[Entry] = []
+        batch = CopyBatch()
+        base = buf.data_ptr()
         for entry, part in zip(self.entries, self.parts, strict=True):
+            src = part.source if part.whole else part.source[part.start : part.stop]
             dtype = dtype_from_name(entry.dtype)
-            region = buf[entry.offset : entry.offset + entry.nbytes]
-            dst = region.view(dtype)
-            if part.whole:
-                dst = dst.view(part.source.shape)
-                dst.copy_(part.source)
+            if src.dtype == dtype and src.is_cpu and src.is_contiguous():
+                # The common case, a plain memmove: no view of the slot to build.
+                batch.move(base + entry.offset, src.data_ptr(), entry.nbytes)
             else:
-                dst.copy_(part.source[part.start : part.stop])
-            if checksum:
-                entry = msgspec.structs.replace(entry, checksum=_digest(region))
-            out.append(entry)
-        return out
+                region = buf[entry.offset : entry.offset + entry.nbytes]
+                batch.copy(region.view(dtype).view(src.shape), src)
+        batch.run()
+        if not checksum:
+            return list(self.entries)
+        return [
+            msgspec.structs.replace(
+                entry, checksum=_digest(buf[entry.offset : entry.offset + entry.nbytes])
+            )
+            for entry in self.entries
+        ]
 
     def pack(self, *, checksum: bool = False) -> PackedBucket:
         """Pack into a fresh buffer (tests and in-process use; transports pack into slots)."""
@@ -256,6 +266,9 @@ class Unpacker:
 
     def __init__(self, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
         self.max_tensor_bytes = max_tensor_bytes
+        #: Entries that passed :meth:`_check_entry`, under the limit ``_checked_limit``.
+        self._checked: dict[Entry, tuple[torch.dtype, int]] = {}
+        self._checked_limit = max_tensor_bytes
         self._staging: torch.Tensor | None = None
         self._completed_here = False
         self.begin(None)
@@ -293,9 +306,41 @@ class Unpacker:
         self._nbytes += header.nbytes
         out: list[NamedTensor] = []
         self._completed_here = False
+        if self._checked_limit != self.max_tensor_bytes or len(self._checked) > _CHECKED_MAX:
+            self._checked = {}
+            self._checked_limit = self.max_tensor_bytes
+        checked = self._checked
+        # ``data`` as each dtype, made once per bucket: an entry's view is then one slice.
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        bucket_nbytes = header.nbytes
         for entry in header.entries:
-            dtype, itemsize = self._check_entry(entry, header.nbytes)
-            region = data[entry.offset : entry.offset + entry.nbytes]
+            kind = checked.get(entry)
+            if kind is None:
+                kind = checked[entry] = self._check_entry(entry)
+            dtype, itemsize = kind
+            offset, nbytes = entry.offset, entry.nbytes
+            if offset + nbytes > bucket_nbytes:
+                raise WireFormatError(
+                    f"tensor {entry.name!r} claims bytes [{offset}, {offset + nbytes}) "
+                    f"outside its bucket of {bucket_nbytes} bytes"
+                )
+            if entry.checksum is None and entry.chunks == 1:
+                if self._pending is not None:
+                    # A chunked tensor's chunks come first in each bucket until it is whole.
+                    raise WireFormatError(
+                        f"tensor {entry.name!r} arrived before chunked tensor "
+                        f"{self._pending.name!r} was complete"
+                    )
+                self._claim(entry.name)
+                view = typed.get(dtype)
+                if view is None:
+                    usable = bucket_nbytes - bucket_nbytes % itemsize
+                    view = typed[dtype] = data[:usable].view(dtype)
+                start = offset // itemsize
+                out.append((entry.name, view[start : start + nbytes // itemsize].view(entry.shape)))
+                self._tensors += 1
+                continue
+            region = data[offset : offset + nbytes]
             if entry.checksum is not None:
                 digest = _digest(region)
                 if digest != entry.checksum:
@@ -319,7 +364,9 @@ class Unpacker:
                 out.append(done)
         return out
 
-    def _check_entry(self, entry: Entry, bucket_nbytes: int) -> tuple[torch.dtype, int]:
+    def _check_entry(self, entry: Entry) -> tuple[torch.dtype, int]:
+        """What can be checked of ``entry`` without its bucket (cached per entry: a model's
+        entries repeat from sync to sync); its dtype and item size."""
         dtype = dtype_from_name(entry.dtype)
         itemsize = _itemsize(dtype)
         name = entry.name
@@ -337,10 +384,10 @@ class Unpacker:
                 f"tensor {name!r} claims {total} bytes (shape {list(entry.shape)}, {entry.dtype}); "
                 f"the limit is {self.max_tensor_bytes}"
             )
-        if entry.offset < 0 or entry.nbytes < 0 or entry.offset + entry.nbytes > bucket_nbytes:
+        if entry.offset < 0 or entry.nbytes < 0:
             raise WireFormatError(
                 f"tensor {name!r} claims bytes [{entry.offset}, {entry.offset + entry.nbytes}) "
-                f"outside its bucket of {bucket_nbytes} bytes"
+                "outside its bucket"
             )
         if entry.offset % ALIGN:
             raise WireFormatError(f"tensor {name!r} starts at unaligned offset {entry.offset}")
@@ -422,7 +469,7 @@ class Unpacker:
             staging = pending.target
         else:
             staging = self._grow_staging(entry.tensor_offset + entry.nbytes, pending.total)
-        staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(region)
+        copy_tensors([(staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes], region)])
         pending.next_chunk += 1
         pending.next_offset += entry.nbytes
         if pending.next_chunk < pending.chunks:
@@ -457,7 +504,7 @@ class Unpacker:
             self._staging = staging = None  # free the old one before allocating the new one
         grown = allocate_slot(size)
         if staging is not None and kept:
-            grown[:kept].copy_(staging[:kept])
+            copy_tensors([(grown[:kept], staging[:kept])])
         self._staging = grown
         return grown
 

@@ -16,12 +16,15 @@ import json
 import os
 import sys
 import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 import torch
 
+from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.sources import named_tensors
 
 __all__ = ["add_parser", "run"]
@@ -43,9 +46,10 @@ def add_parser(sub: Any) -> None:
     )
     demo.add_argument(
         "--kind",
-        choices=["dense", "moe"],
-        default="dense",
-        help="the tiny model to build (default dense)",
+        choices=["dense-400m", "dense", "moe"],
+        default="dense-400m",
+        help="the model to build: dense-400m (default; a Qwen3 of about 400 MiB in bf16, "
+        "800 MiB per sync in the engine's fp32, built in seconds), or a tiny dense or moe one",
     )
     demo.add_argument(
         "--transport",
@@ -56,9 +60,14 @@ def add_parser(sub: Any) -> None:
     demo.add_argument(
         "--bucket-bytes",
         type=int,
-        default=1 << 20,
+        default=DEFAULT_BUCKET_BYTES,
         metavar="BYTES",
-        help="bucket size in bytes (default 1 MiB)",
+        help=f"bucket size in bytes (default {DEFAULT_BUCKET_BYTES >> 20} MiB, the library's)",
+    )
+    demo.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the engine's own logs and warnings (hidden by default)",
     )
     demo.add_argument(
         "--timeout", type=float, default=60.0, help="seconds to wait on each sync (default 60)"
@@ -81,13 +90,45 @@ def run(args: argparse.Namespace) -> int:
         return demo_fake(args)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: starts fast
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    with tempfile.TemporaryDirectory(prefix="streamsync-demo-") as tmp:
-        return _run(args, Path(tmp))
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    with (
+        tempfile.TemporaryDirectory(prefix="streamsync-demo-") as tmp,
+        _engine_output(args.verbose) as progress,
+    ):
+        return _run(args, Path(tmp), progress)
 
 
-def _run(args: argparse.Namespace, tmp: Path) -> int:
+@contextlib.contextmanager
+def _engine_output(verbose: bool) -> Iterator[TextIO]:
+    """Where the demo's progress bar goes. Unless ``verbose``, everything else written to
+    stderr (the engine's C++ and Python warnings, its loaders' progress bars) goes to a
+    temporary file instead, shown only if the demo fails."""
+    if verbose:
+        yield sys.stderr
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    progress = os.fdopen(os.dup(saved), "w")
+    with tempfile.TemporaryFile() as hidden, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        os.dup2(hidden.fileno(), 2)
+        failed = True
+        try:
+            yield progress
+            failed = False
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            progress.close()
+            if failed:
+                hidden.seek(0)
+                sys.stderr.write(hidden.read().decode(errors="replace"))
+
+
+def _run(args: argparse.Namespace, tmp: Path, progress: TextIO) -> int:
     import anyio
     from tqdm import tqdm
 
@@ -96,7 +137,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> int:
     from streamsync.testing.models import build_tiny_model, perturb
     from streamsync.vllm import WeightSync
 
-    steps = tqdm(total=args.steps + 2, desc="demo", unit="step", file=sys.stderr, leave=False)
+    steps = tqdm(total=args.steps + 2, desc="demo", unit="step", file=progress, leave=False)
     if args.model:
         from transformers import AutoModelForCausalLM
 
@@ -104,7 +145,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> int:
         trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # eval mode
     else:
         path = tmp / "model"
-        steps.set_description("building a tiny model")
+        steps.set_description(f"building a {args.kind} model")
         trainer = build_tiny_model(path, args.kind, seed=0)
     steps.update()
     steps.set_description("starting vLLM")

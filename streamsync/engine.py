@@ -32,6 +32,7 @@ import msgspec
 
 from streamsync._log import log, warn
 from streamsync.adapter import AdapterLike
+from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.errors import (
     ClosedError,
     ConfigError,
@@ -178,7 +179,7 @@ class WeightSync:
         endpoint: str,
         *,
         pipeline: AdapterLike | None = None,
-        bucket_bytes: int = 64 << 20,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
         checksum: bool = False,
         worker_options: WorkerOptions | Mapping[str, Any] | None = None,
@@ -548,7 +549,7 @@ async def update_engine(
     client: Callable[[Any], EngineClient],
     endpoint: str,
     pipeline: AdapterLike | None = None,
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float = DEFAULT_TIMEOUT,
     worker_options: WorkerOptions | Mapping[str, Any] | None = None,
     **options: Any,

@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 import torch
 
 from streamsync.adapter import NamedTensor
+from streamsync.copies import CopyBatch
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.report import LoadResult
 
@@ -88,6 +89,18 @@ class ModuleSink:
                 key = (t.data_ptr(), tuple(t.shape), t.dtype)
                 by_storage.setdefault(key, []).append(name)
         self._aliases = {n: group for group in by_storage.values() for n in group}
+        # Per name, what ``load`` checks and where a memmove writes: (shape, dtype, address
+        # of a contiguous CPU tensor or None, bytes). Looked up once per tensor instead of
+        # asking torch for each attribute (a sync may carry tens of thousands of tensors).
+        self._meta: dict[str, tuple[torch.Size, torch.dtype, int | None, int]] = {
+            name: (
+                t.shape,
+                t.dtype,
+                t.data_ptr() if t.is_cpu and t.is_contiguous() else None,
+                t.numel() * t.element_size(),
+            )
+            for name, t in self._targets.items()
+        }
         self._loaded: set[str] = set()
         self._unexpected: list[str] = []
 
@@ -99,7 +112,8 @@ class ModuleSink:
         """The module's tensor for ``name`` after the strict checks, or ``None`` for a name
         a non-strict sink skips."""
         dst = self._targets.get(name)
-        if dst is None:
+        meta = self._meta.get(name)
+        if dst is None or meta is None:
             if self.strict:
                 close = difflib.get_close_matches(name, self._targets, n=3)
                 hint = f"; close matches: {', '.join(close)}" if close else ""
@@ -108,11 +122,11 @@ class ModuleSink:
                     f"{type(self.module).__name__}{hint}"
                 )
             return None
-        if tuple(dst.shape) != tuple(shape):
+        if meta[0] != tuple(shape):
             raise ShapeMismatchError(
                 f"tensor {name!r}: received shape {list(shape)}, the module's is {list(dst.shape)}"
             )
-        if dst.dtype != dtype and self.strict:
+        if meta[1] != dtype and self.strict:
             raise DtypeMismatchError(
                 f"tensor {name!r}: received dtype {dtype}, the module's is {dst.dtype}"
             )
@@ -137,11 +151,18 @@ class ModuleSink:
                 continue
             plan.append((name, dst, src))
         # Everything checked: now apply the whole bucket.
-        with torch.no_grad():
-            for name, dst, src in plan:
-                if src is not dst:  # a chunked tensor may already be in place (``target``)
-                    dst.copy_(src)
-                self._loaded.add(name)
+        batch = CopyBatch()
+        meta = self._meta
+        for name, dst, src in plan:
+            if src is dst:  # a chunked tensor already in place (``target``)
+                continue
+            _, dtype, address, nbytes = meta[name]
+            if address is not None and src.dtype == dtype and src.is_cpu and src.is_contiguous():
+                batch.move(address, src.data_ptr(), nbytes)
+            else:
+                batch.copy(dst, src)
+        batch.run()
+        self._loaded.update(name for name, _, _ in plan)
 
     def finalize(self) -> LoadResult:
         done = {alias for name in self._loaded for alias in self._aliases.get(name, (name,))}

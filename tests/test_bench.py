@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def _result(transport: str, scenario: str, gbps: float, vs_bound: float, extra: 
 
 def test_targets_are_one_table_evaluated_in_order() -> None:
     results = [
-        _result("shm", "dense", 2.0, 0.9, 50),
+        {**_result("shm", "dense", 2.0, 0.9, 50), "vs_verl": 3.5},
         _result("shm", "dense-fp32-cast", 1.0, 0.5, 60),
         _result("shm", "moe", 2.0, 0.9, 50),
         _result("shm", "moe-chain", 1.9, 0.9, 120),
@@ -137,20 +138,37 @@ def test_targets_are_one_table_evaluated_in_order() -> None:
         _result("zmq+tcp", "dense-fp32-cast", 0.95, 0.8, 10),
         {"transport": "zmq+tcp", "scenario": "moe", "ok": False, "error": "boom"},
         _result("zmq+tcp", "moe-chain", 1.0, 0.8, 10),
+        {
+            **_result("shm", "small-tensors", 1.0, 0.3, 10),
+            **{"seconds": 0.1, "bytes": 10**8, "tensors": 7512},
+        },
+        {
+            **_result("shm", "large-tensors", 4.0, 0.9, 10),
+            **{"seconds": 0.025, "bytes": 10**8, "tensors": 12},
+        },
     ]
     got = evaluate_targets(results)
     assert [(t["target"], t["value"], t["want"], t["met"]) for t in got] == [
         ("shm vs two memcpys at once", 0.9, ">= 0.8", True),
-        ("zmq+tcp vs raw pyzmq tcp", 0.8, ">= 0.85", False),
+        ("shm vs verl's shared-memory path", 3.5, ">= 3.0", True),
+        ("zmq+tcp vs raw pyzmq tcp", 0.8, ">= 0.9", False),
+        ("shm: 16 KiB tensors vs 8 MiB tensors", 0.25, ">= 0.5", False),
+        ("shm: fixed cost per tensor, both sides (us)", pytest.approx(10.0), "<= 5.0", False),
         ("shm: fp32 cast vs bf16", 0.5, ">= 0.9", False),
         ("shm: adapter chain vs none", 0.95, ">= 0.9", True),
         ("zmq+tcp: fp32 cast vs bf16", 0.95, ">= 0.9", True),
         # zmq+tcp's adapter chain has no baseline (its moe run failed): left out.
         ("peak extra memory vs ring + largest tensor", 1.2, "<= 1.0", False),
     ]
-    assert got[2]["detail"] == "dense-fp32-cast / dense"
+    assert got[5]["detail"] == "dense-fp32-cast / dense"
     assert evaluate_targets([]) == []
-    assert {t.metric for t in TARGETS} == {"vs_bound", "gbps_ratio", "extra_memory"}
+    assert {t.metric for t in TARGETS} == {
+        "vs_bound",
+        "vs_verl",
+        "gbps_ratio",
+        "per_tensor_us",
+        "extra_memory",
+    }
 
 
 def test_bench_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,7 +177,7 @@ def test_bench_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # six scenarios x four transports, the bounds and verl's baseline
 def test_bench_writes_json_and_every_transport_moves_the_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -183,6 +201,13 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
         "command",
     } <= set(data)
     assert {"memcpy", "two_copy_parallel"} <= set(data["bounds"])
+    if "shm" in here:
+        verl = data["bounds"]["verl_shm"]  # the baseline ran, moved the model and checked it
+        assert verl["gbps"] > 0 and verl["bucket_bytes"] == 64 << 20
+        row = next(
+            r for r in data["results"] if (r["transport"], r["scenario"]) == ("shm", "dense")
+        )
+        assert row["vs_verl"] == row["gbps"] / verl["gbps"]
     assert all(b["gbps"] > 0 for b in data["bounds"].values())
     assert [(r["transport"], r["scenario"]) for r in data["results"]] == [
         (t, s) for t in here for s in SCENARIOS
@@ -231,3 +256,70 @@ def test_bench_fan_out_to_two_receivers(tmp_path: Path, capsys: pytest.CaptureFi
     for row in rows.values():
         assert row["ok"] and row["verified"], row
         assert row["sender_s_per_sync"] > 0 and row["raw_gloo_s"] > 0, row
+
+
+def test_uniform_model_is_tensors_of_one_size() -> None:
+    from streamsync.bench.models import uniform_model
+
+    model = uniform_model(1 << 20, 16 << 10)
+    assert len(model.shapes) == 64
+    assert {math.prod(s) * d.itemsize for s, d in model.shapes.values()} == {16 << 10}
+    assert SCENARIOS["small-tensors"].model(1 << 20).nbytes == model.nbytes
+    assert len(SCENARIOS["large-tensors"].model(64 << 20).shapes) == 8
+
+
+def test_the_table_says_which_thread_setting_ran() -> None:
+    from streamsync.bench.report import format_table
+
+    data: dict[str, Any] = {
+        "config": {"size": 1 << 20, "bucket_bytes": 1 << 20, "slots": 2, "runs": 1},
+        "machine": {"cpus": 2, "torch": "x", "torch_threads": 2},
+        "results": [],
+        "bounds": {},
+        "targets": [],
+    }
+    data["config"]["threads"] = None
+    assert "torch's default thread count (2) in every process" in format_table(data)
+    data["config"]["threads"] = 1
+    assert "torch.set_num_threads(1)" in format_table(data)
+
+
+def test_the_engine_table_gives_the_ratio_and_the_phases() -> None:
+    from streamsync.bench.engine import format_engine_table
+
+    row = {
+        "bucket_bytes": 64 << 20,
+        "buckets": 13,
+        "reload_median_s": 0.5,
+        "update_median_s": 0.6,
+        "ratio": 1.2,
+        "update_gbps": 1.4,
+        "phases_s": {"wait": 0.1, "pack": 0.2, "publish": 0.01, "end": 0.05},
+    }
+    engine = {"model": "dense-400m", "engine_bytes": 800 << 20, "build_seconds": 3.0, "runs": 3}
+    table = format_engine_table({**engine, "rows": [row]})
+    assert "| 64 MiB | 13 | 0.500 | 0.600 | 1.20 | 1.40 | 0.100 | 0.200 | 0.010 | 0.050 |" in table
+
+
+def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
+    import argparse
+
+    from streamsync.bench.command import _command_line
+
+    args = argparse.Namespace(
+        size=1 << 30,
+        transport=None,
+        scenario=None,
+        runs=3,
+        bucket_bytes=64 << 20,
+        slots=2,
+        threads=None,
+        receivers=None,
+        vllm=True,
+        vllm_only=False,
+        vllm_bucket_bytes=[16 << 20],
+        json=None,
+        plot=None,
+    )
+    line = _command_line(args)
+    assert "--vllm --vllm-bucket-bytes 16777216" in line and "--threads" not in line

@@ -153,6 +153,45 @@ def test_untrusted_header_is_rejected_naming_the_tensor(entry: Entry, match: str
     assert "x" in str(info.value) or "dtype" in str(info.value)
 
 
+def test_checked_entries_are_checked_again_under_a_lower_limit_or_a_smaller_bucket() -> None:
+    """The unpacker remembers entries that passed its checks (a model's entries repeat every
+    sync); a lower ``max_tensor_bytes`` or a bucket too short for the entry still refuses."""
+    entry = Entry("x", "float32", (64,), 0, 256)
+    data = torch.zeros(256, dtype=torch.uint8)
+    unpacker = Unpacker(max_tensor_bytes=1 << 30)
+    for sync in (1, 2):
+        unpacker.begin(sync)
+        ((name, view),) = unpacker.feed(BucketHeader(sync, 0, 0, 256, (entry,)), data)
+        assert name == "x" and view.shape == (64,) and view.dtype == torch.float32
+    unpacker.begin(3)
+    with pytest.raises(WireFormatError, match="outside its bucket of 128"):
+        unpacker.feed(BucketHeader(3, 0, 0, 128, (entry,)), data)
+    unpacker.max_tensor_bytes = 128
+    unpacker.begin(4)
+    with pytest.raises(WireFormatError, match="limit is 128"):
+        unpacker.feed(BucketHeader(4, 0, 0, 256, (entry,)), data)
+
+
+def test_views_of_mixed_dtypes_in_one_bucket_are_where_their_entries_say() -> None:
+    builder = BucketBuilder(4096)
+    weights = {
+        "a": torch.arange(3, dtype=torch.bfloat16),
+        "b": torch.arange(5, dtype=torch.float32).view(5, 1),
+        "c": torch.arange(7, dtype=torch.int64),
+        "d": torch.arange(9, dtype=torch.bfloat16).view(3, 3),
+    }
+    for name, tensor in weights.items():
+        assert not list(builder.add(name, tensor))
+    bucket = builder.flush()
+    assert bucket is not None
+    packed = bucket.pack()
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    got = dict(unpacker.feed(_header(packed.entries, bucket.nbytes), packed.data))
+    for name, tensor in weights.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
 def test_header_larger_than_slot_is_rejected() -> None:
     unpacker = Unpacker()
     unpacker.begin(1)

@@ -56,3 +56,23 @@ def test_demo_with_real_vllm_engine(tmp_path: Path, capsys) -> None:  # type: ig
     reports = json.loads(out.read_text())
     assert [r["step"] for r in reports] == [1, 2]
     assert all(r["verified"] and r["complete"] and r["max_logprob_diff"] < 1e-4 for r in reports)
+
+
+def test_demo_hides_engine_output_unless_it_fails(capfd: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from streamsync.demo import _engine_output
+
+    with _engine_output(verbose=False) as progress:
+        os.write(2, b"engine noise\n")  # what C++ warnings do: straight to fd 2
+        progress.write("progress bar\n")
+        progress.flush()
+    err = capfd.readouterr().err
+    assert "progress bar" in err and "engine noise" not in err
+    with pytest.raises(RuntimeError), _engine_output(verbose=False):
+        os.write(2, b"why it failed\n")
+        raise RuntimeError("boom")
+    assert "why it failed" in capfd.readouterr().err
+    with _engine_output(verbose=True):
+        os.write(2, b"shown when verbose\n")
+    assert "shown when verbose" in capfd.readouterr().err

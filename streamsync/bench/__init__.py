@@ -12,15 +12,23 @@ channel, and the median is reported:
 ``moe``             bf16 MoE weights with packed experts, no adapters
 ``moe-chain``       the same through ``expand_moe(when="always") | split_buffers(...) |
                     cast(bf16)``, into a receiver holding per-expert tensors
+``small-tensors``   bf16 tensors of 16 KiB each (per-tensor fixed cost), against
+``large-tensors``   bf16 tensors of 8 MiB each
 ==================  =====================================================================
+
+Every process keeps torch's default thread count (what users get) unless ``--threads N``
+is given; the table says which.
 
 Process transports run sender and receiver in two processes (forkserver children); the
 receiver copies into its own preallocated model through :class:`~streamsync.ModuleSink`
 (behind a :class:`~streamsync.adapters.BufferSink` for the chain). ``memory://`` runs both
-sides in one process. Measured in the same run: a plain memcpy of the same tensors, two such
-memcpys in two processes at once (what the two copies of a two-process shared-memory path
-can reach together), and raw pyzmq PUSH/PULL moving the same bytes in bucket-sized messages
-(the bound of the zmq transports). Each bound is measured at the start and again right
+sides in one process. Measured in the same run: a plain memcpy of the same tensors (torch's
+copy), two plain memcpys (``memmove``, one thread each) in two processes at once (what the two
+copies of a two-process shared-memory path can reach together), raw pyzmq PUSH/PULL moving
+the same bytes in bucket-sized messages (the bound of the zmq transports), and, with ``shm``
+and ``dense``, verl's shared-memory path at its best bucket size (``baseline_verl``).
+``--vllm`` adds a sync into a real vLLM engine against vLLM's own ``reload_weights``
+(``engine``). Each bound is measured at the start and again right
 before its transport runs; the best is kept (a bound measured while other work loads the
 machine would flatter the ratios).
 
@@ -30,7 +38,8 @@ into slots; receiver ``load``: unpacking and the sink's copies) and ``transfer``
 bucket, the time the receiver sat idle waiting for a bucket the sender had already handed to
 the transport (cross-process ``time.monotonic`` stamps). Peak RSS of each side during each
 sync (``VmHWM``, reset before the sync) over its baseline with its model allocated, before the
-channel opened: the ring counts as extra.
+channel opened: the ring counts as extra. CPU seconds of each process per sync (every thread):
+spinning threads show there even when the wall clock hides them.
 
 The package, by concern:
 
@@ -41,6 +50,8 @@ The package, by concern:
 ``stamped``            the sender/receiver wrappers that time each bucket
 ``roles``              what each child process runs (started through
                        :mod:`streamsync.testing.peers`)
+``baseline_verl``      verl's shared-memory weight transfer, re-implemented as a baseline
+``engine``             ``--vllm``: ``update_weights`` against vLLM's ``reload_weights``
 ``harness``            :func:`run_bench`: measures and returns plain data
 ``targets``            the targets, a table evaluated by one function
 ``report``, ``plot``   the Markdown table, the chart

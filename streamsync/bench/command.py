@@ -4,11 +4,13 @@ table (stdout), ``--json`` and ``--plot``."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 from typing import Any
 
+from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.bench.harness import BenchConfig, run_bench
 from streamsync.bench.models import GiB, MiB, human, parse_size
 from streamsync.bench.plot import plot
@@ -59,7 +61,8 @@ def add_parser(subparsers: Any) -> None:
         "--scenario",
         action="append",
         choices=list(SCENARIOS),
-        help="a scenario to run; repeatable (default: all)",
+        metavar="SCENARIO",
+        help="a scenario to run (listed below); repeatable (default: all)",
     )
     parser.add_argument(
         "--runs", type=int, default=3, help="timed syncs after the warm-up (default 3)"
@@ -75,8 +78,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch threads per process on two-process paths and their bound (default 1)",
+        default=None,
+        help="torch.set_num_threads(N) in the sender and receiver processes of two-process "
+        "paths (default: torch's own default, what users get)",
     )
     parser.add_argument(
         "--timeout",
@@ -90,6 +94,25 @@ def add_parser(subparsers: Any) -> None:
         metavar="N[,N...]",
         help="fan-out instead: the sender's seconds per sync to N receiver processes over "
         "zmq+tcp and torch+gloo, next to a raw gloo broadcast (e.g. 1,2,4)",
+    )
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also sync a ~400 MiB Qwen3 into a real vLLM engine (update_weights over shm) "
+        "against vLLM's own reload_weights from in-memory tensors, in the same run",
+    )
+    parser.add_argument(
+        "--vllm-only",
+        action="store_true",
+        help="only the vLLM comparison (implies --vllm; no transport table)",
+    )
+    parser.add_argument(
+        "--vllm-bucket-bytes",
+        type=parse_size,
+        action="append",
+        metavar="SIZE",
+        help="bucket size of the vLLM comparison; repeatable (default: the library's, "
+        f"{DEFAULT_BUCKET_BYTES >> 20}MiB)",
     )
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="draw GB/s against the bounds")
@@ -134,28 +157,44 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         timeout=args.timeout,
     )
-    with tqdm(total=config.steps(), file=sys.stderr, disable=None, unit="step") as bar:
-        last: list[str] = []
+    vllm = args.vllm or args.vllm_only
+    if vllm and importlib.util.find_spec("vllm") is None:
+        sys.stderr.write("streamsync bench: --vllm needs vLLM (pip install 'streamsync[vllm]')\n")
+        return 2
+    data: dict[str, Any] = {}
+    if not args.vllm_only:
+        with tqdm(total=config.steps(), file=sys.stderr, disable=None, unit="step") as bar:
+            last: list[str] = []
 
-        def progress(label: str) -> None:
-            if last:
-                bar.update()
-            last[:] = [label]
-            bar.set_description(label)
+            def progress(label: str) -> None:
+                if last:
+                    bar.update()
+                last[:] = [label]
+                bar.set_description(label)
 
-        data = run_bench(config, progress)
-        bar.update()
+            data = run_bench(config, progress)
+            bar.update()
+        sys.stdout.write(format_table(data) + "\n")  # the command's output
+    if vllm:
+        from streamsync.bench.engine import format_engine_table, run_engine_bench
+
+        sizes = args.vllm_bucket_bytes or [DEFAULT_BUCKET_BYTES]
+        with tqdm(total=None, file=sys.stderr, disable=None, bar_format="{desc}") as bar:
+            engine = run_engine_bench(
+                sizes, runs=args.runs, timeout=args.timeout, progress=bar.set_description
+            )
+        data["engine"] = engine
+        sys.stdout.write("\n" + format_engine_table(engine) + "\n")
     data["command"] = _command_line(args)
-    sys.stdout.write(format_table(data) + "\n")  # the command's output
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(data, fh, indent=2)
-    if args.plot:
+    if args.plot and "results" in data:
         plot(data, args.plot)
     ok = all(
         r["ok"] and r["verified"] and r["received_bytes"] == r["model_bytes"]
-        for r in data["results"]
+        for r in data.get("results", [])
     )
     return 0 if ok else 1
 
@@ -200,6 +239,9 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += [f"--scenario {s}" for s in args.scenario or ()]
     parts += [f"--receivers {','.join(map(str, args.receivers))}"] if args.receivers else []
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}", f"--slots {args.slots}"]
+    parts += [f"--threads {args.threads}"] if args.threads is not None else []
+    parts += ["--vllm-only"] if args.vllm_only else ["--vllm"] if args.vllm else []
+    parts += [f"--vllm-bucket-bytes {b}" for b in args.vllm_bucket_bytes or ()]
     parts += [f"--json {args.json}"] if args.json else []
     parts += [f"--plot {args.plot}"] if args.plot else []
     return " ".join(parts)

@@ -21,6 +21,7 @@ from streamsync.bench.models import GiB, MiB, synthetic_model
 from streamsync.bench.scenarios import BOUNDS, SCENARIOS, TRANSPORTS, TransportSpec
 from streamsync.bench.stamped import transfer_seconds
 from streamsync.bench.targets import evaluate_targets
+from streamsync.copies import POOL_THREADS, openmp_runtime
 from streamsync.testing.peers import Peers, free_port
 
 __all__ = ["SCHEMA", "BenchConfig", "run_bench"]
@@ -40,9 +41,9 @@ class BenchConfig:
     bucket_bytes: int = 64 * MiB
     slots: int = 2
     timeout: float = 120.0
-    #: torch threads in each process of a two-process path (sender, receiver, the two
-    #: parallel copiers): two processes share this machine's two cores.
-    threads: int = 1
+    #: torch threads (``torch.set_num_threads``) in each process of a two-process path
+    #: (sender and receiver); ``None``: torch's default, what users get.
+    threads: int | None = None
 
     def selected(self) -> tuple[str, ...]:
         """The transports to run: those asked for, else every one that runs here."""
@@ -54,7 +55,8 @@ class BenchConfig:
         """How many units of work :func:`run_bench` reports progress in."""
         bounds = {"memcpy", "two_copy_parallel"} | {TRANSPORTS[t].bound for t in self.selected()}
         bounds.discard("two_copy_serial")
-        return len(bounds) + len(self.selected()) * (1 + len(self.scenarios))
+        verl = "shm" in self.selected() and "dense" in self.scenarios
+        return len(bounds) + verl + len(self.selected()) * (1 + len(self.scenarios))
 
 
 # -- child processes ------------------------------------------------------------------------
@@ -124,6 +126,47 @@ def _bound_seconds(config: BenchConfig, key: str) -> list[float]:
     return [e - s for s, e in zip(push["starts"][1:], pull["ends"][1:], strict=True)]
 
 
+#: Bucket sizes the verl baseline is tried at (those below the largest tensor are left out:
+#: verl's shared-memory path refuses a tensor larger than its buffer); its best is kept.
+VERL_BUCKETS = (64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB)
+
+
+def _verl_baseline(config: BenchConfig) -> dict[str, Any] | None:
+    """verl's shared-memory path (:mod:`streamsync.bench.baseline_verl`) at each bucket size
+    that fits, dense bf16: its best median GB/s, or None if no run succeeded."""
+    model = synthetic_model(config.size)
+    largest = model.largest_tensor_bytes()
+    fits = [s for s in VERL_BUCKETS if s >= largest] or [largest]
+    # A buffer larger than the whole model changes nothing: try one such size at most.
+    sizes = [s for s in fits if s < model.nbytes] + [s for s in fits if s >= model.nbytes][:1]
+    per_size: dict[int, float] = {}
+    for size in sizes:
+        address = f"ipc://@streamsync-bench-verl-{os.getpid()}-{time.monotonic_ns()}"
+        job = {
+            "size": config.size,
+            "runs": config.runs,
+            "bucket_bytes": size,
+            "address": address,
+            "threads": config.threads,
+        }
+        limit = config.timeout * (config.runs + 2)
+        rx, tx = _run_children(
+            [("verl_receiver", job), ("verl_sender", job)], timeout=limit, barrier=True
+        )
+        if tx["ok"] and rx["ok"] and rx["verified"]:
+            seconds = [t1 - t0 for t0, t1 in tx["spans"][1:]]
+            per_size[size] = _median_gbps(model.nbytes, seconds)
+    if not per_size:
+        return None
+    best = max(per_size, key=lambda s: per_size[s])
+    return {
+        "what": BOUNDS["verl_shm"],
+        "gbps": per_size[best],
+        "bucket_bytes": best,
+        "per_bucket_gbps": {str(k): v for k, v in per_size.items()},
+    }
+
+
 def _add_bound(bounds: dict[str, Any], config: BenchConfig, key: str) -> None:
     """Measure ``key`` (again) and keep the best median: on a shared machine a bound taken
     while others load it would flatter every ratio."""
@@ -150,6 +193,11 @@ def _bounds(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, A
     for key in dict.fromkeys(k for k in keys if k != "two_copy_serial"):
         progress(f"bound: {key}")
         _add_bound(out, config, key)
+    if "shm" in config.selected() and "dense" in config.scenarios:
+        progress("baseline: verl_shm")
+        verl = _verl_baseline(config)
+        if verl is not None:
+            out["verl_shm"] = verl
     return out
 
 
@@ -243,6 +291,11 @@ def _summarise(
         "bound": spec.bound,
         "bound_gbps": bound,
         "vs_bound": gbps / bound if bound else None,
+        "vs_verl": (
+            gbps / bounds["verl_shm"]["gbps"]
+            if spec.name == "shm" and "verl_shm" in bounds
+            else None
+        ),
         "memory": {
             "ring_bytes": ring,
             "largest_tensor_bytes": rx["largest_tensor_bytes"],
@@ -252,6 +305,12 @@ def _summarise(
             "receiver": memory(rx),
         },
         "verified": bool(rx["verified"]),
+        # CPU seconds each process spent per sync (all its threads): spinning OpenMP
+        # workers show up here even when a quiet machine hides them in the GB/s.
+        "cpu_s": {
+            side: statistics.median(r.get("cpu_seconds", 0.0) for r in runs)
+            for side, runs in (("sender", tx_runs), ("receiver", rx_runs))
+        },
     }
 
 
@@ -274,7 +333,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
     models = {}
     for name in config.scenarios:
         kind = SCENARIOS[name]
-        model = synthetic_model(config.size, moe=kind.moe)
+        model = kind.model(config.size)
         models[name] = {
             "description": kind.description,
             "tensors": len(model.layout(expanded=kind.expanded)),
@@ -291,6 +350,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "machine": {
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "copy_pool": {"threads": POOL_THREADS, "openmp_pinned": openmp_runtime()},
             "python": platform.python_version(),
             "torch": torch.__version__,
             "streamsync": ss.__version__,

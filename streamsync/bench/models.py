@@ -15,7 +15,16 @@ import torch
 
 from streamsync.testing.shapes import checkpoint_experts, qwen3_layer
 
-__all__ = ["GiB", "MiB", "WIRE_DTYPE", "SyntheticModel", "human", "parse_size", "synthetic_model"]
+__all__ = [
+    "GiB",
+    "MiB",
+    "WIRE_DTYPE",
+    "SyntheticModel",
+    "human",
+    "parse_size",
+    "synthetic_model",
+    "uniform_model",
+]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -203,3 +212,15 @@ def _layer(hidden: int, moe: bool) -> list[tuple[str, tuple[int, ...], torch.dty
 
 def _layer_bytes(hidden: int, moe: bool) -> int:
     return sum(math.prod(s) * d.itemsize for _, s, d in _layer(hidden, moe))
+
+
+def uniform_model(nbytes: int, tensor_bytes: int) -> SyntheticModel:
+    """``nbytes`` as bf16 tensors of ``tensor_bytes`` each (at least one), 64 to a layer:
+    the many-small-tensors case (FP8 scales, expanded experts) against few large ones."""
+    count = max(1, nbytes // tensor_bytes)
+    numel = max(1, tensor_bytes // WIRE_DTYPE.itemsize)
+    cols = 64 if numel % 64 == 0 else 1
+    shape = (numel // cols, cols)
+    return SyntheticModel(
+        {f"model.layers.{i // 64}.w{i % 64}": (shape, WIRE_DTYPE) for i in range(count)}
+    )

@@ -13,18 +13,32 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _cpu(row: dict[str, Any]) -> str:
+    cpu = row.get("cpu_s")
+    return "-" if cpu is None else f"{cpu['sender']:.2f} / {cpu['receiver']:.2f}"
+
+
+def _threads(data: dict[str, Any]) -> str:
+    """The torch thread setting the two-process paths ran with."""
+    threads = data["config"].get("threads")
+    if threads is None:
+        default = data["machine"].get("torch_threads")
+        return f"torch's default thread count ({default}) in every process"
+    return f"torch.set_num_threads({threads}) in each two-process path's processes"
+
+
 def format_table(data: dict[str, Any]) -> str:
     """The results as a Markdown table, bounds and targets below it."""
     cfg = data["config"]
     lines = [
         f"{human(cfg['size'])} requested, buckets of {human(cfg['bucket_bytes'])} x "
-        f"{cfg['slots']} slots, {cfg.get('threads', 1)} torch thread(s) per process on "
-        f"two-process paths, median of {cfg['runs']} runs after a warm-up; "
+        f"{cfg['slots']} slots, {_threads(data)}, median of {cfg['runs']} runs after a "
+        "warm-up; "
         f"{data['machine']['cpus']} CPUs, torch {data['machine']['torch']}",
         "",
         "| transport | scenario | GB/s | pack | transfer | load | bound | x bound "
-        "| extra RSS tx / rx (budget) | ok |",
-        "|---|---|---:|---:|---:|---:|---|---:|---|---|",
+        "| CPU s tx / rx | extra RSS tx / rx (budget) | ok |",
+        "|---|---|---:|---:|---:|---:|---|---:|---|---|---|",
     ]
     for r in data["results"]:
         if not r["ok"]:
@@ -35,14 +49,15 @@ def format_table(data: dict[str, Any]) -> str:
             f"| {r['transport']} | {r['scenario']} | {r['gbps']:.2f} | {_fmt(ph['pack'])} "
             f"| {_fmt(ph['transfer'])} | {_fmt(ph['load'])} | {r['bound']} "
             f"{_fmt(r['bound_gbps'])} | {_fmt(r['vs_bound'])} "
-            f"| {mem['sender']['extra_bytes'] / MiB:.0f} / "
+            f"| {_cpu(r)} | {mem['sender']['extra_bytes'] / MiB:.0f} / "
             f"{mem['receiver']['extra_bytes'] / MiB:.0f} MiB "
             f"({mem['budget_bytes'] / MiB:.0f}) "
             f"| {'yes' if r['verified'] and r['received_bytes'] == r['model_bytes'] else 'NO'} |"
         )
     lines += ["", "| bound | GB/s | what |", "|---|---:|---|"]
     for name, b in data["bounds"].items():
-        lines.append(f"| {name} | {b['gbps']:.2f} | {b['what']} |")
+        at = f" (buckets of {human(b['bucket_bytes'])})" if "bucket_bytes" in b else ""
+        lines.append(f"| {name} | {b['gbps']:.2f} | {b['what']}{at} |")
     lines += ["", "| target | value | want | met |", "|---|---:|---:|---|"]
     for t in data["targets"]:
         lines.append(

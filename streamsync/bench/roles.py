@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import resource
 import time
 from collections.abc import Callable, Coroutine
@@ -19,6 +20,7 @@ import anyio
 import torch
 
 import streamsync as ss
+from streamsync.bench.baseline_verl import verl_receiver, verl_sender
 from streamsync.bench.models import SyntheticModel, synthetic_model
 from streamsync.bench.scenarios import SCENARIOS, Scenario
 from streamsync.bench.stamped import StampedReceiver, StampedSender
@@ -77,7 +79,7 @@ def _syncs(job: dict[str, Any]) -> int:
 
 async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     scenario = SCENARIOS[job["scenario"]]
-    model = synthetic_model(job["size"], moe=scenario.moe)
+    model = scenario.model(job["size"])
     weights = model.weights(scenario.source_dtype)
     baseline = _rss()
     runs: list[dict[str, Any]] = []
@@ -87,6 +89,7 @@ async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         for _ in range(_syncs(job)):
             tx.published = []
             exact = _reset_peak()
+            cpu = time.process_time()
             report = await ss.send(
                 weights,
                 tx,
@@ -97,6 +100,7 @@ async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
             runs.append(
                 {
                     **_report_dict(report),
+                    "cpu_seconds": time.process_time() - cpu,
                     "published": tx.published,
                     "peak_rss": _peak_rss(),
                     "peak_exact": exact,
@@ -107,7 +111,7 @@ async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
 
 async def _receiver_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     scenario = SCENARIOS[job["scenario"]]
-    model = synthetic_model(job["size"], moe=scenario.moe)
+    model = scenario.model(job["size"])
     targets = model.zeros(expanded=scenario.expanded)
     sink = scenario.sink(model.module(targets), model)
     baseline = _rss()
@@ -117,11 +121,14 @@ async def _receiver_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         for _ in range(_syncs(job)):
             rx.arrived, rx.released = [], []
             exact = _reset_peak()
+            cpu = time.process_time()
             report = await ss.receive(rx, sink, timeout=job["timeout"])
+            cpu = time.process_time() - cpu
             runs.append(
                 {
                     **_report_dict(report),
                     **_loaded(report, targets),
+                    "cpu_seconds": cpu,
                     "arrived": rx.arrived,
                     "released": rx.released,
                     "peak_rss": _peak_rss(),
@@ -140,7 +147,7 @@ async def _receiver_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
 async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     """``memory://``: sender and receiver in this one process."""
     scenario = SCENARIOS[job["scenario"]]
-    model = synthetic_model(job["size"], moe=scenario.moe)
+    model = scenario.model(job["size"])
     weights = model.weights(scenario.source_dtype)
     targets = model.zeros(expanded=scenario.expanded)
     sink = scenario.sink(model.module(targets), model)
@@ -161,6 +168,7 @@ async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         for _ in range(_syncs(job)):
             tx.published, rx.arrived, rx.released = [], [], []
             exact = _reset_peak()
+            cpu = time.process_time()
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(receive)
@@ -172,11 +180,20 @@ async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
                     timeout=job["timeout"],
                 )
             peak = _peak_rss()
-            tx_runs.append({**_report_dict(sent), "published": tx.published, "peak_rss": peak})
+            cpu = time.process_time() - cpu  # one process: both sides together
+            tx_runs.append(
+                {
+                    **_report_dict(sent),
+                    "published": tx.published,
+                    "peak_rss": peak,
+                    "cpu_seconds": cpu,
+                }
+            )
             rx_runs.append(
                 {
                     **_report_dict(got["rx"]),
                     **_loaded(got["rx"], targets),
+                    "cpu_seconds": cpu,
                     "arrived": rx.arrived,
                     "released": rx.released,
                     "peak_rss": peak,
@@ -235,13 +252,21 @@ async def _memcpy_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     other copier."""
     src = synthetic_model(job["size"]).weights()
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    # The pair of copiers (the two_copy_parallel bound) each run one plain memcpy per
+    # tensor, whatever the torch thread setting: the bound is what two copies at once cost,
+    # not how OpenMP behaves; the single copier uses torch's copy with this process's threads.
+    moves = [(dst[n].data_ptr(), t.data_ptr(), t.nbytes) for n, t in src.items()]
     spans: list[tuple[float, float]] = []
     for _ in range(_syncs(job)):
         if barrier is not None:
             barrier.wait()
         t0 = time.monotonic()
-        for name, tensor in src.items():
-            dst[name].copy_(tensor)
+        if barrier is not None:
+            for to, frm, nbytes in moves:
+                ctypes.memmove(to, frm, nbytes)
+        else:
+            for name, tensor in src.items():
+                dst[name].copy_(tensor)
         spans.append((t0, time.monotonic()))
     return {"spans": spans}
 
@@ -293,6 +318,8 @@ async def _zmq_pull(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
 
 
 ROLES: dict[str, Role] = {
+    "verl_sender": verl_sender,
+    "verl_receiver": verl_receiver,
     "sender": _sender_side,
     "receiver": _receiver_side,
     "both": _both_sides,

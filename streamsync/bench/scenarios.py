@@ -13,7 +13,7 @@ import torch
 import streamsync as ss
 from streamsync.adapter import AdapterLike
 from streamsync.adapters import BufferSink, cast, expand_moe, split_buffers
-from streamsync.bench.models import WIRE_DTYPE, SyntheticModel
+from streamsync.bench.models import WIRE_DTYPE, SyntheticModel, synthetic_model, uniform_model
 from streamsync.sink import Sink
 from streamsync.testing.peers import free_port
 
@@ -33,6 +33,14 @@ class Scenario:
     pipeline: Callable[[SyntheticModel], AdapterLike] | None = None
     #: The receiver holds per-expert tensors (what ``expand_moe`` makes).
     expanded: bool = False
+    #: Every tensor this size (:func:`uniform_model`) instead of a Qwen3-shaped model.
+    tensor_bytes: int | None = None
+
+    def model(self, size: int) -> SyntheticModel:
+        """The model this scenario sends, of at most ``size`` bytes."""
+        if self.tensor_bytes is not None:
+            return uniform_model(size, self.tensor_bytes)
+        return synthetic_model(size, moe=self.moe)
 
     def adapters(self, model: SyntheticModel) -> AdapterLike | None:
         """A fresh adapter chain for one sync of ``model``, or None."""
@@ -73,6 +81,13 @@ SCENARIOS: dict[str, Scenario] = {
             pipeline=_moe_chain,
             expanded=True,
         ),
+        Scenario(
+            "small-tensors",
+            "many bf16 tensors of 16 KiB (FP8 scales, experts)",
+            moe=False,
+            tensor_bytes=16 << 10,
+        ),
+        Scenario("large-tensors", "bf16 tensors of 8 MiB each", moe=False, tensor_bytes=8 << 20),
     )
 }
 
@@ -133,4 +148,5 @@ BOUNDS = {
     "two_copy_parallel": "two memcpys at once, in two processes",
     "raw_pyzmq_ipc": "raw pyzmq PUSH/PULL over ipc, bucket-sized messages",
     "raw_pyzmq_tcp": "raw pyzmq PUSH/PULL over tcp loopback, bucket-sized messages",
+    "verl_shm": "verl's shared-memory path (one buffer, ZMQ REQ/REP), dense bf16, best bucket",
 }

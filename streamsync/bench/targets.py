@@ -14,7 +14,7 @@ __all__ = ["EACH_TRANSPORT", "TARGETS", "Target", "evaluate_targets"]
 #: ``Target.transport`` for a target checked once per transport that ran.
 EACH_TRANSPORT = "each"
 
-Metric = Literal["vs_bound", "gbps_ratio", "extra_memory"]
+Metric = Literal["vs_bound", "vs_verl", "gbps_ratio", "per_tensor_us", "extra_memory"]
 Results = dict[tuple[str, str], dict[str, Any]]
 
 
@@ -23,7 +23,10 @@ class Target:
     """``metric`` of the results, compared (``comparison``) with ``threshold``.
 
     Metrics: ``vs_bound``: GB/s of ``transport`` in ``scenario`` over its bound's;
+    ``vs_verl``: the same over the verl shared-memory baseline's (best bucket size);
     ``gbps_ratio``: GB/s in ``scenario`` over GB/s in ``baseline``, same transport;
+    ``per_tensor_us``: the time per tensor of ``scenario`` beyond its bytes at
+    ``baseline``'s rate;
     ``extra_memory``: the worst peak extra RSS over its budget (ring + largest tensor),
     either side, every transport and scenario. A target whose results are missing is left
     out. ``name`` may say ``{transport}``.
@@ -42,7 +45,28 @@ class Target:
 
 TARGETS: tuple[Target, ...] = (
     Target("shm vs two memcpys at once", "vs_bound", ">=", 0.8, "dense bf16", "shm"),
-    Target("zmq+tcp vs raw pyzmq tcp", "vs_bound", ">=", 0.85, "dense bf16", "zmq+tcp"),
+    Target("shm vs verl's shared-memory path", "vs_verl", ">=", 3.0, "dense bf16", "shm"),
+    Target("zmq+tcp vs raw pyzmq tcp", "vs_bound", ">=", 0.9, "dense bf16", "zmq+tcp"),
+    Target(
+        "{transport}: 16 KiB tensors vs 8 MiB tensors",
+        "gbps_ratio",
+        ">=",
+        0.5,
+        "small-tensors / large-tensors",
+        EACH_TRANSPORT,
+        scenario="small-tensors",
+        baseline="large-tensors",
+    ),
+    Target(
+        "{transport}: fixed cost per tensor, both sides (us)",
+        "per_tensor_us",
+        "<=",
+        5.0,
+        "small-tensors vs large-tensors",
+        EACH_TRANSPORT,
+        scenario="small-tensors",
+        baseline="large-tensors",
+    ),
     Target(
         "{transport}: fp32 cast vs bf16",
         "gbps_ratio",
@@ -80,10 +104,26 @@ def _vs_bound(ok: Results, target: Target, transport: str | None) -> float | Non
     return None if row is None else row["vs_bound"]
 
 
+def _vs_verl(ok: Results, target: Target, transport: str | None) -> float | None:
+    row = ok.get((str(transport), target.scenario))
+    return None if row is None else row.get("vs_verl")
+
+
 def _gbps_ratio(ok: Results, target: Target, transport: str | None) -> float | None:
     row = ok.get((str(transport), target.scenario))
     base = ok.get((str(transport), str(target.baseline)))
     return None if row is None or base is None else float(row["gbps"] / base["gbps"])
+
+
+def _per_tensor_us(ok: Results, target: Target, transport: str | None) -> float | None:
+    """Microseconds a sync of ``scenario`` took per tensor beyond what its bytes cost at the
+    per-byte rate of ``baseline`` (few large tensors): the fixed cost of a tensor."""
+    row = ok.get((str(transport), target.scenario))
+    base = ok.get((str(transport), str(target.baseline)))
+    if row is None or base is None or row["tensors"] <= base["tensors"]:
+        return None
+    byte_cost = base["seconds"] / base["bytes"] * row["bytes"]
+    return float((row["seconds"] - byte_cost) / (row["tensors"] - base["tensors"]) * 1e6)
 
 
 def _extra_memory(ok: Results, target: Target, transport: str | None) -> float | None:
@@ -97,7 +137,9 @@ def _extra_memory(ok: Results, target: Target, transport: str | None) -> float |
 
 _METRICS: dict[str, Callable[[Results, Target, str | None], float | None]] = {
     "vs_bound": _vs_bound,
+    "vs_verl": _vs_verl,
     "gbps_ratio": _gbps_ratio,
+    "per_tensor_us": _per_tensor_us,
     "extra_memory": _extra_memory,
 }
 

@@ -16,9 +16,20 @@ __all__ = ["VOCAB_SIZE", "build_tiny_model", "perturb", "tiny_config"]
 VOCAB_SIZE = 512
 
 
-def tiny_config(kind: str = "dense", *, dtype: torch.dtype = torch.float32, layers: int = 2) -> Any:
+#: Layers of each kind unless told otherwise.
+_LAYERS = {"dense": 2, "dense-fp8": 2, "moe": 2, "dense-400m": 16}
+
+
+def tiny_config(
+    kind: str = "dense", *, dtype: torch.dtype = torch.float32, layers: int | None = None
+) -> Any:
     """A Transformers config for a tiny ``"dense"`` Qwen3, a ``"dense-fp8"`` one shaped for
-    128x128 block FP8, or a ``"moe"`` Qwen3-MoE."""
+    128x128 block FP8, a ``"moe"`` Qwen3-MoE, or ``"dense-400m"``: a Qwen3 of about 400 MiB
+    in bf16 (hidden 1024, MLP 3072, 16 layers; 200M parameters), large enough that a sync's
+    GB/s means something, small enough to build in seconds."""
+    if kind not in _LAYERS:
+        raise ValueError(f"kind={kind!r}; valid: {', '.join(map(repr, _LAYERS))}")
+    layers = _LAYERS[kind] if layers is None else layers
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     eos = VOCAB_SIZE - 1
@@ -39,6 +50,9 @@ def tiny_config(kind: str = "dense", *, dtype: torch.dtype = torch.float32, laye
     if kind == "dense-fp8":
         # Block-FP8 (128x128) needs q, k and gate partitions divisible by 128.
         common.update(hidden_size=256, head_dim=128)
+    if kind == "dense-400m":
+        common.update(hidden_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+        return Qwen3Config(intermediate_size=3072, **common)
     if kind in ("dense", "dense-fp8"):
         return Qwen3Config(intermediate_size=256, **common)
     if kind == "moe":
@@ -52,7 +66,7 @@ def tiny_config(kind: str = "dense", *, dtype: torch.dtype = torch.float32, laye
             norm_topk_prob=True,
             **common,
         )
-    raise ValueError(f"kind={kind!r}; valid: 'dense', 'dense-fp8', 'moe'")
+    raise AssertionError(kind)  # every kind in _LAYERS is handled above
 
 
 def _tokenizer() -> Any:
@@ -75,12 +89,16 @@ def build_tiny_model(
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    layers: int = 2,
+    layers: int | None = None,
     quantization_config: dict[str, Any] | None = None,
-    init_std: float = 0.2,
+    init_std: float | None = None,
 ) -> Any:
     """Build a random tiny model, save it (weights, config, tokenizer) to ``path`` and
-    return the Transformers model (in ``dtype``)."""
+    return the Transformers model (in ``dtype``). ``init_std`` (default 0.2, 0.05 for
+    ``dense-400m``, whose wider layers would otherwise give logits so large that fp32
+    rounding differences between engines approach the demo's tolerance)."""
+    if init_std is None:
+        init_std = 0.05 if kind == "dense-400m" else 0.2
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(kind, dtype=dtype, layers=layers)

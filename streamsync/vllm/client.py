@@ -18,6 +18,7 @@ from typing import Any
 import anyio.to_thread
 
 from streamsync.adapter import AdapterLike
+from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.engine import (
     EngineClient,
     WorkerOptions,
@@ -153,7 +154,7 @@ class WeightSync(_EngineWeightSync):
         endpoint: str,
         *,
         pipeline: AdapterLike | None = None,
-        bucket_bytes: int = 64 << 20,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
         checksum: bool = False,
         worker_options: WorkerOptions | Mapping[str, Any] | None = None,
@@ -178,7 +179,7 @@ async def update_weights(
     *,
     endpoint: str,
     pipeline: AdapterLike | None = None,
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float = DEFAULT_TIMEOUT,
     worker_options: WorkerOptions | Mapping[str, Any] | None = None,
     **options: Any,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from streamsync.adapter import NamedTensor
+from streamsync.copies import clone
 from streamsync.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class LayerwiseReload:
                         and key != "param"
                         and not getattr(value, "_streamsync_owned", False)
                     ):
-                        owned = value.clone()
+                        owned = clone(value)
                         owned._streamsync_owned = True  # type: ignore[attr-defined]
                         bound.arguments[key] = owned
 

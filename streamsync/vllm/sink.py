@@ -24,6 +24,7 @@ import torch
 from streamsync._log import log
 from streamsync.adapter import NamedTensor
 from streamsync.adapters.split_buffers import MANIFEST_NAME, BufferRouter
+from streamsync.copies import clone
 from streamsync.errors import ConfigError, ReceiverFailedError, StreamsyncError
 from streamsync.report import LoadResult
 from streamsync.vllm.lifecycles import (
@@ -156,7 +157,7 @@ class VllmSink:
                 if name == MANIFEST_NAME:
                     self._router.split([(name, tensor)])  # records the declared buffers
                 elif self._router.is_buffer(name):
-                    self._buffers.append((name, tensor.clone()))  # a view: keep a copy
+                    self._buffers.append((name, clone(tensor)))  # a view: keep a copy
                 else:
                     params.append((name, tensor))
             for inst in self.instances:

@@ -1,0 +1,273 @@
+"""The library's copies, with a parallelism it controls (issue 12).
+
+Every byte a sync moves on the CPU (packing into a slot, a fused cast, reassembling chunks,
+``ModuleSink``'s copies) goes through here. Two mechanisms, neither of which touches the
+process-wide torch thread count (``torch.get_num_threads()`` is never changed):
+
+* **Same dtype, both sides contiguous: a ``memmove``** (``ctypes.memmove``, which releases
+  the GIL). Small ones run inline on the calling thread, costing well under a microsecond
+  each, so a bucket of thousands of small tensors pays no per-tensor fixed cost worth the
+  name; large ones are split into pieces of at least :data:`PIECE_BYTES` across the pool.
+* **Anything else (a cast, a non-contiguous source or destination): ``Tensor.copy_`` on a
+  pool thread**, split into pieces across the pool when large. Each pool thread has set its
+  own OpenMP thread count to 1 (``omp_set_num_threads`` changes the calling thread's
+  setting only, and torch reads it per thread), so these copies run single-threaded and never
+  open an OpenMP parallel region.
+
+Why: with torch's default thread count, every ``copy_`` larger than torch's grain size opens
+an OpenMP region, and between regions the runtime's worker threads spin-wait. A sync issues
+thousands of copies, so those workers spin for its whole duration, on the cores the peer
+process (the other side of a shared-memory ring) needs: on a 2-core machine shm ran at 0.23
+of the two-copy bound that way, against 0.85 with one torch thread.
+
+The pool (:data:`POOL_THREADS` threads named ``streamsync-copy-N``) starts on first use, is
+dropped in a forked child (threads do not survive ``fork``; the child starts its own on first
+use) and is shut down at interpreter exit or by :func:`shutdown`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Final
+
+import torch
+
+__all__ = [
+    "PIECE_BYTES",
+    "CopyBatch",
+    "clone",
+    "POOL_THREADS",
+    "copy_tensors",
+    "memmove_many",
+    "openmp_runtime",
+    "shutdown",
+]
+
+#: Threads in the copy pool: a few are enough to saturate memory bandwidth, and more would
+#: only compete with the peer process for cores.
+POOL_THREADS: Final = max(1, min(4, os.cpu_count() or 1))
+#: The smallest piece a large copy is split into (below it, one thread does the whole copy).
+PIECE_BYTES: Final = 4 << 20
+#: A copy of fewer bytes than this, that only needs a memmove, runs on the calling thread.
+INLINE_BYTES: Final = 1 << 20
+
+Move = tuple[int, int, int]  # (destination address, source address, bytes)
+
+
+def _find_openmp() -> Callable[[int], Any] | None:
+    """``omp_set_num_threads`` of the OpenMP runtime torch loaded, or ``None`` (no OpenMP:
+    torch's intra-op parallelism then uses its own pool, which does not spin)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if ".so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        base = os.path.basename(path)
+        if base.startswith(("libgomp", "libiomp5", "libomp")) and ".so" in base:
+            try:
+                fn = ctypes.CDLL(path).omp_set_num_threads
+            except (OSError, AttributeError):
+                continue
+            fn.argtypes = [ctypes.c_int]
+            fn.restype = None
+            return fn  # type: ignore[no-any-return]
+    return None
+
+
+_omp_set_num_threads = _find_openmp()
+
+
+def openmp_runtime() -> bool:
+    """Whether the pool threads pinned the OpenMP runtime torch uses to one thread each."""
+    return _omp_set_num_threads is not None
+
+
+def _name_thread(name: str) -> None:
+    """Give the OS thread a name (``top -H``, ``/proc/PID/task/*/comm``) where Linux allows."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+_counter = iter(range(1 << 30))
+
+
+def _init_worker() -> None:
+    index = next(_counter)
+    _name_thread(f"streamsync-cp{index}")
+    torch.get_num_threads()  # torch's per-thread lazy init sets this thread's OpenMP count...
+    if _omp_set_num_threads is not None:
+        _omp_set_num_threads(1)  # ...which this then lowers, for this thread only
+
+
+class _Pool:
+    """The copy pool, created on first use in each process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def get(self) -> ThreadPoolExecutor:
+        executor = self._executor
+        if executor is None:
+            with self._lock:
+                executor = self._executor
+                if executor is None:
+                    executor = self._executor = ThreadPoolExecutor(
+                        POOL_THREADS, thread_name_prefix="streamsync-copy", initializer=_init_worker
+                    )
+        return executor
+
+    def shutdown(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def after_fork(self) -> None:
+        # The parent's threads are gone in the child; its lock may be held by one of them.
+        self._lock = threading.Lock()
+        self._executor = None
+
+
+_pool = _Pool()
+os.register_at_fork(after_in_child=_pool.after_fork)
+
+
+def shutdown() -> None:
+    """Stop the copy pool's threads (it starts again on the next copy)."""
+    _pool.shutdown()
+
+
+def _wait(futures: Sequence[Future[Any]]) -> None:
+    error: BaseException | None = None
+    for fut in futures:  # wait for every piece, even after one failed: all use the buffers
+        exc = fut.exception()
+        if exc is not None and error is None:
+            error = exc
+    if error is not None:
+        raise error
+
+
+def _pieces(nbytes: int) -> int:
+    return max(1, min(POOL_THREADS, nbytes // PIECE_BYTES))
+
+
+def memmove_many(moves: Iterable[Move]) -> None:
+    """Copy each ``(dst address, src address, nbytes)``; the caller keeps both alive and
+    non-overlapping. Small moves run inline; large ones are split across the pool."""
+    futures: list[Future[Any]] = []
+    memmove = ctypes.memmove
+    try:
+        for dst, src, nbytes in moves:
+            if nbytes < INLINE_BYTES:
+                memmove(dst, src, nbytes)
+                continue
+            count = _pieces(nbytes)
+            step = -(-nbytes // count)
+            submit = _pool.get().submit
+            for lo in range(0, nbytes, step):
+                futures.append(submit(memmove, dst + lo, src + lo, min(step, nbytes - lo)))
+    finally:
+        _wait(futures)
+
+
+def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        dst.copy_(src)
+
+
+def _split(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst, src)`` as pieces for the pool: along the flattened elements when both are
+    contiguous, else along the first dimension."""
+    nbytes = max(dst.numel() * dst.element_size(), src.numel() * src.element_size())
+    count = _pieces(nbytes)
+    if count == 1 or dst.dim() == 0 or dst.shape != src.shape:
+        return [(dst, src)]
+    if dst.is_contiguous() and src.is_contiguous():
+        flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
+        step = -(-dst.numel() // count)
+        return [
+            (flat_dst[lo : lo + step], flat_src[lo : lo + step])
+            for lo in range(0, dst.numel(), step)
+        ]
+    rows = dst.shape[0]
+    if rows < 2:
+        return [(dst, src)]
+    step = -(-rows // min(count, rows))
+    return [(dst[lo : lo + step], src[lo : lo + step]) for lo in range(0, rows, step)]
+
+
+def _is_move(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (
+        dst.dtype == src.dtype
+        and dst.is_cpu
+        and src.is_cpu
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    )
+
+
+class CopyBatch:
+    """Copies collected first and then run together (:meth:`run`), so a bucket's large
+    copies proceed in parallel on the pool while its small ones run inline."""
+
+    def __init__(self) -> None:
+        self._moves: list[Move] = []
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def move(self, dst: int, src: int, nbytes: int) -> None:
+        """A memmove of ``nbytes`` from address ``src`` to ``dst`` (the caller keeps both
+        buffers alive until :meth:`run` returns)."""
+        if nbytes:
+            self._moves.append((dst, src, nbytes))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)``, as a memmove where that suffices."""
+        if _is_move(dst, src):
+            self.move(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+        else:
+            self._pairs.append((dst, src))
+
+    def run(self) -> None:
+        """Do every copy; returns when all are done, raising the first error."""
+        pairs, self._pairs = self._pairs, []
+        moves, self._moves = self._moves, []
+        futures: list[Future[Any]] = []
+        try:
+            for dst, src in pairs:
+                if not (dst.is_cpu and src.is_cpu):
+                    _torch_copy(dst, src)  # another device: its own streams, no OpenMP
+                    continue
+                submit = _pool.get().submit
+                futures.extend(submit(_torch_copy, d, s) for d, s in _split(dst, src))
+            memmove_many(moves)
+        finally:
+            _wait(futures)
+
+
+def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every pair (``src`` broadcastable to ``dst`` as ``copy_``
+    allows), done as described in the module docstring: memmoves where they suffice, else
+    ``copy_`` on the pool's single-threaded workers. Returns when all are done; the first
+    error (e.g. a shape mismatch) is raised."""
+    batch = CopyBatch()
+    for dst, src in pairs:
+        batch.copy(dst, src)
+    batch.run()
+
+
+def clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` (what ``tensor.clone()`` gives for a contiguous one),
+    made by :func:`copy_tensors`."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    copy_tensors([(out, tensor)])
+    return out

@@ -1,0 +1,244 @@
+"""The library's copies (streamsync.copies): the same bytes as ``Tensor.copy_``, on every
+path (inline memmove, split memmove, pool casts, non-contiguous), without touching the
+process's torch thread count and without starting OpenMP worker threads."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import streamsync as ss
+from streamsync import copies
+from streamsync.bucket import BucketBuilder, Unpacker
+from streamsync.dtypes import CASTABLE
+from streamsync.wire import BucketHeader
+
+PIECE = copies.PIECE_BYTES
+CAST_PAIRS = [(a, b) for a in sorted(CASTABLE, key=str) for b in sorted(CASTABLE, key=str)]
+
+
+def _source(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=gen).to(dtype)
+    return torch.randint(0, 250, (numel,), generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "nbytes",
+    [0, 1, 63, 4097, copies.INLINE_BYTES - 1, copies.INLINE_BYTES, 2 * PIECE + 3, 5 * PIECE - 1],
+)
+def test_memmoves_of_every_size_copy_every_byte(nbytes: int) -> None:
+    src = _source(nbytes, torch.uint8, seed=nbytes)
+    dst = torch.zeros(nbytes + 128, dtype=torch.uint8)  # bytes past the copy stay zero
+    copies.copy_tensors([(dst[64 : 64 + nbytes], src)])
+    assert torch.equal(dst[64 : 64 + nbytes], src)
+    assert not dst[:64].any() and not dst[64 + nbytes :].any()
+
+
+@pytest.mark.parametrize(("src_dtype", "dst_dtype"), CAST_PAIRS, ids=str)
+@pytest.mark.parametrize("numel", [1, 1000, PIECE // 2 + 7])
+def test_casts_match_torch_for_every_castable_pair(
+    src_dtype: torch.dtype, dst_dtype: torch.dtype, numel: int
+) -> None:
+    src = _source(numel, src_dtype, seed=numel)
+    got = torch.empty(numel, dtype=dst_dtype)
+    copies.copy_tensors([(got, src)])
+    assert torch.equal(got, src.to(dst_dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 1025])
+def test_non_contiguous_sources_and_destinations(rows: int) -> None:
+    cols = PIECE // 512 + 5  # large enough, at 1025 rows, to be split across the pool
+    base = _source(rows * cols, torch.float32).view(cols, rows)
+    src = base.t()  # (rows, cols), not contiguous
+    dst = torch.empty(rows, cols, dtype=torch.bfloat16)
+    dst_nc = torch.empty(cols, rows, dtype=torch.float32).t()
+    copies.copy_tensors([(dst, src), (dst_nc, src)])
+    assert torch.equal(dst, src.to(torch.bfloat16))
+    assert torch.equal(dst_nc, src)
+
+
+def test_a_batch_mixes_moves_casts_and_raw_addresses() -> None:
+    a, b = _source(3 * PIECE, torch.uint8), _source(999, torch.float32)
+    out_a, out_b = torch.empty_like(a), torch.empty(999, dtype=torch.float16)
+    raw_src, raw_dst = _source(77, torch.uint8), torch.zeros(77, dtype=torch.uint8)
+    batch = copies.CopyBatch()
+    batch.copy(out_a, a)
+    batch.copy(out_b, b)
+    batch.move(raw_dst.data_ptr(), raw_src.data_ptr(), 77)
+    batch.run()
+    assert torch.equal(out_a, a) and torch.equal(out_b, b.half()) and torch.equal(raw_dst, raw_src)
+
+
+def test_an_error_in_a_pool_copy_is_raised_after_every_piece_finished() -> None:
+    big = _source(3 * PIECE, torch.uint8)
+    out = torch.empty_like(big)
+    with pytest.raises(RuntimeError):
+        copies.copy_tensors([(out, big), (torch.empty(3, 4), torch.empty(5, 4))])
+    assert torch.equal(out, big)  # the move went on; nothing still writes into ``out``
+
+
+def test_the_process_torch_thread_count_is_never_changed() -> None:
+    before = torch.get_num_threads()
+    src = _source(3 * PIECE // 4, torch.float32)
+    copies.copy_tensors([(torch.empty(src.numel(), dtype=torch.bfloat16), src)])
+    assert torch.get_num_threads() == before
+    # The pool's threads run single-threaded where the OpenMP runtime allows pinning them.
+    seen = copies._pool.get().submit(torch.get_num_threads).result()
+    assert seen == (1 if copies.openmp_runtime() else before)
+
+
+_NO_OPENMP_WORKERS = textwrap.dedent(
+    """
+    import os, sys, torch
+    torch.set_num_threads(2)  # what torch picks on a 2-core machine
+    import streamsync as ss
+    from streamsync import copies
+
+    def threads():
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                out[tid] = fh.read().strip()
+        return out
+
+    # Sources made without a torch kernel (which could itself start OpenMP workers).
+    n = 8 << 20
+    bf16 = torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8).view(torch.bfloat16)
+    f32 = torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8).view(torch.float32)
+    module = torch.nn.Module()
+    module.register_buffer("a", torch.empty(bf16.shape, dtype=torch.bfloat16))
+    module.register_buffer("b", torch.empty(f32.shape, dtype=torch.bfloat16))
+    before = threads()
+    for _ in range(3):
+        ss.ModuleSink(module)  # warm-up of its own imports
+        rule = lambda name, dtype: torch.bfloat16 if dtype == torch.float32 else None
+        from streamsync.bucket import BucketBuilder, Unpacker
+        from streamsync.wire import BucketHeader
+        builder = BucketBuilder(4 << 20, cast=rule)
+        buckets = [*builder.add("a", bf16), *builder.add("b", f32), builder.flush()]
+        unpacker = Unpacker()
+        unpacker.begin(0)
+        sink = ss.ModuleSink(module)
+        sink.prepare()
+        for seq, bucket in enumerate(buckets):
+            packed = bucket.pack()
+            header = BucketHeader(0, seq, 0, bucket.nbytes, tuple(packed.entries))
+            sink.load(unpacker.feed(header, packed.data, target=sink.target))
+    after = threads()
+    new = {t: c for t, c in after.items() if t not in before}
+    library = {t: c for t, c in new.items() if c.startswith("streamsync-cp")}
+    others = {t: c for t, c in new.items() if t not in library}
+    assert torch.get_num_threads() == 2
+    assert torch.equal(module.a.view(torch.uint8), bf16.view(torch.uint8))
+    print("library", len(library), "others", len(others))
+    # The control: torch's own copy at two threads does start OpenMP workers.
+    torch.empty_like(f32).copy_(f32)
+    control = {t for t in threads() if t not in after}
+    print("control", len(control))
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_library_copies_start_no_openmp_worker_threads(tmp_path: Path) -> None:
+    if not copies.openmp_runtime():
+        pytest.skip("torch here does not use an OpenMP runtime the copies could avoid")
+    script = tmp_path / "probe.py"
+    script.write_text(_NO_OPENMP_WORKERS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("OMP_NUM_THREADS", None)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(maxsplit=1) for line in out.stdout.splitlines() if " " in line)
+    counts = {k: v.split() for k, v in lines.items()}
+    library, others = int(counts["library"][0]), int(counts["library"][2])
+    assert library >= 1  # the copies did use the pool
+    assert others == 0, out.stdout
+    assert int(counts["control"][0]) >= 1, "the probe cannot see OpenMP workers start"
+
+
+def _copy_in_child(queue: multiprocessing.Queue[bool]) -> None:
+    # No torch kernel here: libgomp itself cannot run in a child forked after the parent
+    # used OpenMP (a torch limitation, not the library's); the copies must not need it.
+    src = torch.frombuffer(bytearray(os.urandom(3 * PIECE)), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copies.copy_tensors([(dst, src)])
+    queue.put(bool((dst.numpy() == src.numpy()).all()))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_a_pool_of_its_own() -> None:
+    copies.copy_tensors(
+        [(torch.empty(3 * PIECE, dtype=torch.uint8), _source(3 * PIECE, torch.uint8))]
+    )
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[bool] = ctx.Queue()
+    proc = ctx.Process(target=_copy_in_child, args=(queue,))
+    proc.start()
+    try:
+        assert queue.get(timeout=60) is True
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_shutdown_stops_the_pool_and_the_next_copy_starts_it_again() -> None:
+    copies.copy_tensors(
+        [(torch.empty(3 * PIECE, dtype=torch.uint8), _source(3 * PIECE, torch.uint8))]
+    )
+    copies.shutdown()
+    assert not [t for t in _thread_names() if t.startswith("streamsync-copy")]
+    src = _source(3 * PIECE, torch.uint8)
+    dst = torch.empty_like(src)
+    copies.copy_tensors([(dst, src)])
+    assert torch.equal(dst, src)
+
+
+def _thread_names() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.parametrize("cast", [False, True])
+@pytest.mark.parametrize("bucket_bytes", [1024, 4096 + 64, 3 * PIECE])
+def test_pack_and_unpack_across_pieces_chunks_and_tiny_tensors(
+    cast: bool, bucket_bytes: int
+) -> None:
+    weights = {
+        "tiny": _source(1, torch.float32),
+        "odd": _source(1001, torch.float32),
+        "big": _source(PIECE + 13, torch.float32),
+        "nc": _source(300 * 7, torch.float32).view(7, 300).t(),
+        "ints": _source(333, torch.int32),
+        "empty": torch.empty(0, 5),
+    }
+    rule = (
+        (lambda name, dtype: torch.bfloat16 if dtype == torch.float32 else None) if cast else None
+    )
+    builder = BucketBuilder(bucket_bytes, cast=rule)
+    buckets = [b for n, t in weights.items() for b in builder.add(n, t)]
+    last = builder.flush()
+    buckets += [last] if last is not None else []
+    unpacker = Unpacker()
+    unpacker.begin(0)
+    got: dict[str, torch.Tensor] = {}
+    for seq, bucket in enumerate(buckets):
+        packed = bucket.pack()
+        header = BucketHeader(0, seq, 0, bucket.nbytes, tuple(packed.entries))
+        got.update((n, t.clone()) for n, t in unpacker.feed(header, packed.data))
+    for name, tensor in weights.items():
+        want = tensor.to(torch.bfloat16) if cast and tensor.dtype == torch.float32 else tensor
+        assert torch.equal(got[name], want), name
+    assert ss.__version__
