@@ -5,8 +5,10 @@ logged, and costs the legitimate receiver nothing.
 Per transport, a sender with a persistent channel serves one receiver (a child process)
 through several syncs, each verified bit for bit, while rounds of strangers (another child
 process: see ``stranger_peers.strangers``) connect before and during them: a port scanner,
-4 KiB of random bytes, a huge length claim, malformed frames, and two streamsync receivers
-the sender must refuse (a wrong secret, another protocol version). A round "during" a sync
+4 KiB of random bytes, a huge length claim, malformed frames, a ZeroMQ peer claiming a
+routing id already taken (which aborts a heartbeating libzmq 4.3.5 sender: see
+``zeromq._open``), and two streamsync receivers the sender must refuse (a wrong secret,
+another protocol version). A round "during" a sync
 runs while the sync is under way: the sync's source waits for the round to finish between
 its first buckets and the rest (an event, not a sleep). Only the refused receivers show in
 the sync reports, with their address; a last sync shows the channel still works.
