@@ -294,9 +294,16 @@ class ZmqLink(SenderLink):
         if self._peers.get(peer.handle) is not peer:
             return
         fd, socket_id = self._sockets[peer.handle]
-        if socket_id is not None and _socket_id(fd) == socket_id:
-            # Its socket is still open: the drop reported was of an earlier connection with
-            # this descriptor (a stranger's, say), read after the receiver reused it.
+        # ZeroMQ closes a dropped connection's socket right after reporting it: one still
+        # open (given a moment more) means the drop reported was of an earlier connection
+        # with this descriptor (a stranger's, say), read after the receiver reused it.
+        for _ in range(5):
+            if socket_id is None or _socket_id(fd) != socket_id:
+                break
+            await anyio.sleep(_DRAIN_S)
+        else:
+            return
+        if self._peers.get(peer.handle) is not peer:
             return
         self._forget(peer.handle)
         events.on_lost(peer, "connection dropped")
