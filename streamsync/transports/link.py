@@ -60,6 +60,9 @@ __all__ = [
 
 #: Largest control frame accepted (a bucket header with very many small tensors).
 MAX_FRAME_BYTES = 64 << 20
+#: Largest first frame accepted from a newcomer: a ``Hello`` is tiny, and until it is
+#: checked the peer may be anyone.
+MAX_HELLO_BYTES = 64 << 10
 _PREFIX = struct.Struct(">I")
 _CRED = struct.Struct("3i")
 Fds = tuple[int, ...]
@@ -220,12 +223,12 @@ class _Framed:
                 if sent < len(data):
                     await self.stream.send(data[sent:])
 
-    def _frame(self) -> bytes | None:
+    def _frame(self, limit: int) -> bytes | None:
         if len(self._buf) < _PREFIX.size:
             return None
         (size,) = _PREFIX.unpack_from(self._buf)
-        if size > MAX_FRAME_BYTES:
-            raise WireFormatError(f"peer sent a frame of {size} bytes; at most {MAX_FRAME_BYTES}")
+        if size > limit:
+            raise WireFormatError(f"peer sent a frame of {size} bytes; at most {limit}")
         end = _PREFIX.size + size
         if len(self._buf) < end:
             return None
@@ -233,10 +236,12 @@ class _Framed:
         del self._buf[:end]
         return frame
 
-    async def receive(self, *, with_fds: bool = False) -> tuple[bytes, list[int]]:
+    async def receive(
+        self, *, with_fds: bool = False, limit: int = MAX_FRAME_BYTES
+    ) -> tuple[bytes, list[int]]:
         fds: list[int] = []
         try:
-            while (frame := self._frame()) is None:
+            while (frame := self._frame(limit)) is None:
                 with map_exceptions(READ_ERRORS, ""):
                     if with_fds:
                         data, more = await self.stream.receive_fds(1 << 16, 4)
@@ -299,12 +304,19 @@ class UnixLink(SenderLink):
         try:
             try:
                 peer.who = f"pid {_check_owner(link.raw, self.url, 'receiver')}"
+                # Until its Hello is checked the peer may be anyone: what it may cost is
+                # bounded (one small frame, within the timeout).
                 with anyio.fail_after(self.timeout):
-                    frame, _ = await link.receive()
+                    frame, _ = await link.receive(limit=MAX_HELLO_BYTES)
             except StreamsyncError as exc:
                 await events.on_refused(peer, exc)
                 return
-            except (LinkLost, TimeoutError):
+            except LinkLost:
+                await events.on_refused(peer, WireFormatError("left before saying Hello"))
+                return
+            except TimeoutError:
+                why = f"sent no Hello within {self.timeout:g} s"
+                await events.on_refused(peer, WireFormatError(why))
                 return
             while await events.on_frame(peer, frame):
                 try:

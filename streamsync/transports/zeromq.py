@@ -4,18 +4,22 @@ Composes :class:`~streamsync.transports.slots.HostSlots` with a ZeroMQ link: a R
 sender (binds; fan-out by identity) and a DEALER per receiver, plain pyzmq sockets woken by
 anyio on their ``zmq.FD``. A bucket goes as a metadata frame and the slot's bytes, without
 copying; the slot is reused only after every receiver acked it. A dead peer is seen by
-socket monitors (at once for a killed process, after 3 heartbeats for a vanished machine).
+socket monitors (at once for a killed process, after 3 heartbeats for a vanished machine:
+receivers ping, the sender only answers; see :func:`_open` for why).
 
 Security: tcp binds 127.0.0.1 unless HOST says otherwise (``*``: every interface); a secret
 authenticates every message by HMAC (payloads are not encrypted). An ipc socket file is 0600
 and removed when the sender closes (a replacement receiver needs it meanwhile); a bare name
 lives in a 0700 per-user directory, ``@name`` is abstract. What is not a receiver of this
 channel (random bytes, malformed frames, a wrong secret) is refused at the handshake and
-logged; ZeroMQ itself drops a peer whose greeting is not ZMTP or whose message exceeds
-``MAXMSGSIZE``.
+logged, and never ends the channel: whatever one message does is contained in the serve
+loop. ZeroMQ itself drops a peer whose greeting is not ZMTP or whose message exceeds
+``MAXMSGSIZE``. (Random bytes often pass for ZMTP 1.0, whose messages carry no metadata:
+asking them for ``Peer-Address`` or ``SRCFD`` raises EINVAL, which used to end the channel.)
 
 URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
-``connect_timeout``, ``heartbeat`` (seconds, default 1.0). Port 0 binds a free port; the
+``connect_timeout``, ``heartbeat`` (seconds, default 1.0: how often a receiver pings; the
+sender drops a receiver silent for 3 of them). Port 0 binds a free port; the
 sender's ``url`` then names it.
 """
 
@@ -30,6 +34,7 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
+from streamsync._log import log
 from streamsync.errors import ConfigError, PeerBrokenError, WireFormatError
 from streamsync.transports.link import (
     Fds,
@@ -88,8 +93,24 @@ def zmq_address(scheme: str, target: str, *, bind: bool) -> str:
     raise ConfigError(f"{scheme}://{target}: not a ZeroMQ scheme; use zmq+tcp or zmq+ipc")
 
 
-def _open(kind: int, *, hwm: int, heartbeat: float) -> tuple[Any, _Socket, _Socket]:
-    """A ZeroMQ context, a tuned socket of ``kind`` in it, and its disconnect monitor."""
+def _open(kind: int, *, hwm: int, heartbeat: float, pings: bool) -> tuple[Any, _Socket, _Socket]:
+    """A ZeroMQ context, a tuned socket of ``kind`` in it, and its disconnect monitor.
+
+    Only receivers ping (``pings``): each PING tells the sender to drop the connection
+    after 3 heartbeats of silence (its TTL), and an unanswered PING drops it on the
+    receiver's side. The sender itself never pings, because a pinging socket can be aborted
+    by a stranger in libzmq 4.3.5 (bundled with pyzmq 27): when a connection's inbound pipe
+    is full (its peer sent more than ``RCVHWM`` messages unread, or claimed a routing id
+    already taken, so that the ROUTER never reads it), the engine stops reading; if the
+    peer then resets the connection, the engine marks an I/O error and waits for the pipe
+    to drain, but its heartbeat timer still fires ``out_event``, which asserts
+    ``!_io_error`` (src/stream_engine_base.cpp:310) and aborts the whole process. Nothing
+    but the timer calls ``out_event`` there; see zeromq/libzmq#3937, #4364, #4767 (open).
+    ``tests/test_strangers.py`` provokes it (a "taken routing id" stranger): a pinging
+    sender dies every time. The price of not pinging: such a parked connection is not
+    noticed when its peer hangs up, and keeps its descriptor and at most ``RCVHWM``
+    messages until the sender closes.
+    """
     import zmq
 
     ctx = zmq.Context(io_threads=1)
@@ -97,9 +118,10 @@ def _open(kind: int, *, hwm: int, heartbeat: float) -> tuple[Any, _Socket, _Sock
     ms = max(1, int(heartbeat * 1000))
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, ms)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ms)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ms)
+    if pings:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ms)
     sock.setsockopt(zmq.LINGER, 1000)
     return ctx, _Socket(sock), _Socket(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
 
@@ -154,6 +176,35 @@ class _Socket:
             self._sleep.cancel()
 
 
+def _peer_address(frame: Any) -> str | None:
+    """The address of the peer a message came from, if ZeroMQ knows it (ZMTP 3 only)."""
+    import zmq
+
+    try:
+        return str(frame.get("Peer-Address")) or None
+    except zmq.ZMQError:  # EINVAL: a message without metadata (a ZMTP 1.0 peer's)
+        return None
+
+
+def _source_fd(frame: Any) -> int | None:
+    """The descriptor of the connection a message came from (ZMTP 3 only, as above)."""
+    import zmq
+
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return None
+
+
+def _socket_id(fd: int) -> tuple[int, int] | None:
+    """Which socket ``fd`` is now (a closed descriptor's number is soon reused)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _send_errors() -> dict[type[BaseException], type[BaseException]]:
     import zmq
 
@@ -173,14 +224,17 @@ class ZmqLink(SenderLink):
         self._sock: _Socket | None = None
         self._monitor: _Socket | None = None
         self._peers: dict[bytes, Peer] = {}
+        # Joined receivers by their connection's descriptor (the latest on each), and each
+        # one's descriptor and which socket it was (see _drop_later).
         self._by_fd: dict[int, Peer] = {}
+        self._sockets: dict[bytes, tuple[int, tuple[int, int] | None]] = {}
         self._file: str | None = None
 
     async def open(self) -> None:
         import zmq
 
         self._ctx, self._sock, self._monitor = _open(
-            zmq.ROUTER, hwm=self.hwm, heartbeat=self.heartbeat
+            zmq.ROUTER, hwm=self.hwm, heartbeat=self.heartbeat, pings=False
         )
         sock = self._sock.sock
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable receiver raises
@@ -205,12 +259,24 @@ class ZmqLink(SenderLink):
         assert self._sock is not None
         async with anyio.create_task_group() as group:
             group.start_soon(self._watch, events, group)
-            try:
-                while True:
-                    await self._on_message(await self._sock.recv(), events)
-            except zmq.ZMQError as exc:
-                events.on_broken(PeerBrokenError(f"{self.url}: socket failed: {exc}"))
-                group.cancel_scope.cancel()
+            while True:
+                try:
+                    parts = await self._sock.recv()
+                except zmq.ZMQError as exc:  # the socket itself, not what a peer sent
+                    events.on_broken(PeerBrokenError(f"{self.url}: socket failed: {exc}"))
+                    group.cancel_scope.cancel()
+                    return
+                try:
+                    await self._on_message(parts, events, group)
+                except Exception as exc:
+                    # Whatever one message does, the channel goes on: it was a stranger's
+                    # (a peer's own failures are handled in on_frame).
+                    log(
+                        "channel.stranger",
+                        url=self.url,
+                        peer=_peer_address(parts[-1]) or self.address,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
 
     async def _watch(self, events: LinkEvents, group: TaskGroup) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -219,24 +285,36 @@ class ZmqLink(SenderLink):
         while True:
             parts = await self._monitor.recv()
             event = parse_monitor_message([p.bytes for p in parts])
-            peer = self._by_fd.pop(int(event["value"]), None)
+            peer = self._by_fd.get(int(event["value"]))
             if peer is not None:
                 group.start_soon(self._drop_later, peer, events)
 
     async def _drop_later(self, peer: Peer, events: LinkEvents) -> None:
         await anyio.sleep(_DRAIN_S)  # a goodbye precedes the drop it causes
-        if self._peers.get(peer.handle) is peer:
-            self._forget(peer.handle)
-            events.on_lost(peer, "connection dropped")
+        if self._peers.get(peer.handle) is not peer:
+            return
+        fd, socket_id = self._sockets[peer.handle]
+        # ZeroMQ closes a dropped connection's socket right after reporting it: one still
+        # open (given a moment more) means the drop reported was of an earlier connection
+        # with this descriptor (a stranger's, say), read after the receiver reused it.
+        for _ in range(5):
+            if socket_id is None or _socket_id(fd) != socket_id:
+                break
+            await anyio.sleep(_DRAIN_S)
+        else:
+            return
+        if self._peers.get(peer.handle) is not peer:
+            return
+        self._forget(peer.handle)
+        events.on_lost(peer, "connection dropped")
 
     def _forget(self, identity: bytes) -> None:
         peer = self._peers.pop(identity, None)
+        self._sockets.pop(identity, None)
         for fd in [fd for fd, p in self._by_fd.items() if p is peer]:
             del self._by_fd[fd]
 
-    async def _on_message(self, parts: list[Any], events: LinkEvents) -> None:
-        import zmq
-
+    async def _on_message(self, parts: list[Any], events: LinkEvents, group: TaskGroup) -> None:
         identity, frame = parts[0].bytes, parts[-1].bytes
         peer = self._peers.get(identity)
         if peer is not None:
@@ -248,13 +326,25 @@ class ZmqLink(SenderLink):
             if not keep:  # it left, or must: what else comes from it is a stranger's
                 self._forget(identity)
             return
-        peer = Peer(f"a receiver at {parts[-1].get('Peer-Address') or self.address}", identity)
-        if len(parts) != 2:
+        peer = Peer(f"a receiver at {_peer_address(parts[-1]) or self.address}", identity)
+        fd = _source_fd(parts[-1])
+        if fd is None:
+            # Only a ZMTP 3 peer's messages carry metadata (random bytes on the port read as
+            # ZMTP 1.0 messages): without its descriptor the peer could not be watched.
+            exc = WireFormatError("does not speak ZMTP 3 (its message has no metadata)")
+            await events.on_refused(peer, exc)
+        elif len(parts) != 2:
             exc = WireFormatError(f"sent {len(parts) - 1} frames as its Hello")
             await events.on_refused(peer, exc)
         elif await events.on_frame(peer, frame):
             self._peers[identity] = peer
-            self._by_fd[int(parts[-1].get(zmq.SRCFD))] = peer
+            self._sockets[identity] = (fd, _socket_id(fd))
+            earlier = self._by_fd.get(fd)
+            self._by_fd[fd] = peer
+            if earlier is not None:
+                # Its descriptor was reused: its connection is gone, even if the monitor has
+                # not said so yet (or said so while this one was registered).
+                group.start_soon(self._drop_later, earlier, events)
 
     async def send(
         self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
@@ -296,7 +386,9 @@ class ZmqDialer(ReceiverLink):
         import zmq
 
         self._dropped_at = None
-        self._ctx, self._sock, self._monitor = _open(zmq.DEALER, hwm=64, heartbeat=self.heartbeat)
+        self._ctx, self._sock, self._monitor = _open(
+            zmq.DEALER, hwm=64, heartbeat=self.heartbeat, pings=True
+        )
         self._sock.sock.connect(self.address)  # queued until the sender binds
 
     async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
