@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from streamsync.bench.models import GiB, human, synthetic_model
+from streamsync.copies import copy_tensors
 from streamsync.testing.peers import Peers, free_port
 
 __all__ = ["FANOUT_TRANSPORTS", "FanoutConfig", "format_fanout", "run_fanout"]
@@ -47,8 +48,8 @@ class FanoutConfig:
 
 # -- children ---------------------------------------------------------------------------------
 def child(role: str, job: dict[str, Any], results: Any) -> None:
-    """Entry point of one process: run ``role`` and put a plain dict on ``results``."""
-    torch.set_num_threads(1)
+    """Entry point of one process: run ``role`` and put a plain dict on ``results`` (at
+    torch's default thread count, as a user's process runs)."""
     try:
         results.put({"role": role, "ok": True, **_ROLES[role](job)})
     except BaseException as exc:
@@ -63,8 +64,7 @@ class _CopySink:
         pass
 
     def load(self, tensors: Any) -> None:
-        for name, tensor in tensors:
-            self.targets[name].copy_(tensor)
+        copy_tensors((self.targets[name], tensor) for name, tensor in tensors)
 
     def finalize(self) -> None:
         pass
