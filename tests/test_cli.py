@@ -48,7 +48,6 @@ def test_bench_help_lists_every_scenario_and_transport(capsys: pytest.CaptureFix
 
 @pytest.mark.vllm
 def test_demo_with_real_vllm_engine(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    pytest.importorskip("vllm")
     out = tmp_path / "reports.json"
     assert main(["demo", "--steps", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -18,7 +18,7 @@ import torch
 import streamsync as ss
 from streamsync.testing.fakes import FakeVllmModel, fake_state_dict
 
-pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 
 
 def over_json(info: Any) -> Any:

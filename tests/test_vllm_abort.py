@@ -16,7 +16,6 @@ import streamsync as ss
 from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
 
 
 def test_failed_sync_leaves_the_engine_serving(tmp_path: Path) -> None:

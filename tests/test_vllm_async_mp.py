@@ -27,7 +27,6 @@ import streamsync as ss
 from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-pytest.importorskip("vllm")
 
 
 async def generate(llm: Any) -> Outputs:

@@ -19,7 +19,6 @@ from vllm_harness import (
 from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
 
 
 def spec_metrics(llm: Any) -> dict[str, float]:

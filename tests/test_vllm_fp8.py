@@ -21,7 +21,6 @@ from streamsync.adapters import quantize_fp8
 from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
 
 QUANT_CONFIG = {
     "quant_method": "fp8",

@@ -39,7 +39,6 @@ from streamsync.testing.models import build_tiny_model, perturb
 from streamsync.testing.peers import free_port
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
 
 BUCKET = 256 << 10
 

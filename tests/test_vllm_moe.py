@@ -21,7 +21,6 @@ from vllm_harness import (
 from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
 
 
 @pytest.fixture(scope="module")

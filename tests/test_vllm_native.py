@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import torch
 from vllm_harness import PROMPTS, reference_outputs
 
@@ -29,8 +30,6 @@ from streamsync.testing.models import build_tiny_model, perturb
 from streamsync.testing.peers import free_port
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-requests = pytest.importorskip("requests")
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 900.0  # two shared cores: the server takes minutes to come up

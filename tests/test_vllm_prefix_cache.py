@@ -22,7 +22,6 @@ import streamsync as ss
 from streamsync.testing.models import VOCAB_SIZE, build_tiny_model, perturb
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
 
 BLOCK = 32
 # Three full blocks and a few tokens: the blocks are what the cache keeps.

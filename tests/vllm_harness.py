@@ -11,6 +11,7 @@ import torch
 
 import streamsync as ss
 from streamsync.testing.engine import (
+    LONG_PROMPT,
     MAX_TOKENS,
     PROMPTS,
     Outputs,
@@ -23,12 +24,14 @@ from streamsync.testing.engine import (
 from streamsync.worker import EventLoopThread
 
 __all__ = [
+    "LONG_PROMPT",
     "MAX_TOKENS",
     "PROMPTS",
     "TOL",
     "TRAINER",
     "Outputs",
     "assert_matches",
+    "cached_greedy",
     "engine_outputs",
     "make_llm",
     "outputs_from",
@@ -77,6 +80,16 @@ def sync(llm: Any, trainer: torch.nn.Module, endpoint: str, **kwargs: Any) -> ss
         )
 
     return TRAINER.run(main, timeout=300)
+
+
+def cached_greedy(llm: Any, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Greedy tokens of ``prompts`` through the prefix cache (no ``prompt_logprobs``, which
+    would bypass it), and how many prompt tokens came from cached blocks."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], sum(o.num_cached_tokens or 0 for o in outs)
 
 
 def assert_matches(got: Outputs, want: Outputs) -> None:

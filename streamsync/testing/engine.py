@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "LONG_PROMPT",
     "MAX_TOKENS",
     "PROMPTS",
     "Outputs",
@@ -22,6 +23,10 @@ __all__ = [
 ]
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300], [42, 7, 300, 9, 511, 3]]
+#: A prompt longer than two KV blocks of 32 tokens: asked every round with prefix caching
+#: on, it is served from cached blocks unless the cache was reset after a sync. No token 0:
+#: the reference generation takes 0 for padding.
+LONG_PROMPT = [(7 * i + 3) % 499 + 1 for i in range(80)]
 MAX_TOKENS = 8
 
 
@@ -74,17 +79,17 @@ def outputs_from(results: list[Any]) -> Outputs:
     return Outputs(tokens, logprobs)
 
 
-def engine_outputs(llm: Any) -> Outputs:
-    """Greedy generation of the fixed prompts on an ``LLM``."""
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    return outputs_from(llm.generate(prompts, sampling(), use_tqdm=False))
+def engine_outputs(llm: Any, prompts: list[list[int]] = PROMPTS) -> Outputs:
+    """Greedy generation of ``prompts`` (the fixed ones by default) on an ``LLM``."""
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    return outputs_from(llm.generate(requests, sampling(), use_tqdm=False))
 
 
 @torch.no_grad()
-def reference_outputs(model: torch.nn.Module) -> Outputs:
+def reference_outputs(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS) -> Outputs:
     """Greedy tokens and prompt logprobs of the trainer's own Transformers model."""
     tokens, logprobs = [], []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         ids = torch.tensor([prompt])
         out = model.generate(  # type: ignore[operator]
             ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0

@@ -21,12 +21,18 @@ _LAYERS = {"dense": 2, "dense-fp8": 2, "moe": 2, "dense-400m": 16}
 
 
 def tiny_config(
-    kind: str = "dense", *, dtype: torch.dtype = torch.float32, layers: int | None = None
+    kind: str = "dense",
+    *,
+    dtype: torch.dtype = torch.float32,
+    layers: int | None = None,
+    tied: bool = False,
 ) -> Any:
     """A Transformers config for a tiny ``"dense"`` Qwen3, a ``"dense-fp8"`` one shaped for
     128x128 block FP8, a ``"moe"`` Qwen3-MoE, or ``"dense-400m"``: a Qwen3 of about 400 MiB
     in bf16 (hidden 1024, MLP 3072, 16 layers; 200M parameters), large enough that a sync's
-    GB/s means something, small enough to build in seconds."""
+    GB/s means something, small enough to build in seconds. ``tied=True`` ties the output
+    head to the input embedding (``tie_word_embeddings``, as Qwen3-0.6B, Llama-3.2-1B and
+    Gemma ship)."""
     if kind not in _LAYERS:
         raise ValueError(f"kind={kind!r}; valid: {', '.join(map(repr, _LAYERS))}")
     layers = _LAYERS[kind] if layers is None else layers
@@ -41,7 +47,7 @@ def tiny_config(
         num_hidden_layers=layers,
         vocab_size=VOCAB_SIZE,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         eos_token_id=eos,
         bos_token_id=eos,
         pad_token_id=eos,
@@ -92,16 +98,18 @@ def build_tiny_model(
     layers: int | None = None,
     quantization_config: dict[str, Any] | None = None,
     init_std: float | None = None,
+    tied: bool = False,
 ) -> Any:
     """Build a random tiny model, save it (weights, config, tokenizer) to ``path`` and
     return the Transformers model (in ``dtype``). ``init_std`` (default 0.2, 0.05 for
     ``dense-400m``, whose wider layers would otherwise give logits so large that fp32
-    rounding differences between engines approach the demo's tolerance)."""
+    rounding differences between engines approach the demo's tolerance). ``tied``: see
+    :func:`tiny_config`."""
     if init_std is None:
         init_std = 0.05 if kind == "dense-400m" else 0.2
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(kind, dtype=dtype, layers=layers)
+    config = tiny_config(kind, dtype=dtype, layers=layers, tied=tied)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():

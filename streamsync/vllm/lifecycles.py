@@ -23,7 +23,7 @@ import torch
 
 from streamsync.adapter import NamedTensor
 from streamsync.copies import clone
-from streamsync.errors import ConfigError
+from streamsync.errors import ConfigError, ReceiverFailedError
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance
@@ -112,6 +112,7 @@ class LayerwiseReload:
                         bound.arguments[key] = owned
 
     def finalize(self, inst: ModelInstance) -> None:
+        _require_whole_layers(inst)
         self._reload.finalize_layerwise_reload(inst.model, inst.model_config)
 
     def abort(self, inst: ModelInstance) -> None:
@@ -131,6 +132,57 @@ class LayerwiseReload:
         layerwise.LOADING_LAYERS.clear()
         if hasattr(inst.model, "_original_do_torchao_reload"):
             inst.model._do_torchao_reload = inst.model._original_do_torchao_reload
+
+
+def _require_whole_layers(inst: ModelInstance) -> None:
+    """Refuse to finalize a layer that was given part of its weights: vLLM would process it
+    from fresh, uninitialised memory for the rest. Raised before anything is processed, so
+    :meth:`LayerwiseReload.abort` puts every waiting layer back on its old weights."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    for prefix, layer in inst.model.named_modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or info.load_numel_total is None or info.load_numel <= 0:
+            continue  # not waiting for weights, or given none (it keeps its old ones)
+        if is_deferred_attention_layer(layer) or info.load_numel >= info.load_numel_total:
+            continue
+        shards: dict[str, set[object]] = {}
+        for name, bound in info.loaded_weights:
+            shards.setdefault(name, set()).add(bound.arguments.get("loaded_shard_id"))
+        gaps = [
+            f"{prefix}.{name}"
+            for name, param in layer._parameters.items()
+            if param is not None and name not in SKIP_LOAD_TENSORS and name not in shards
+        ]
+        expected = _stacked_shards(layer)
+        if expected is not None:
+            for name, got in shards.items():
+                missing = [s for s in expected if s not in got]
+                if missing and None not in got:
+                    gaps.append(f"{prefix}.{name} (shards {', '.join(map(str, missing))})")
+        if gaps:
+            raise ReceiverFailedError(
+                f"model instance {inst.name!r}: layer {prefix!r} got part of its weights "
+                f"({info.load_numel} of {info.load_numel_total} elements); nothing was sent "
+                f"for {', '.join(gaps)}. Send every tensor of a layer in the same sync. Layers "
+                "completed before this one keep the new weights, the others their previous ones"
+            )
+
+
+def _stacked_shards(layer: torch.nn.Module) -> list[object] | None:
+    """The shard ids a fused linear's weight is loaded in (q/k/v, gate/up), or ``None``."""
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+    )
+
+    if isinstance(layer, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(range(len(layer.output_sizes)))
+    return None
 
 
 @register_lifecycle

@@ -10,7 +10,14 @@ phases. Buffer updates (names the instances register as buffers, or that the sen
 with :func:`~streamsync.adapters.split_buffers`) bypass ``load_weights``: they are kept until
 the lifecycle has finished (reloading re-materialises layers and would overwrite them) and
 then copied in place into every instance by the
-:class:`~streamsync.adapters.split_buffers.BufferRouter`."""
+:class:`~streamsync.adapters.split_buffers.BufferRouter`.
+
+A parameter an instance holds under several names (tied embeddings: ``lm_head.weight`` is
+``model.embed_tokens.weight``) is loaded under every one of them from whichever the sync
+carries first, since each name belongs to a layer that re-processes its own copy (the CPU
+build packs ``lm_head`` for its GEMM). A later tensor under another of those names must hold
+the same bytes. After the lifecycle, no parameter or buffer may be left on the meta device:
+such a sync fails by name."""
 
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from streamsync._log import log
 from streamsync.adapter import NamedTensor
@@ -56,6 +64,62 @@ class ModelInstance:
     accepts: Callable[[str], bool] | None = None
     loaded: set[str] = field(default_factory=set)
     offered: set[str] = field(default_factory=set)
+    #: Each name of a parameter the model holds under several names, with its other names
+    #: (found at the first prepare).
+    tied: dict[str, tuple[str, ...]] | None = None
+    #: Names loaded in this sync as another name's tie, with the fingerprint of the bytes.
+    tied_loaded: dict[str, tuple[str, Fingerprint]] = field(default_factory=dict)
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each name of a parameter ``model`` holds under several names, with the others."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return {
+        name: tuple(other for other in names if other != name)
+        for names in groups.values()
+        if len(names) > 1
+        for name in names
+    }
+
+
+#: A tensor's dtype, shape and the xxh3-64 of its bytes.
+Fingerprint = tuple[torch.dtype, tuple[int, ...], int]
+
+
+def _fingerprint(tensor: torch.Tensor) -> Fingerprint:
+    data = tensor.detach().contiguous()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    raw = data.reshape(-1).view(torch.uint8).numpy().data
+    return data.dtype, tuple(data.shape), int(xxhash.xxh3_64_intdigest(raw))
+
+
+def _with_ties(inst: ModelInstance, tensors: list[NamedTensor]) -> list[NamedTensor]:
+    """``tensors`` with each tied parameter's other names added after the first name the
+    sync carries; a later tensor under one of those names is checked and dropped."""
+    if not inst.tied:
+        return tensors
+    out: list[NamedTensor] = []
+    for name, tensor in tensors:
+        earlier = inst.tied_loaded.get(name)
+        if earlier is not None:
+            first, digest = earlier
+            if _fingerprint(tensor) != digest:
+                raise ReceiverFailedError(
+                    f"model instance {inst.name!r} ties {name!r} to {first!r} (one parameter), "
+                    f"but the sync carried different values under the two names"
+                )
+            continue
+        out.append((name, tensor))
+        others = [o for o in inst.tied.get(name, ()) if o not in inst.offered]
+        if others:
+            digest = _fingerprint(tensor)
+            for other in others:
+                out.append((other, tensor))
+                inst.tied_loaded[other] = (name, digest)
+    return out
 
 
 def model_instances(worker: Any) -> list[ModelInstance]:
@@ -69,6 +133,22 @@ def model_instances(worker: Any) -> list[ModelInstance]:
         config = getattr(spec, "draft_model_config", None) or worker.vllm_config.model_config
         instances.append(ModelInstance("drafter", draft_model, config))
     return instances
+
+
+def _require_materialised(inst: ModelInstance) -> None:
+    """Fail by name if the lifecycle left a parameter or buffer of ``inst`` on the meta
+    device (the engine would die at its next step)."""
+    left = [
+        name
+        for name, tensor in (*inst.model.named_parameters(), *inst.model.named_buffers())
+        if tensor.device.type == "meta"
+    ]
+    if left:
+        shown = ", ".join(repr(n) for n in left[:8]) + (" ..." if len(left) > 8 else "")
+        raise ReceiverFailedError(
+            f"model instance {inst.name!r}: the sync left {len(left)} tensor(s) without "
+            f"values (on the meta device): {shown}"
+        )
 
 
 class _Tracked(list[NamedTensor]):
@@ -146,6 +226,9 @@ class VllmSink:
             for inst in self.instances:
                 inst.loaded = set()
                 inst.offered = set()
+                inst.tied_loaded = {}
+                if inst.tied is None:
+                    inst.tied = tied_names(inst.model)
                 for quirk in self.quirks:
                     quirk.before_prepare(inst)
                 self.lifecycle.prepare(inst)
@@ -162,6 +245,7 @@ class VllmSink:
                     params.append((name, tensor))
             for inst in self.instances:
                 offered = [(n, t) for n, t in params if inst.accepts is None or inst.accepts(n)]
+                offered = _with_ties(inst, offered)
                 inst.offered.update(n for n, _ in offered)
                 if offered:
                     tracked = _Tracked(offered)
@@ -196,13 +280,15 @@ class VllmSink:
         log("vllm.abort", lifecycle=self.lifecycle.name, instances=[i.name for i in self.instances])
 
     def finalize(self) -> LoadResult:
-        self._prepared = False
         per_instance: dict[str, LoadResult] = {}
         with self._context():
             for inst in self.instances:
                 self.lifecycle.finalize(inst)
                 for quirk in self.quirks:
                     quirk.after_finalize(inst)
+            self._prepared = False
+            for inst in self.instances:
+                _require_materialised(inst)
             self._router.refresh()
             _, applied = self._router.split(self._buffers)
             self._buffers = []
