@@ -41,6 +41,9 @@ class InProcessClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self.engine.shutdown()
 
+    def get_world_size(self) -> int:
+        return 1  # one worker engine
+
     def start_weight_update(self) -> None:
         if self.active:
             raise RuntimeError("start_weight_update called while a weight update is active")
@@ -127,6 +130,43 @@ def test_send_weights_through_vllms_factories(worker: tuple[Any, FakeVllmModel])
     sender.shutdown()
 
 
+class CountlessClient(InProcessClient):
+    """A client that cannot say how many workers its engine has (vLLM's Ray client)."""
+
+    get_world_size = None  # type: ignore[assignment]
+
+
+def test_the_worker_count_comes_from_the_engine_and_is_checked(
+    worker: tuple[Any, FakeVllmModel],
+) -> None:
+    engine, _ = worker
+    sender = trainer(InProcessClient(engine), None)  # asked of the client
+    try:
+        assert sender.receivers == 1
+        sender.send_weights(fake_state_dict(seed=3))
+    finally:
+        sender.shutdown()
+    with pytest.raises(ss.ConfigError, match=r"receivers=2\) but the engine .* has 1 workers"):
+        trainer(InProcessClient(engine), None, receivers=2)
+    with pytest.raises(ss.ConfigError, match=r"cannot ask CountlessClient .*receivers=N"):
+        trainer(CountlessClient(engine), None)
+    sender = trainer(CountlessClient(engine), None, receivers=1)  # the override, unchecked
+    try:
+        sender.send_weights(fake_state_dict(seed=4))
+    finally:
+        sender.shutdown()
+
+
+def test_an_unreachable_server_is_named() -> None:
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from streamsync.testing.peers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ss.PeerBrokenError, match=rf"vLLM server at {url} cannot be reached"):
+        trainer(HTTPVLLMWeightSyncClient(url, timeout=5), None)
+
+
 def test_errors_are_named_and_the_next_update_works(worker: tuple[Any, FakeVllmModel]) -> None:
     engine, model = worker
     client = InProcessClient(engine)
@@ -209,7 +249,8 @@ def test_weight_source_runs_our_pipeline_for_vllms_backends() -> None:
 
 
 def test_more_receivers_than_workers_fails_at_init(worker: tuple[Any, FakeVllmModel]) -> None:
-    """``receivers`` says how many workers join; trainer_init waits for all of them."""
+    """``receivers`` says how many workers join where the engine cannot be asked;
+    trainer_init waits for all of them (an engine that can be asked is checked first)."""
     engine, _ = worker
     with pytest.raises(ss.SyncTimeoutError, match="receivers"):
-        trainer(InProcessClient(engine), None, receivers=2, timeout=2)
+        trainer(CountlessClient(engine), None, receivers=2, timeout=2)

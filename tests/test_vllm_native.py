@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import requests
 import torch
-from vllm_harness import PROMPTS, reference_outputs
+from vllm_harness import LONG_PROMPT, PROMPTS, reference_outputs
 
 from streamsync.testing.models import build_tiny_model, perturb
 from streamsync.testing.peers import free_port
@@ -65,10 +65,11 @@ class Server:
         assert response.status_code == 200, (path, response.status_code, response.text)
         return response.json()
 
-    def greedy_tokens(self) -> list[list[int]]:
-        """Greedy tokens for the fixed token-id prompts, through /v1/completions."""
+    def greedy_tokens(self, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+        """Greedy tokens for token-id prompts (the fixed ones by default), through
+        /v1/completions (which goes through the prefix cache where it is on)."""
         out = []
-        for prompt in PROMPTS:
+        for prompt in prompts:
             body = self.post(
                 "v1/completions",
                 json={
@@ -87,11 +88,14 @@ class Server:
         return self.log.read_text(errors="replace")[-6000:]
 
 
-def start_server(model: Path, tmp: Path, *extra: str) -> Server:
+def start_server(
+    model: Path, tmp: Path, *extra: str, env_extra: dict[str, str] | None = None
+) -> Server:
     port = free_port()
     log = tmp / "server.log"
     env = {
         **os.environ,
+        **(env_extra or {}),
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONPATH": os.pathsep.join(
@@ -341,6 +345,100 @@ def test_drafter_through_the_draft_route(tmp_path: Path) -> None:
                 drafted1, accepted1 = spec_counts(server)
                 assert drafted1 > drafted0 and accepted1 - accepted0 == drafted1 - drafted0
                 assert server.get("weight_info") == {"weight_version": f"draft-{step}"}
+        finally:
+            engine.shutdown()
+    finally:
+        stop_server(server)
+
+
+#: Prefix caching on, 32-token blocks: the long prompt asked every round would be served
+#: from KV cached on the old weights unless the pause reset the cache.
+PREFIX_CACHE = ("--enable-prefix-caching", "--block-size", "32")
+ALL = [*PROMPTS, LONG_PROMPT]
+
+
+def tied_steps(
+    server: Server,
+    trainer: torch.nn.Module,
+    engine: Any,
+    *,
+    seed: int,
+    steps: int = 3,
+    drafter: bool = False,
+) -> None:
+    """Per step: the long prompt through the cache, a perturbation, pause(keep) ->
+    send_weights (main, and the drafter through its route) -> resume, then greedy tokens of
+    every prompt equal the trainer's (and every drafted token is accepted)."""
+    for step in range(steps):
+        server.greedy_tokens([LONG_PROMPT])
+        perturb(trainer, seed=seed + step)
+        want = reference_outputs(trainer, ALL).tokens
+        server.post("pause", params={"mode": "keep"})
+        engine.send_weights(weight_version=f"main-{seed + step}")
+        if drafter:
+            engine.send_weights(weight_version=f"draft-{seed + step}", draft=True)
+        server.post("resume")
+        drafted0, accepted0 = spec_counts(server)
+        assert server.greedy_tokens(ALL) == want, f"step {step}"
+        drafted1, accepted1 = spec_counts(server)
+        if drafter:
+            assert drafted1 > drafted0 and accepted1 - accepted0 == drafted1 - drafted0
+
+
+def test_tied_model_and_tied_drafter_from_module_source_and_weight_source(
+    tmp_path: Path,
+) -> None:
+    """A tied Qwen3 served with a tied drafter: vLLM's ``ModuleSource`` yields the tied
+    parameter once (``named_parameters()``), ``weight_source(model)`` yields the state dict
+    (both names); both leave main model and drafter on the trainer's weights."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from streamsync.vllm.native import weight_source
+
+    trainer = build_tiny_model(tmp_path / "main", "dense", seed=0, tied=True)
+    build_tiny_model(tmp_path / "draft", "dense", seed=1, tied=True)
+    spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    server = start_server(
+        tmp_path / "main", tmp_path, "--speculative-config", json.dumps(spec), *PREFIX_CACHE
+    )
+    try:
+        assert server.greedy_tokens(ALL) == reference_outputs(trainer, ALL).tokens
+        for source, seed in ((ModuleSource(trainer), 500), (weight_source(trainer), 600)):
+            engine = trainer_engine(server, source, bucket_bytes=256 << 10)
+            try:
+                tied_steps(server, trainer, engine, seed=seed, drafter=True)
+            finally:
+                engine.shutdown()
+    finally:
+        stop_server(server)
+
+
+def test_tensor_parallel_server_learns_its_workers(tmp_path: Path) -> None:
+    """``--tensor-parallel-size 2`` (one core per worker): the trainer asks the server how
+    many workers receive, a wrong explicit count is refused by name, and three syncs of a
+    tied model reach both workers."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    import streamsync as ss
+
+    trainer = build_tiny_model(tmp_path / "model", "dense", seed=0, tied=True)
+    server = start_server(
+        tmp_path / "model",
+        tmp_path,
+        "--tensor-parallel-size",
+        "2",
+        *PREFIX_CACHE,
+        env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    try:
+        assert server.get("get_world_size") == {"world_size": 2}
+        with pytest.raises(ss.ConfigError, match=r"receivers=1\) but the engine at .* has 2"):
+            trainer_engine(server, ModuleSource(trainer), receivers=1)
+        engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10)
+        try:
+            assert engine.receivers == 2
+            tied_steps(server, trainer, engine, seed=700)
+            assert engine.last_report.receivers == 2
         finally:
             engine.shutdown()
     finally:

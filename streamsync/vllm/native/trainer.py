@@ -56,8 +56,10 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: control plane, in clear); leave it ``None`` and set ``$STREAMSYNC_SECRET`` on both
     #: sides to keep it off the wire.
     secret: str | None = None
-    #: How many workers the engine has (tensor x pipeline x data parallel size).
-    receivers: int = 1
+    #: How many workers receive (tensor x pipeline x data parallel size). ``None``: asked of
+    #: the engine (the server's ``/get_world_size``, or the client's ``get_world_size()``);
+    #: a number given is checked against the engine's where the engine can be asked.
+    receivers: int | None = None
     #: :class:`~streamsync.engine.WorkerOptions` fields for every sync (``lifecycle``,
     #: ``quirks``, ``transport``).
     worker_options: Mapping[str, Any] | None = None
@@ -135,6 +137,59 @@ def _start_draft(client: Any) -> None:
 _CONSEQUENCES = (ReceiverFailedError, SyncTimeoutError, PeerBrokenError, SenderAbortedError)
 
 
+def engine_world_size(client: Any) -> int | None:
+    """How many workers the engine behind ``client`` has (tensor x pipeline x data
+    parallel): the client's ``get_world_size()``, else the server's ``/get_world_size``
+    where the client has a ``base_url``; ``None`` where neither can be asked."""
+    method = getattr(client, "get_world_size", None)
+    if callable(method):
+        return int(method())
+    base_url = getattr(client, "base_url", None)
+    if base_url is None:
+        return None
+    import requests
+
+    url = f"{str(base_url).rstrip('/')}/get_world_size"
+    try:
+        response = requests.get(url, timeout=getattr(client, "timeout", DEFAULT_TIMEOUT))
+        response.raise_for_status()
+        return int(response.json()["world_size"])
+    except requests.RequestException as exc:
+        raise PeerBrokenError(
+            f"the vLLM server at {base_url} cannot be reached (GET /get_world_size: "
+            f"{type(exc).__name__}: {exc})"
+        ) from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"the vLLM server at {base_url} answered /get_world_size without a world_size "
+            f"({exc!r}); pass StreamsyncInitInfo(receivers=N)"
+        ) from exc
+
+
+def _receivers(init_info: StreamsyncInitInfo, client: Any) -> int:
+    """The workers to wait for: the engine's count, checked against an explicit one."""
+    found = engine_world_size(client)
+    given = init_info.receivers
+    if given is not None and (not isinstance(given, int) or given < 1):
+        raise ConfigError(f"StreamsyncInitInfo(receivers={given!r}): use a count >= 1, or None")
+    if found is None:
+        if given is None:
+            raise ConfigError(
+                f"cannot ask {type(client).__name__} how many workers the engine has (no "
+                "get_world_size(), no base_url): pass StreamsyncInitInfo(receivers=N), "
+                "N = tensor x pipeline x data parallel size"
+            )
+        return given
+    if given is not None and given != found:
+        where = getattr(client, "base_url", None) or type(client).__name__
+        raise ConfigError(
+            f"StreamsyncInitInfo(receivers={given}) but the engine at {where} has {found} "
+            "workers (tensor x pipeline x data parallel); leave receivers unset to use the "
+            "engine's count"
+        )
+    return found
+
+
 class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
     """vLLM's trainer-side engine for the ``streamsync`` backend.
 
@@ -159,8 +214,10 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         transport: dict[str, Any] = {"connect_timeout": init_info.timeout}
         if init_info.secret is not None:
             transport["secret"] = init_info.secret
+        #: How many workers receive each sync.
+        self.receivers = _receivers(init_info, client) if is_sender else 0
         self.channel = WeightSync(
-            _VllmClient(client, init_info.receivers),
+            _VllmClient(client, self.receivers),
             init_info.endpoint,
             pipeline=init_info.pipeline,
             bucket_bytes=init_info.bucket_bytes,
@@ -294,6 +351,11 @@ class AsyncLLMWeightSyncClient:
             raise SyncTimeoutError(
                 f"AsyncLLM {what} did not finish within {self.timeout:g} s"
             ) from None
+
+    def get_world_size(self) -> int:
+        """The engine's workers (tensor x pipeline x data parallel), as the server's
+        ``/get_world_size`` tells."""
+        return int(self.llm.vllm_config.parallel_config.world_size_across_dp)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
