@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import msgspec
 import torch
 
-from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.sources import named_tensors
 
 __all__ = ["add_parser", "run"]

@@ -32,7 +32,7 @@ import msgspec
 
 from streamsync._log import log, warn
 from streamsync.adapter import AdapterLike
-from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.errors import (
     ClosedError,
     ConfigError,

@@ -14,8 +14,8 @@ import msgspec
 
 from streamsync._log import log
 from streamsync.adapter import AdapterLike, Chain, reading
-from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES, Bucketer
-from streamsync.bucket import DEFAULT_MAX_TENSOR_BYTES, Bucket
+from streamsync.adapters.bucket import Bucketer
+from streamsync.bucket import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_TENSOR_BYTES, Bucket
 from streamsync.errors import (
     ConfigError,
     SenderAbortedError,

@@ -12,18 +12,17 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from streamsync.adapter import NamedTensor, adapter
-from streamsync.bucket import Bucket, BucketBuilder, CastRule, PackedBucket, Unpacker
+from streamsync.bucket import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    BucketBuilder,
+    CastRule,
+    PackedBucket,
+    Unpacker,
+)
 from streamsync.wire import BucketHeader
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucketer", "bucket", "unbucket"]
-
-#: The bucket size of ``send``, ``update_weights``, ``WeightSync`` and the demo unless told
-#: otherwise. Measured for issue 12 into a vLLM engine (a 400 MiB bf16 Qwen3 served in fp32,
-#: ``streamsync bench --vllm-only --vllm-bucket-bytes ...``, on a loaded 2-CPU machine):
-#: 16, 32 and 64 MiB came out within the noise of one another (the order changed between
-#: runs), while the demo's old 1 MiB (851 buckets a sync) ran at 0.34-0.46 GB/s in the
-#: issue's measurement; 64 MiB has the fewest buckets and still two slots of overlap.
-DEFAULT_BUCKET_BYTES = 64 << 20
+__all__ = ["Bucketer", "bucket", "unbucket"]
 
 
 def _configure(

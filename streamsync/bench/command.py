@@ -10,12 +10,12 @@ import os
 import sys
 from typing import Any
 
-from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.bench.harness import BenchConfig, run_bench
 from streamsync.bench.models import GiB, MiB, human, parse_size
 from streamsync.bench.plot import plot
 from streamsync.bench.report import format_table
 from streamsync.bench.scenarios import SCENARIOS, TRANSPORTS
+from streamsync.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["add_parser", "run"]
 

@@ -15,15 +15,22 @@
 ``torch+nccl://HOST:PORT``   the same over NCCL, the ring on the GPU
 ===========================  ============================================================
 
-Further schemes register themselves with :func:`register`; a URL's query string holds the
-transport's options (``shm://demo?receivers=2&slots=3``). Secrets are never URL options:
-pass ``secret=`` to the sender and receivers, or set ``$STREAMSYNC_SECRET``.
+Every transport, built-in or not, is found the same way: by an entry point in the
+``streamsync.transports`` group whose name is the URL scheme and whose object is a
+:class:`Transport` (imported when a channel of that scheme is first opened); see
+``pyproject.toml``. :func:`register` adds one at run time, for a process that cannot install
+a distribution. A URL's query string and keyword arguments hold the transport's options
+(``shm://demo?receivers=2&slots=3``), declared by the transport and checked
+(:mod:`streamsync.transports.options`): anything else is a
+:class:`~streamsync.errors.ConfigError` that lists the valid ones. Secrets are never URL
+options: pass ``secret=`` to the sender and receivers, or set ``$STREAMSYNC_SECRET``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -32,25 +39,30 @@ from streamsync.transports.base import (
     Attendance,
     Incoming,
     Receiver,
-    ReceiverState,
     Sender,
     SenderStatistics,
 )
+from streamsync.transports.options import RECEIVER_OPTIONS, SENDER_OPTIONS, Option, resolve
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "Attendance",
     "Endpoint",
     "Incoming",
+    "Option",
     "Receiver",
-    "ReceiverState",
     "Sender",
     "SenderStatistics",
+    "Transport",
     "open_receiver",
     "open_sender",
     "parse_endpoint",
     "register",
     "schemes",
 ]
+
+#: The entry-point group transports are found in (name: the URL scheme).
+ENTRY_POINT_GROUP = "streamsync.transports"
 
 
 @dataclass(frozen=True)
@@ -59,116 +71,121 @@ class Endpoint:
 
     scheme: str
     target: str
-    options: dict[str, str]
+    #: The URL's query, as text (checked against the transport's declared options).
+    query: dict[str, str]
 
-    def sender_options(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        """The ring options every sender takes, from the URL's query (``receivers``, default
-        1; ``slots``, default 2; ``slot_bytes``, default 64 MiB); keyword arguments win."""
-        options: dict[str, Any] = {
-            "receivers": self.int_option("receivers", 1),
-            "slots": self.int_option("slots", 2),
-            "slot_bytes": self.int_option("slot_bytes", 64 << 20),
-        }
-        options.update(overrides)
-        return options
-
-    def int_option(self, key: str, default: int) -> int:
-        raw = self.options.get(key)
-        if raw is None:
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise ConfigError(
-                f"{self.scheme}://{self.target}: option {key}={raw!r} is not an integer"
-            ) from None
+    @property
+    def url(self) -> str:
+        """``scheme://target`` (without the query)."""
+        return f"{self.scheme}://{self.target}"
 
 
+#: ``(endpoint, options)`` to an unopened sender or receiver; ``options`` holds every
+#: declared option's value.
 SenderFactory = Callable[[Endpoint, dict[str, Any]], Sender]
 ReceiverFactory = Callable[[Endpoint, dict[str, Any]], Receiver]
 
-_registry: dict[str, tuple[SenderFactory, ReceiverFactory]] = {}
+
+@dataclass(frozen=True)
+class Transport:
+    """What a transport's entry point names: a factory per side and the options each side
+    takes (by default the options every transport takes,
+    :data:`~streamsync.transports.options.SENDER_OPTIONS` and
+    :data:`~streamsync.transports.options.RECEIVER_OPTIONS`)."""
+
+    sender: SenderFactory
+    receiver: ReceiverFactory
+    sender_options: tuple[Option, ...] = SENDER_OPTIONS
+    receiver_options: tuple[Option, ...] = RECEIVER_OPTIONS
 
 
-def register(scheme: str, sender: SenderFactory, receiver: ReceiverFactory) -> None:
-    """Make ``scheme://`` URLs open ``sender``/``receiver`` (a user's own transport too)."""
-    _registry[scheme] = (sender, receiver)
+class _Registry:
+    """Schemes to transports: entry points, loaded on first use, and run-time additions."""
+
+    def __init__(self) -> None:
+        self._found: dict[str, EntryPoint] | None = None
+        self._loaded: dict[str, Transport] = {}
+
+    def found(self) -> dict[str, EntryPoint]:
+        if self._found is None:
+            self._found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        return self._found
+
+    def schemes(self) -> list[str]:
+        return sorted({*self.found(), *self._loaded})
+
+    def get(self, scheme: str, url: str) -> Transport:
+        transport = self._loaded.get(scheme)
+        if transport is not None:
+            return transport
+        ep = self.found().get(scheme)
+        if ep is None:
+            raise ConfigError(
+                f"unknown transport {scheme!r} in {url!r}; known: {', '.join(self.schemes())}"
+            )
+        loaded = ep.load()
+        if not isinstance(loaded, Transport):
+            raise ConfigError(
+                f"the {ENTRY_POINT_GROUP} entry point {scheme!r} ({ep.value}) is a "
+                f"{type(loaded).__name__}, not a streamsync.transports.Transport"
+            )
+        self._loaded[scheme] = loaded
+        return loaded
+
+    def add(self, scheme: str, transport: Transport) -> None:
+        self._loaded[scheme] = transport
+
+    def rescan(self) -> None:
+        self._found = None
+
+
+_registry = _Registry()
+
+
+def register(scheme: str, transport: Transport) -> None:
+    """Make ``scheme://`` URLs open ``transport`` in this process (an installed
+    distribution declares an entry point in :data:`ENTRY_POINT_GROUP` instead)."""
+    _registry.add(scheme, transport)
 
 
 def schemes() -> list[str]:
-    """The URL schemes that can be opened."""
-    _load_builtin()
-    return sorted(_registry)
+    """The URL schemes that can be opened (installed entry points are read again)."""
+    _registry.rescan()
+    return _registry.schemes()
 
 
 def parse_endpoint(url: str) -> Endpoint:
-    """Split a transport URL into scheme, target and options."""
+    """Split a transport URL into scheme, target and query."""
     parts = urlsplit(url)
     if not parts.scheme or "://" not in url:
         raise ConfigError(f"endpoint {url!r} is not a URL; valid forms: {_forms()}")
     target = parts.netloc + parts.path
     if not target:
         raise ConfigError(f"endpoint {url!r} names no channel; valid forms: {_forms()}")
-    return Endpoint(parts.scheme, target, dict(parse_qsl(parts.query)))
+    return Endpoint(parts.scheme, target, dict(parse_qsl(parts.query, keep_blank_values=True)))
 
 
 def _forms() -> str:
-    return ", ".join(f"{s}://..." for s in schemes())
+    return ", ".join(f"{s}://..." for s in _registry.schemes())
 
 
-def _factories(url: str) -> tuple[Endpoint, tuple[SenderFactory, ReceiverFactory]]:
-    _load_builtin()
+def open_sender(url: str, **options: Any) -> Sender:
+    """A sender for ``url`` (not yet opened: use ``async with``). ``options`` are the
+    transport's declared options; they override the URL's query."""
     endpoint = parse_endpoint(url)
-    try:
-        return endpoint, _registry[endpoint.scheme]
-    except KeyError:
-        raise ConfigError(
-            f"unknown transport {endpoint.scheme!r} in {url!r}; known: {', '.join(schemes())}"
-        ) from None
+    transport = _registry.get(endpoint.scheme, url)
+    values = resolve(endpoint.url, transport.sender_options, endpoint.query, options)
+    return transport.sender(endpoint, values)
 
 
-def open_sender(url: str, **kwargs: Any) -> Sender:
-    """A sender for ``url`` (not yet opened: use ``async with``)."""
-    endpoint, (factory, _) = _factories(url)
-    return factory(endpoint, kwargs)
-
-
-def open_receiver(url: str, **kwargs: Any) -> Receiver:
-    """A receiver for ``url`` (not yet opened: use ``async with``)."""
-    endpoint, (_, factory) = _factories(url)
-    return factory(endpoint, kwargs)
-
-
-_loaded = False
-
-
-def _load_builtin() -> None:
-    # A built-in transport's module is imported when a channel of it is opened; it imports
-    # only the standard library and torch then (pyzmq and CUDA when the channel opens).
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    modules = {
-        "zmq+tcp": "zeromq",
-        "zmq+ipc": "zeromq",
-        "cuda-ipc": "cuda_ipc",
-        "torch+gloo": "torch_dist",
-        "torch+nccl": "torch_dist",
-    }
-    for scheme in ("memory", "shm", *modules):
-        module = modules.get(scheme, scheme)
-        register(scheme, _lazy(module, "sender_from_url"), _lazy(module, "receiver_from_url"))
-
-
-def _lazy(module: str, factory: str) -> Callable[[Endpoint, dict[str, Any]], Any]:
-    """A factory that imports ``streamsync.transports.<module>`` on first use."""
-
-    def make(endpoint: Endpoint, kwargs: dict[str, Any]) -> Any:
-        import importlib
-
-        mod = importlib.import_module(f"streamsync.transports.{module}")
-        return getattr(mod, factory)(endpoint, kwargs)
-
-    make.__name__ = f"{module}.{factory}"
-    return make
+def open_receiver(url: str, **options: Any) -> Receiver:
+    """A receiver for ``url`` (not yet opened: use ``async with``). The sender's URL serves
+    both sides: its sender options in the query (``receivers``, ``slots``, ...) are
+    accepted here and mean nothing to a receiver."""
+    endpoint = parse_endpoint(url)
+    transport = _registry.get(endpoint.scheme, url)
+    mine = {o.name for o in transport.receiver_options}
+    senders = {o.name for o in transport.sender_options if o.in_url and o.name not in mine}
+    query = {k: v for k, v in endpoint.query.items() if k not in senders}
+    values = resolve(endpoint.url, transport.receiver_options, query, options)
+    return transport.receiver(endpoint, values)

@@ -15,27 +15,25 @@ Messages ride the unix link of ``shm://``. URL options: ``receivers``, ``slots``
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import torch
 
 from streamsync.errors import ConfigError, WireFormatError
+from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import UnixDialer, UnixLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
+from streamsync.transports.options import DEVICE, SENDER_OPTIONS
 from streamsync.transports.slots import Shared, SlotStore, SlotView, _slot
 from streamsync.wire import BucketHeader, Welcome
-
-if TYPE_CHECKING:
-    from streamsync.transports import Endpoint
 
 __all__ = [
     "CudaRing",
     "CudaSlots",
     "CudaView",
     "local_device",
-    "receiver_from_url",
-    "sender_from_url",
+    "TRANSPORT",
 ]
 
 
@@ -202,18 +200,19 @@ class CudaView(SlotView):
         self._events = []
 
 
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
-    """``cuda-ipc://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override
-    (``device``: the sender's GPU, default the current one)."""
-    opts = endpoint.sender_options(kwargs)
-    timeout = opts.get("connect_timeout", 60.0)
+def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
+    timeout = opts["connect_timeout"]
     link = UnixLink("cuda-ipc", endpoint.target, receivers=opts["receivers"], timeout=timeout)
-    device = opts.pop("device", None)
+    device = opts.pop("device")
     store = CudaSlots(opts.pop("slots"), opts.pop("slot_bytes"), url=link.url, device=device)
     return LinkedSender(link, store, **opts)
 
 
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
-    """``cuda-ipc://NAME``."""
+def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
     link = UnixDialer("cuda-ipc", endpoint.target)
-    return LinkedReceiver(link, CudaView(link.url), **kwargs)
+    return LinkedReceiver(link, CudaView(link.url), **opts)
+
+
+#: ``cuda-ipc://NAME``: the entry point's object; the sender also takes ``device`` (its
+#: GPU, default the current one).
+TRANSPORT = Transport(_sender, _receiver, sender_options=(*SENDER_OPTIONS, DEVICE))

@@ -81,14 +81,8 @@ class LinkedSender(RingSender):
         require_all: bool = True,
     ) -> None:
         url = link.url
-        if receivers < 1:
-            raise ConfigError(f"{url}: receivers={receivers}; need at least 1")
-        if store.slots < 1:
-            raise ConfigError(
-                f"{url}: slots={store.slots}; need at least 1 (2 or more to pipeline)"
-            )
-        if store.slot_bytes < 1024:
-            raise ConfigError(f"{url}: slot_bytes={store.slot_bytes}; need at least 1024")
+        # receivers, slots and slot_bytes were checked against the transport's declared
+        # options (streamsync.transports.options) when the URL was opened.
         super().__init__(store, receivers=receivers, require_all=require_all)
         self.url = url
         self.link = link

@@ -3,6 +3,11 @@
 The slot-ring protocol of the process transports (so backpressure, fan-out and reports
 behave the same) over :class:`~streamsync.transports.slots.HostSlots`, read by reference;
 messages travel as objects through per-receiver inboxes. Sender and receivers meet by name.
+
+It takes every option the process transports take, so a user's test makes the production
+call. ``secret`` is checked (a receiver whose secret differs from the sender's gets
+:class:`~streamsync.errors.AuthenticationError`), though nothing crosses a process
+boundary to sign; a receiver's ``connect_timeout`` has no meaning here (it joins at once).
 """
 
 from __future__ import annotations
@@ -10,21 +15,27 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from streamsync.errors import ConfigError, EndOfStream, PeerBrokenError, SyncTimeoutError
+from streamsync.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.errors import (
+    AuthenticationError,
+    ConfigError,
+    EndOfStream,
+    PeerBrokenError,
+    SyncTimeoutError,
+)
+from streamsync.transports import Endpoint, Transport
+from streamsync.transports.handshake import resolve_secret
 from streamsync.transports.ring import RingReceiver, RingSender
 from streamsync.transports.slots import HostSlots
 from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
-if TYPE_CHECKING:
-    from streamsync.transports import Endpoint
-
-__all__ = ["MemoryReceiver", "MemorySender"]
+__all__ = ["TRANSPORT", "MemoryReceiver", "MemorySender"]
 
 
 @dataclass
@@ -53,16 +64,16 @@ class MemorySender(RingSender):
         *,
         receivers: int = 1,
         slots: int = 2,
-        slot_bytes: int = 64 << 20,
+        slot_bytes: int = DEFAULT_BUCKET_BYTES,
         connect_timeout: float = 60.0,
         require_all: bool = True,
+        secret: bytes | str | None = None,
     ) -> None:
-        if receivers < 1:
-            raise ConfigError(f"memory://{name}: receivers={receivers}; need at least 1")
         store = HostSlots(slots, slot_bytes, prefault=False)
         super().__init__(store, receivers=receivers, require_all=require_all)
         self.name = name
         self.connect_timeout = connect_timeout
+        self.secret = resolve_secret(secret)
         self._chan: _Channel | None = None
 
     async def open(self) -> None:
@@ -71,6 +82,10 @@ class MemorySender(RingSender):
             raise ConfigError(f"memory://{self.name} already has a sender")
         chan.sender = self
         self._chan = chan
+        for index, receiver in enumerate(chan.receivers):
+            if receiver is not None and receiver.secret != self.secret:
+                receiver.refuse(self.name)
+                chan.receivers[index] = None
         self.store.open()  # allocated once and reused by every sync on this channel
 
     async def _await_receivers(self, timeout: float) -> None:
@@ -130,13 +145,31 @@ class MemorySender(RingSender):
 class MemoryReceiver(RingReceiver):
     """Receiver side of ``memory://NAME``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self, name: str, *, secret: bytes | str | None = None, connect_timeout: float = 60.0
+    ) -> None:
         self.name = name
+        self.secret = resolve_secret(secret)
+        self.connect_timeout = connect_timeout  # joining is immediate in one process
         self._chan: _Channel | None = None
         self._inbox: MemoryObjectReceiveStream[Message] | None = None
+        self._refused: AuthenticationError | None = None
+
+    def refuse(self, name: str) -> None:
+        """Turned away by a sender whose secret differs: the next receive raises."""
+        self._refused = AuthenticationError(
+            f"memory://{name}: the sender has another secret; pass the same secret= (or "
+            "$STREAMSYNC_SECRET) to both sides"
+        )
+        if self._inbox is not None:
+            self._inbox.close()
 
     async def open(self) -> None:
         chan = _channels.setdefault(self.name, _Channel(self.name))
+        if chan.sender is not None and chan.sender.secret != self.secret:
+            self.refuse(self.name)
+            assert self._refused is not None
+            raise self._refused
         send, recv = anyio.create_memory_object_stream[Message](math.inf)
         if None in chan.receivers:  # the place of a receiver that left
             self._index = chan.receivers.index(None)
@@ -152,6 +185,8 @@ class MemoryReceiver(RingReceiver):
             chan.joined.set()
 
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
+        if self._refused is not None:
+            raise self._refused
         assert self._inbox is not None and self._chan is not None
         while True:
             try:
@@ -161,7 +196,9 @@ class MemoryReceiver(RingReceiver):
                 raise SyncTimeoutError(
                     f"memory://{self.name}: nothing from the sender within {timeout:g} s"
                 ) from None
-            except anyio.EndOfStream:
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                if self._refused is not None:
+                    raise self._refused from None
                 raise EndOfStream(f"memory://{self.name}: sender closed the channel") from None
             if not isinstance(msg, BucketHeader):
                 return msg, None
@@ -197,11 +234,13 @@ class MemoryReceiver(RingReceiver):
         _forget_if_unused(chan)
 
 
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> MemorySender:
-    """``memory://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override."""
-    return MemorySender(endpoint.target, **endpoint.sender_options(kwargs))
+def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> MemorySender:
+    return MemorySender(endpoint.target, **opts)
 
 
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> MemoryReceiver:
-    """``memory://NAME``."""
-    return MemoryReceiver(endpoint.target, **kwargs)
+def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> MemoryReceiver:
+    return MemoryReceiver(endpoint.target, **opts)
+
+
+#: ``memory://NAME``: the entry point's object (every transport's options).
+TRANSPORT = Transport(_sender, _receiver)

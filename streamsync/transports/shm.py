@@ -5,33 +5,32 @@ its descriptor rides on the ``Welcome``) with :class:`~streamsync.transports.lin
 (``@streamsync-shm/<uid>/NAME``). Nothing to leak: no file in ``/dev/shm``, no socket file,
 so a SIGKILL of either side leaves nothing behind; a dead peer's socket reads EOF at once.
 
-URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``
-(default ``$STREAMSYNC_SECRET``), ``connect_timeout``.
+Options: every transport's (:data:`~streamsync.transports.options.SENDER_OPTIONS`,
+:data:`~streamsync.transports.options.RECEIVER_OPTIONS`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import UnixDialer, UnixLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.slots import MemfdSlots, MemfdView
 
-if TYPE_CHECKING:
-    from streamsync.transports import Endpoint
-
-__all__ = ["receiver_from_url", "sender_from_url"]
+__all__ = ["TRANSPORT"]
 
 
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
-    """``shm://NAME?receivers=&slots=&slot_bytes=``; keyword arguments override."""
-    opts = endpoint.sender_options(kwargs)
-    timeout = opts.get("connect_timeout", 60.0)
+def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
+    timeout = opts["connect_timeout"]
     link = UnixLink("shm", endpoint.target, receivers=opts["receivers"], timeout=timeout)
     store = MemfdSlots(opts.pop("slots"), opts.pop("slot_bytes"), name=endpoint.target)
     return LinkedSender(link, store, **opts)
 
 
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
-    """``shm://NAME``."""
-    return LinkedReceiver(UnixDialer("shm", endpoint.target), MemfdView(), **kwargs)
+def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
+    return LinkedReceiver(UnixDialer("shm", endpoint.target), MemfdView(), **opts)
+
+
+#: ``shm://NAME``: the entry point's object.
+TRANSPORT = Transport(_sender, _receiver)

@@ -47,7 +47,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import msgspec
@@ -61,8 +61,10 @@ from streamsync.errors import (
     SyncTimeoutError,
     WireFormatError,
 )
+from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import Fds, LinkEvents, LinkLost, Peer, ReceiverLink, SenderLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
+from streamsync.transports.options import DEVICE, HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
 from streamsync.transports.slots import Shared, SlotStore, SlotView
 from streamsync.transports.torch_group import (
     GroupPlan,
@@ -74,17 +76,13 @@ from streamsync.transports.torch_group import (
 from streamsync.transports.zeromq import ZmqDialer, ZmqLink
 from streamsync.wire import Abort, BucketHeader, Bye, End, Welcome
 
-if TYPE_CHECKING:
-    from streamsync.transports import Endpoint
-
 __all__ = [
     "GroupDialer",
     "GroupLink",
     "GroupSender",
     "GroupSlots",
     "GroupView",
-    "receiver_from_url",
-    "sender_from_url",
+    "TRANSPORT",
 ]
 
 #: Where the sender writes its link's port in the store.
@@ -359,12 +357,10 @@ class GroupSender(LinkedSender):
             await _in_thread(self.member.close)
 
 
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> GroupSender:
-    """``torch+gloo://HOST:PORT?receivers=&slots=&slot_bytes=`` (or ``torch+nccl://``)."""
+def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> GroupSender:
     backend = BACKENDS[endpoint.scheme]
-    opts = endpoint.sender_options(kwargs)
-    heartbeat = opts.pop("heartbeat", 1.0)
-    device = _device(endpoint, backend, opts.pop("device", None))
+    heartbeat = opts.pop("heartbeat")
+    device = _device(endpoint, backend, opts.pop("device"))
     url = f"{endpoint.scheme}://{endpoint.target}"
     member = ProcessGroupMember(url, backend, device=device)
     link = GroupLink(
@@ -373,7 +369,7 @@ def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> GroupSender:
         member,
         hwm=2 * opts["slots"] + 8,
         heartbeat=heartbeat,
-        timeout=opts.get("connect_timeout", 60.0),
+        timeout=opts["connect_timeout"],
     )
     store = GroupSlots(opts.pop("slots"), opts.pop("slot_bytes"), member)
     return GroupSender(link, store, **opts)
@@ -538,18 +534,27 @@ class GroupDialer(ReceiverLink):
             await _in_thread(self.member.close)
 
 
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
-    """``torch+gloo://HOST:PORT`` (or ``torch+nccl://``, ``device=`` defaulting to the
-    current CUDA device)."""
+def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
     backend = BACKENDS[endpoint.scheme]
     url = f"{endpoint.scheme}://{endpoint.target}"
-    device = _device(endpoint, backend, kwargs.pop("device", None))
+    device = _device(endpoint, backend, opts.pop("device"))
     view = GroupView(ProcessGroupMember(url, backend, device=device))
     link = GroupDialer(
         endpoint.scheme,
         endpoint.target,
         view,
-        heartbeat=kwargs.pop("heartbeat", 1.0),
-        timeout=kwargs.get("connect_timeout", 60.0),
+        heartbeat=opts.pop("heartbeat"),
+        timeout=opts["connect_timeout"],
     )
-    return LinkedReceiver(link, view, **kwargs)
+    return LinkedReceiver(link, view, **opts)
+
+
+#: ``torch+gloo://HOST:PORT`` and ``torch+nccl://HOST:PORT``: the entry points' object.
+#: Both sides take ``heartbeat`` (the zmq control link) and ``device`` (NCCL: the GPU,
+#: default the current one; gloo: host memory only).
+TRANSPORT = Transport(
+    _sender,
+    _receiver,
+    sender_options=(*SENDER_OPTIONS, HEARTBEAT, DEVICE),
+    receiver_options=(*RECEIVER_OPTIONS, HEARTBEAT, DEVICE),
+)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import torch
@@ -36,6 +36,7 @@ from anyio.abc import TaskGroup
 
 from streamsync._log import log
 from streamsync.errors import ConfigError, PeerBrokenError, WireFormatError
+from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import (
     Fds,
     LinkEvents,
@@ -46,12 +47,10 @@ from streamsync.transports.link import (
     map_exceptions,
 )
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
+from streamsync.transports.options import HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
 from streamsync.transports.slots import HostSlots, PayloadView
 
-if TYPE_CHECKING:
-    from streamsync.transports import Endpoint
-
-__all__ = ["ZmqDialer", "ZmqLink", "receiver_from_url", "sender_from_url", "zmq_address"]
+__all__ = ["TRANSPORT", "ZmqDialer", "ZmqLink", "zmq_address"]
 
 # Grace for a goodbye still in the data socket when the monitor reports the drop.
 _DRAIN_S = 0.2
@@ -433,15 +432,22 @@ async def _close(sock: _Socket | None, monitor: _Socket | None, ctx: Any) -> Non
             await anyio.to_thread.run_sync(ctx.term)
 
 
-def sender_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedSender:
-    """``zmq+tcp://HOST:PORT?receivers=&slots=&slot_bytes=`` or ``zmq+ipc://PATH?...``."""
-    opts = endpoint.sender_options(kwargs)
-    heartbeat = opts.pop("heartbeat", 1.0)
+def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
+    heartbeat = opts.pop("heartbeat")
     link = ZmqLink(endpoint.scheme, endpoint.target, hwm=2 * opts["slots"] + 8, heartbeat=heartbeat)
     return LinkedSender(link, HostSlots(opts.pop("slots"), opts.pop("slot_bytes")), **opts)
 
 
-def receiver_from_url(endpoint: Endpoint, kwargs: dict[str, Any]) -> LinkedReceiver:
-    """``zmq+tcp://HOST:PORT`` or ``zmq+ipc://PATH``."""
-    link = ZmqDialer(endpoint.scheme, endpoint.target, heartbeat=kwargs.pop("heartbeat", 1.0))
-    return LinkedReceiver(link, PayloadView(), **kwargs)
+def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
+    link = ZmqDialer(endpoint.scheme, endpoint.target, heartbeat=opts.pop("heartbeat"))
+    return LinkedReceiver(link, PayloadView(), **opts)
+
+
+#: ``zmq+tcp://HOST:PORT`` and ``zmq+ipc://PATH``: the entry points' object. Both sides
+#: take ``heartbeat`` too.
+TRANSPORT = Transport(
+    _sender,
+    _receiver,
+    sender_options=(*SENDER_OPTIONS, HEARTBEAT),
+    receiver_options=(*RECEIVER_OPTIONS, HEARTBEAT),
+)

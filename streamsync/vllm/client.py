@@ -18,7 +18,7 @@ from typing import Any
 import anyio.to_thread
 
 from streamsync.adapter import AdapterLike
-from streamsync.adapters.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.engine import (
     EngineClient,
     WorkerOptions,

@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import (
 from streamsync import errors
 from streamsync._log import log
 from streamsync.adapter import AdapterLike
+from streamsync.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.engine import BlockingWeightSync, WeightSync
 from streamsync.errors import (
     ConfigError,
@@ -49,7 +50,7 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: Adapters applied to the source's stream on the trainer (MoE expansion, FP8, ...).
     pipeline: AdapterLike | None = None
     #: Bytes per bucket (the transport's slot size).
-    bucket_bytes: int = 64 << 20
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     #: Seconds for each wait of a sync, and for the workers' connect.
     timeout: float = DEFAULT_TIMEOUT
     #: The channel's shared secret. It is sent to the workers in the init call (over the

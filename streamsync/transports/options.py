@@ -1,0 +1,176 @@
+"""Transport options, declared and checked one way.
+
+Each transport declares the options its sender and its receiver take (:class:`Option`:
+name, type, default, whether the URL's query may carry it). :func:`resolve` merges a URL's
+query with keyword arguments (keywords win), converts and checks each value, and turns
+anything undeclared into a :class:`~streamsync.errors.ConfigError` that names it and lists
+the valid ones.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from streamsync.bucket import DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES
+from streamsync.errors import ConfigError
+
+__all__ = [
+    "DEVICE",
+    "HEARTBEAT",
+    "RECEIVER_OPTIONS",
+    "SENDER_OPTIONS",
+    "Option",
+    "resolve",
+]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option a transport takes."""
+
+    name: str
+    #: ``int``, ``float``, ``bool`` or ``str`` (converted from a URL's text), or ``object``
+    #: (keyword only, passed as given).
+    kind: type
+    default: Any
+    #: What it is for (shown in error messages' lists and in ``streamsync.transports``).
+    help: str
+    #: Whether the URL's query may carry it (secrets never: they would end up in logs).
+    in_url: bool = True
+    #: Smallest valid value of an ``int`` or ``float`` option.
+    minimum: float | None = None
+    #: A further check: a complaint, or ``None`` when the value is valid.
+    check: Callable[[Any], str | None] | None = None
+
+    def convert(self, where: str, raw: Any, *, from_url: bool) -> Any:
+        """``raw`` (text from the URL, or a keyword's value) checked and converted."""
+        value = _from_text(where, self, raw) if from_url else raw
+        if self.kind in (int, float):
+            numeric = isinstance(value, int) if self.kind is int else isinstance(value, int | float)
+            if isinstance(value, bool) or not numeric:
+                raise ConfigError(
+                    f"{where}: option {self.name}={value!r} is not {_a(self.kind)} ({self.help})"
+                )
+            if self.minimum is not None and value < self.minimum:
+                raise ConfigError(
+                    f"{where}: option {self.name}={value!r}; need at least {self.minimum:g} "
+                    f"({self.help})"
+                )
+        elif self.kind is bool and not isinstance(value, bool):
+            raise ConfigError(f"{where}: option {self.name}={value!r} is not true or false")
+        elif self.kind is str and not isinstance(value, str):
+            raise ConfigError(f"{where}: option {self.name}={value!r} is not a string")
+        if self.check is not None:
+            complaint = self.check(value)
+            if complaint is not None:
+                raise ConfigError(f"{where}: option {self.name}={value!r}: {complaint}")
+        return value
+
+
+def _a(kind: type) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false"}.get(kind, kind.__name__)
+
+
+def _from_text(where: str, option: Option, raw: str) -> Any:
+    try:
+        if option.kind is int:
+            return int(raw)
+        if option.kind is float:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{where}: option {option.name}={raw!r} is not {_a(option.kind)} ({option.help})"
+        ) from None
+    if option.kind is bool:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{where}: option {option.name}={raw!r} is not true or false")
+    return raw
+
+
+def _unknown(where: str, name: str, valid: Sequence[str], what: str) -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(
+        f"{where}: unknown {what} {name!r}{hint}; valid: {', '.join(valid) or 'none'}"
+    )
+
+
+def resolve(
+    where: str,
+    declared: Sequence[Option],
+    query: Mapping[str, str],
+    kwargs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Every declared option's value: keyword arguments over the URL's query over the
+    defaults. An undeclared name, an option the URL may not carry, a value of the wrong
+    type or below its minimum is a :class:`ConfigError` naming it."""
+    by_name = {o.name: o for o in declared}
+    in_url = [o.name for o in declared if o.in_url]
+    values = {o.name: o.default for o in declared}
+    for name, raw in query.items():
+        option = by_name.get(name)
+        if option is None or not option.in_url:
+            if option is not None:
+                raise ConfigError(
+                    f"{where}: option {name!r} cannot be given in the URL; pass {name}= "
+                    "as a keyword argument"
+                )
+            raise _unknown(where, name, in_url, "URL option")
+        values[name] = option.convert(where, raw, from_url=True)
+    for name, value in kwargs.items():
+        option = by_name.get(name)
+        if option is None:
+            raise _unknown(where, name, list(by_name), "option")
+        values[name] = option.convert(where, value, from_url=False)
+    return values
+
+
+def _secret(value: Any) -> str | None:
+    if value is None or isinstance(value, str | bytes):
+        return None
+    return "use a str or bytes (or None for $STREAMSYNC_SECRET)"
+
+
+#: Seconds between heartbeats of the ZeroMQ control link (zmq and torch transports).
+HEARTBEAT = Option("heartbeat", float, 1.0, "seconds between heartbeats", minimum=0.01)
+#: The GPU of a CUDA transport (default: the current device).
+DEVICE = Option("device", object, None, "the GPU (default: the current device)", in_url=False)
+
+#: What every sender takes.
+SENDER_OPTIONS: tuple[Option, ...] = (
+    Option("receivers", int, 1, "how many receivers each sync waits for", minimum=1),
+    Option("slots", int, 2, "buckets in flight (2 or more to pipeline)", minimum=1),
+    Option("slot_bytes", int, DEFAULT_BUCKET_BYTES, "bytes per slot", minimum=MIN_BUCKET_BYTES),
+    Option("require_all", bool, True, "a sync needs every receiver (False: those there)"),
+    Option(
+        "secret",
+        object,
+        None,
+        "shared secret (default $STREAMSYNC_SECRET)",
+        in_url=False,
+        check=_secret,
+    ),
+    Option("connect_timeout", float, 60.0, "seconds to wait for receivers", minimum=0),
+)
+
+#: What every receiver takes.
+RECEIVER_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "secret",
+        object,
+        None,
+        "shared secret (default $STREAMSYNC_SECRET)",
+        in_url=False,
+        check=_secret,
+    ),
+    Option("connect_timeout", float, 60.0, "seconds to reach the sender", minimum=0),
+)
