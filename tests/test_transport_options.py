@@ -82,27 +82,29 @@ def test_url_options_and_keywords_merge_keywords_winning() -> None:
 async def test_the_memory_fake_takes_the_production_options() -> None:
     url = "memory://opts-production"
     options = {"secret": "s3", "connect_timeout": 5}
-    async with open_sender(url, require_all=True, **options) as tx:
-        async with open_receiver(url, **options) as rx:
-            weights = {"w": torch.arange(4.0)}
-            got: dict[str, torch.Tensor] = {}
+    async with (
+        open_sender(url, require_all=True, **options) as tx,
+        open_receiver(url, **options) as rx,
+    ):
+        weights = {"w": torch.arange(4.0)}
+        got: dict[str, torch.Tensor] = {}
 
-            class Keep:
-                def prepare(self) -> None:
-                    pass
+        class Keep:
+            def prepare(self) -> None:
+                pass
 
-                def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-                    got.update((n, t.clone()) for n, t in tensors)
+            def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+                got.update((n, t.clone()) for n, t in tensors)
 
-                def finalize(self) -> None:
-                    pass
+            def finalize(self) -> None:
+                pass
 
-            import anyio
+        import anyio
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: ss.receive(rx, Keep(), timeout=5))
-                await ss.send(weights, tx, timeout=5)
-            assert torch.equal(got["w"], weights["w"])
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: ss.receive(rx, Keep(), timeout=5))
+            await ss.send(weights, tx, timeout=5)
+        assert torch.equal(got["w"], weights["w"])
 
 
 async def test_the_memory_fake_checks_the_secret() -> None:
@@ -111,9 +113,11 @@ async def test_the_memory_fake_checks_the_secret() -> None:
         with pytest.raises(ss.AuthenticationError, match="another secret"):
             async with open_receiver(url, secret="wrong"):
                 pass
-    async with open_receiver(url, secret="wrong") as rx:  # waiting before the sender
-        async with open_sender(url, secret="right", connect_timeout=0.2) as tx:
-            with pytest.raises(ss.AuthenticationError, match="another secret"):
-                await ss.receive(rx, None, timeout=1)  # type: ignore[arg-type]
-            with pytest.raises(ss.SyncTimeoutError, match="0 of 1"):
-                await ss.send({"w": torch.ones(1)}, tx, timeout=0.2)
+    async with (
+        open_receiver(url, secret="wrong") as rx,  # waiting before the sender
+        open_sender(url, secret="right", connect_timeout=0.2) as tx,
+    ):
+        with pytest.raises(ss.AuthenticationError, match="another secret"):
+            await ss.receive(rx, None, timeout=1)  # type: ignore[arg-type]
+        with pytest.raises(ss.SyncTimeoutError, match="0 of 1"):
+            await ss.send({"w": torch.ones(1)}, tx, timeout=0.2)
