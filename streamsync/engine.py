@@ -36,11 +36,10 @@ from streamsync.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.errors import (
     ClosedError,
     ConfigError,
-    PeerBrokenError,
     ReceiverFailedError,
-    SenderAbortedError,
     StreamsyncError,
     SyncTimeoutError,
+    root_cause,
 )
 from streamsync.loops import EventLoopThread, HostedSender, caller_cuda
 from streamsync.report import LoadResult, SyncReport
@@ -126,13 +125,10 @@ def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadRe
 
 
 def _root_cause(errors: Sequence[StreamsyncError | None]) -> StreamsyncError | None:
-    """The error to raise for a failed sync: the first that is not the consequence of
-    another (a worker that timed out, lost the sender or was told the sync was abandoned
-    because a peer failed first)."""
-    found = [e for e in errors if e is not None]
-    consequences = SyncTimeoutError | PeerBrokenError | SenderAbortedError
-    causes = [e for e in found if not isinstance(e, consequences)]
-    return causes[0] if causes else (found[0] if found else None)
+    """The error to raise for a failed sync (:func:`streamsync.errors.root_cause`)."""
+    cause = root_cause(errors)
+    assert cause is None or isinstance(cause, StreamsyncError)
+    return cause
 
 
 def _in_event_loop() -> bool:

@@ -8,6 +8,7 @@ caller can tell exactly which names the receiving model now holds.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,7 +33,9 @@ __all__ = [
     "EndOfStream",
     "SenderAbortedError",
     "ReceiverFailedError",
+    "CONSEQUENCES",
     "error_class",
+    "root_cause",
 ]
 
 
@@ -119,6 +122,27 @@ class SenderAbortedError(StreamsyncError):
 class ReceiverFailedError(StreamsyncError):
     """A receiver reported that it could not apply the sync; the message names the receiver
     and holds its reason."""
+
+
+#: Errors that follow from another party's failure: a wait that timed out, a peer that went
+#: away or closed the channel, a sync the sender abandoned. The other party's error is the
+#: one to raise.
+CONSEQUENCES: tuple[type[StreamsyncError], ...] = (
+    SyncTimeoutError,
+    PeerBrokenError,
+    EndOfStream,
+    SenderAbortedError,
+)
+
+
+def root_cause(errors: Iterable[BaseException | None]) -> BaseException | None:
+    """Of the errors the parties of one failed sync raised (``None`` for a party that did
+    not fail), the one to raise: the first that is not one of :data:`CONSEQUENCES`, else
+    the first; ``None`` when nobody failed. List the receiving side's errors before the
+    sender's: a sender's :class:`ReceiverFailedError` only reports a receiver's."""
+    found = [e for e in errors if e is not None]
+    causes = [e for e in found if not isinstance(e, CONSEQUENCES)]
+    return causes[0] if causes else (found[0] if found else None)
 
 
 def error_class(name: str, default: type[StreamsyncError] | None = None) -> type[StreamsyncError]:

@@ -26,7 +26,6 @@ from streamsync.errors import (
     ConfigError,
     PeerBrokenError,
     ReceiverFailedError,
-    SenderAbortedError,
     StreamsyncError,
     SyncTimeoutError,
 )
@@ -132,10 +131,6 @@ def _start_draft(client: Any) -> None:
 
     timeout = getattr(client, "timeout", DEFAULT_TIMEOUT)
     requests.post(f"{base_url}/start_draft_weight_update", timeout=timeout).raise_for_status()
-
-
-# Errors that only follow from another: the one that caused them is raised instead.
-_CONSEQUENCES = (ReceiverFailedError, SyncTimeoutError, PeerBrokenError, SenderAbortedError)
 
 
 def engine_world_size(client: Any) -> int | None:
@@ -301,7 +296,9 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             report = self._sync.update(weights)
         except ReceiverFailedError as exc:
             cause = exc.__cause__
-            if isinstance(cause, StreamsyncError) and not isinstance(cause, _CONSEQUENCES):
+            if isinstance(cause, StreamsyncError) and not isinstance(
+                cause, (ReceiverFailedError, *errors.CONSEQUENCES)
+            ):
                 # The worker's own error, as the transport carried it to the sender.
                 cause.add_note(str(exc))
                 raise cause from None
