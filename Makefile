@@ -1,5 +1,5 @@
 # Two entry points (see README): `make demo` and `make test`. Both create .venv/ first.
-# `make test-fast` is the edit loop: no engine, no multi-process soak or matrix (< 2 min).
+# `make test-fast` is the edit loop: no engine, no multi-process soak or matrix (about a minute).
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""The library's copies, with a parallelism it controls (issue 12).
+"""The library's copies, with a parallelism it controls.
 
 Every byte a sync moves on the CPU (packing into a slot, a fused cast, reassembling chunks,
 ``ModuleSink``'s copies) goes through here. Two mechanisms, neither of which touches the
@@ -20,7 +20,8 @@ thousands of copies, so those workers spin for its whole duration, on the cores 
 process (the other side of a shared-memory ring) needs: on a 2-core machine shm ran at 0.23
 of the two-copy bound that way, against 0.85 with one torch thread.
 
-The pool (:data:`POOL_THREADS` threads named ``streamsync-copy-N``) starts on first use, is
+The pool (:data:`POOL_THREADS` threads named ``streamsync-copy_N``, ``streamsync-cpN`` to the
+OS) starts on first use, is
 dropped in a forked child (threads do not survive ``fork``; the child starts its own on first
 use) and is shut down at interpreter exit or by :func:`shutdown`.
 """
@@ -28,6 +29,7 @@ use) and is shut down at interpreter exit or by :func:`shutdown`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -79,12 +81,15 @@ def _find_openmp() -> Callable[[int], Any] | None:
     return None
 
 
-_omp_set_num_threads = _find_openmp()
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], Any] | None:
+    # Looked up when the pool starts, not at import: importing streamsync does no work.
+    return _find_openmp()
 
 
 def openmp_runtime() -> bool:
-    """Whether the pool threads pinned the OpenMP runtime torch uses to one thread each."""
-    return _omp_set_num_threads is not None
+    """Whether the pool threads pin the OpenMP runtime torch uses to one thread each."""
+    return _omp_set_num_threads() is not None
 
 
 def _name_thread(name: str) -> None:
@@ -103,8 +108,9 @@ def _init_worker() -> None:
     index = next(_counter)
     _name_thread(f"streamsync-cp{index}")
     torch.get_num_threads()  # torch's per-thread lazy init sets this thread's OpenMP count...
-    if _omp_set_num_threads is not None:
-        _omp_set_num_threads(1)  # ...which this then lowers, for this thread only
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        set_threads(1)  # ...which this then lowers, for this thread only
 
 
 class _Pool:
@@ -113,6 +119,7 @@ class _Pool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._fork_hook = False
 
     def get(self) -> ThreadPoolExecutor:
         executor = self._executor
@@ -120,6 +127,9 @@ class _Pool:
             with self._lock:
                 executor = self._executor
                 if executor is None:
+                    if not self._fork_hook:
+                        os.register_at_fork(after_in_child=self.after_fork)
+                        self._fork_hook = True
                     executor = self._executor = ThreadPoolExecutor(
                         POOL_THREADS, thread_name_prefix="streamsync-copy", initializer=_init_worker
                     )
@@ -138,7 +148,6 @@ class _Pool:
 
 
 _pool = _Pool()
-os.register_at_fork(after_in_child=_pool.after_fork)
 
 
 def shutdown() -> None:

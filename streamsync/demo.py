@@ -1,7 +1,7 @@
 """Sync a trainer into a real vLLM engine on this CPU machine, step after step,
 and verify every step.
 
-Builds a tiny random-weight model (or loads --model DIR) and starts vLLM on
+Builds a random-weight Qwen3 of about 400 MiB (or loads --model DIR) and starts vLLM on
 it. Each step perturbs the trainer's weights (a stand-in for a training step),
 streams them through the default adapter chain over --transport, and checks
 that the engine's greedy tokens equal the trainer's and that its prompt
@@ -42,7 +42,9 @@ def add_parser(sub: Any) -> None:
     )
     demo.add_argument("--steps", type=int, default=3, help="sync steps (default 3)")
     demo.add_argument(
-        "--model", metavar="DIR", help="a Transformers model directory (default: build a tiny one)"
+        "--model",
+        metavar="DIR",
+        help="a Transformers model directory (default: build one, see --kind)",
     )
     demo.add_argument(
         "--kind",

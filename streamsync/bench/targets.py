@@ -1,4 +1,4 @@
-"""The architecture issue's targets, as a table: each is a metric of this run's results,
+"""The benchmark's targets, as a table: each is a metric of this run's results,
 compared with a threshold; :func:`evaluate_targets` evaluates the whole table."""
 
 from __future__ import annotations

@@ -15,12 +15,11 @@ channel (random bytes, malformed frames, a wrong secret) is refused at the hands
 logged, and never ends the channel: whatever one message does is contained in the serve
 loop. ZeroMQ itself drops a peer whose greeting is not ZMTP or whose message exceeds
 ``MAXMSGSIZE``. (Random bytes often pass for ZMTP 1.0, whose messages carry no metadata:
-asking them for ``Peer-Address`` or ``SRCFD`` raises EINVAL, which used to end the channel.)
+asking them for ``Peer-Address`` or ``SRCFD`` raises EINVAL; the serve loop contains it.)
 
-URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
-``connect_timeout``, ``heartbeat`` (seconds, default 1.0: how often a receiver pings; the
-sender drops a receiver silent for 3 of them). Port 0 binds a free port; the
-sender's ``url`` then names it.
+Options: every transport's, and ``heartbeat`` on both sides (seconds, default 1.0: how
+often a receiver pings; the sender drops a receiver silent for 3 of them). Port 0 binds a
+free port; the sender's ``url`` then names it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every figure issue 12's targets need, in one run, at torch's default settings (no
+# The headline figures of BENCHMARKS.md, in one run, at torch's default settings (no
 # --threads): run it on an otherwise quiet machine from the repository root.
 #
-#   benchmarks/issue12.sh [OUT_DIR]        (default out/issue12; takes about 10 minutes)
+#   benchmarks/headline.sh [OUT_DIR]       (default out/headline; takes about 10 minutes)
 #
 # 1. The transport table, 1 GiB, 7 timed syncs per cell: shm vs two memcpys at once and vs
 #    verl's shared-memory path at its best bucket size (both measured in the same run),
@@ -12,7 +12,7 @@
 #    of the same ~400 MiB bf16 Qwen3 (fp32 in the engine), alternating, per bucket size.
 # 3. The demo on the same model size, at its defaults (quiet output).
 set -euo pipefail
-OUT=${1:-out/issue12}
+OUT=${1:-out/headline}
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 "$PY" -m streamsync bench --size 1GiB --runs 7 \
