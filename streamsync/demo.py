@@ -2,11 +2,12 @@
 and verify every step.
 
 Builds a random-weight Qwen3 of about 400 MiB (or loads --model DIR) and
-starts vLLM on it. Each step perturbs the trainer's weights (a stand-in for a training step),
-streams them through the default adapter chain over --transport, and checks
-that the engine's greedy tokens equal the trainer's and that its prompt
-logprobs match. With --engine fake, a vLLM-style fake model in this process
-takes the engine's place, over memory:// (no vLLM needed)."""
+starts vLLM on it. Each step perturbs the trainer's weights (a stand-in for a
+training step), streams them through the default adapter chain over
+--transport, and checks that the engine's greedy tokens equal the trainer's
+and that its prompt logprobs match. With --engine fake, a vLLM-style fake
+model in this process takes the engine's place, over memory:// (no vLLM
+needed)."""
 
 from __future__ import annotations
 
