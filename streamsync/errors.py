@@ -8,6 +8,7 @@ caller can tell exactly which names the receiving model now holds.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,8 @@ __all__ = [
     "SenderAbortedError",
     "ReceiverFailedError",
     "CONSEQUENCES",
+    "described",
+    "describe",
     "error_class",
     "root_cause",
 ]
@@ -143,6 +146,21 @@ def root_cause(errors: Iterable[BaseException | None]) -> BaseException | None:
     found = [e for e in errors if e is not None]
     causes = [e for e in found if not isinstance(e, CONSEQUENCES)]
     return causes[0] if causes else (found[0] if found else None)
+
+
+def describe(exc: BaseException) -> str:
+    """``"ClassName: message"``: how an error crosses a process boundary as text (a
+    handshake refusal, an HTTP error body); :func:`described` reads it back."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def described(text: str, default: type[StreamsyncError]) -> tuple[type[StreamsyncError], str]:
+    """The class and message of the first streamsync error :func:`describe` wrote into
+    ``text`` (anywhere in it: a server may wrap it), or ``(default, text)``."""
+    for match in re.finditer(r"\b([A-Z][A-Za-z]*(?:Error|EndOfStream)): ", text):
+        if match.group(1) in __all__:
+            return error_class(match.group(1), default), text[match.end() :]
+    return default, text
 
 
 def error_class(name: str, default: type[StreamsyncError] | None = None) -> type[StreamsyncError]:

@@ -25,7 +25,8 @@ from streamsync.errors import (
     PeerBrokenError,
     StreamsyncError,
     WireFormatError,
-    error_class,
+    describe,
+    described,
 )
 from streamsync.transports.slots import Shared
 from streamsync.wire import Bye, Hello, Welcome, WireCodec
@@ -158,17 +159,18 @@ def accept(
 
 def refusal(codec: WireCodec, exc: StreamsyncError) -> bytes:
     """Sender: the ``Bye`` frame that tells a refused newcomer why."""
-    return codec.encode(Bye(f"{_REFUSED}{type(exc).__name__}: {exc}"))
+    return codec.encode(Bye(_REFUSED + describe(exc)))
 
 
 def busy(codec: WireCodec, exc: StreamsyncError) -> bytes:
     """Sender: the ``Bye`` frame that asks a newcomer to try again (see the module doc)."""
-    return codec.encode(Bye(f"{_BUSY}{type(exc).__name__}: {exc}"))
+    return codec.encode(Bye(_BUSY + describe(exc)))
 
 
 def refused(reason: str, *, url: str) -> StreamsyncError:
     """Receiver: the sender's refusal as the exception it raised (``PeerBrokenError`` for
     a reason that names no streamsync error)."""
-    kind, _, detail = reason.removeprefix(_REFUSED).partition(": ")
-    error = error_class(kind, PeerBrokenError) if reason.startswith(_REFUSED) else PeerBrokenError
+    if not reason.startswith(_REFUSED):
+        return PeerBrokenError(f"{url}: the sender refused this receiver: {reason}")
+    error, detail = described(reason.removeprefix(_REFUSED), PeerBrokenError)
     return error(f"{url}: the sender refused this receiver: {detail or reason}")

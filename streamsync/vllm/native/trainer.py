@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -106,11 +105,7 @@ def _rpc_error(call: str, exc: Exception) -> StreamsyncError:
         return exc
     body = getattr(getattr(exc, "response", None), "text", "") or ""
     detail = f"{type(exc).__name__}: {exc}" + (f" ({body.strip()[:1000]})" if body else "")
-    cls: type[StreamsyncError] = ReceiverFailedError
-    for name in re.findall(r"\b([A-Z][A-Za-z]*Error|EndOfStream): ", f"{exc} {body}"):
-        if name in errors.__all__:
-            cls = errors.error_class(name, ReceiverFailedError)
-            break
+    cls, _ = errors.described(f"{exc} {body}", ReceiverFailedError)
     return cls(f"vLLM's {call} failed: {detail}")
 
 

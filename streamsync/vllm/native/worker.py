@@ -9,7 +9,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from streamsync._log import log, warn
-from streamsync.errors import ConfigError, StreamsyncError
+from streamsync.errors import ConfigError, StreamsyncError, describe
 from streamsync.vllm.native.messages import TransferInit
 from streamsync.worker import WorkerReceivers
 from streamsync.worker_messages import WorkerOptions, WorkerResult
@@ -124,6 +124,6 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
 def _named(exc: StreamsyncError) -> StreamsyncError:
     """``exc`` with its class name leading its message: over HTTP only the message reaches
     the trainer, which re-creates the class from it."""
-    named = type(exc)(f"{type(exc).__name__}: {exc}")
+    named = type(exc)(describe(exc))
     named.report = exc.report
     return named
