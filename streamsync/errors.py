@@ -157,7 +157,7 @@ def describe(exc: BaseException) -> str:
 def described(text: str, default: type[StreamsyncError]) -> tuple[type[StreamsyncError], str]:
     """The class and message of the first streamsync error :func:`describe` wrote into
     ``text`` (anywhere in it: a server may wrap it), or ``(default, text)``."""
-    for match in re.finditer(r"\b([A-Z][A-Za-z]*(?:Error|EndOfStream)): ", text):
+    for match in re.finditer(r"\b([A-Z][A-Za-z]*Error|EndOfStream): ", text):
         if match.group(1) in __all__:
             return error_class(match.group(1), default), text[match.end() :]
     return default, text
