@@ -25,6 +25,7 @@ from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import UnixDialer, UnixLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import DEVICE, SENDER_OPTIONS
+from streamsync.transports.places import cuda_device
 from streamsync.transports.slots import Shared, SlotStore, SlotView, _slot
 from streamsync.wire import BucketHeader, Welcome
 
@@ -67,11 +68,6 @@ def local_device(uuid: str, local_uuids: list[str], fallback: int) -> int:
     )
 
 
-def _require_cuda(url: str) -> None:
-    if not torch.cuda.is_available():
-        raise ConfigError(f"{url}: CUDA is not available in this process; use shm:// instead")
-
-
 def _uuid(index: int) -> str:
     return str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
 
@@ -93,10 +89,8 @@ class CudaSlots(SlotStore):
     def open(self) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        _require_cuda(self.url)
-        device = torch.device(self._device_arg if self._device_arg is not None else "cuda")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", index)
+        self.device = cuda_device(self.url, self._device_arg, instead="shm://")
+        index = self.device.index
         ring = torch.zeros(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
         self._ring = ring
         self._bufs = list(ring.view(self.slots, self.slot_bytes).unbind(0))
@@ -149,7 +143,7 @@ class CudaView(SlotView):
 
         for fd in fds:
             os.close(fd)
-        _require_cuda(self.url)
+        cuda_device(self.url, None, instead="shm://")  # CUDA is there
         if fds or welcome.segment != "cuda":
             raise WireFormatError("the sender did not describe a CUDA ring")
         try:

@@ -65,6 +65,7 @@ from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import Fds, LinkEvents, LinkLost, Peer, ReceiverLink, SenderLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import DEVICE, HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
+from streamsync.transports.places import host_port
 from streamsync.transports.slots import Shared, SlotStore, SlotView
 from streamsync.transports.torch_group import (
     GroupPlan,
@@ -92,13 +93,6 @@ _MARKER = struct.Struct("<IQ")
 #: Longest wait for a stuck broadcast to give up its group when a channel closes.
 _CLOSE_S = 1.0
 BACKENDS = {"torch+gloo": "gloo", "torch+nccl": "nccl"}
-
-
-def _host_port(scheme: str, target: str) -> tuple[str, int]:
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"{scheme}://{target}: expected {scheme}://HOST:PORT")
-    return host or "127.0.0.1", int(port)
 
 
 async def _in_thread(fn: Callable[[], Any]) -> Any:
@@ -172,7 +166,7 @@ class GroupLink(SenderLink):
     ) -> None:
         self.url = f"{scheme}://{target}"
         self.scheme = scheme
-        self.host, self.port = _host_port(scheme, target)
+        self.host, self.port = host_port(scheme, target, bind=True)
         self.member = member
         self.timeout = timeout
         self.inner = ZmqLink("zmq+tcp", f"{self.host}:0", hwm=hwm, heartbeat=heartbeat)
@@ -458,9 +452,7 @@ class GroupDialer(ReceiverLink):
         timeout: float,
     ) -> None:
         self.url = f"{scheme}://{target}"
-        self.host, self.port = _host_port(scheme, target)
-        if self.host == "*":
-            raise ConfigError(f"{self.url}: a receiver needs the sender's host, not '*'")
+        self.host, self.port = host_port(scheme, target, bind=False)
         self.view = view
         self.member = view.member
         self.heartbeat = heartbeat

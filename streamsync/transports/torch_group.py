@@ -23,6 +23,7 @@ import msgspec
 import torch
 
 from streamsync.errors import ConfigError, PeerBrokenError, StreamsyncError, SyncTimeoutError
+from streamsync.transports import places
 
 __all__ = ["GroupPlan", "ProcessGroupMember", "as_timedelta", "cuda_device", "local_address"]
 
@@ -187,5 +188,4 @@ def cuda_device(url: str, device: Any) -> torch.device:
             f"{url}: NCCL needs CUDA and a torch built with NCCL in this process; "
             "use torch+gloo:// instead"
         )
-    dev = torch.device(device if device is not None else "cuda")
-    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    return places.cuda_device(url, device, instead="torch+gloo://")

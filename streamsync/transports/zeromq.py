@@ -47,6 +47,7 @@ from streamsync.transports.link import (
 )
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
+from streamsync.transports.places import host_port
 from streamsync.transports.slots import HostSlots, PayloadView
 
 __all__ = ["TRANSPORT", "ZmqDialer", "ZmqLink", "zmq_address"]
@@ -73,12 +74,7 @@ def _runtime_dir() -> str:
 def zmq_address(scheme: str, target: str, *, bind: bool) -> str:
     """The ZeroMQ endpoint of a ``zmq+tcp``/``zmq+ipc`` URL target."""
     if scheme == "zmq+tcp":
-        host, sep, port = target.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ConfigError(f"zmq+tcp://{target}: expected zmq+tcp://HOST:PORT")
-        host = host or "127.0.0.1"
-        if host == "*" and not bind:
-            raise ConfigError(f"zmq+tcp://{target}: a receiver needs the sender's host, not '*'")
+        host, port = host_port(scheme, target, bind=bind)
         return f"tcp://{host}:{port}"
     if scheme == "zmq+ipc":
         if target.startswith("@") or target.startswith("/"):
