@@ -58,6 +58,9 @@ __all__ = [
     "map_exceptions",
 ]
 
+#: Seconds a side waits for a peer's last word (a goodbye, the reason it failed) after
+#: noticing the peer went, so the error it raises names the real reason.
+LAST_WORD_S = 0.2
 #: Largest control frame accepted (a bucket header with very many small tensors).
 MAX_FRAME_BYTES = 64 << 20
 #: Largest first frame accepted from a newcomer: a ``Hello`` is tiny, and until it is

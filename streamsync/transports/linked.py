@@ -31,7 +31,7 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.transports import handshake
-from streamsync.transports.link import LinkLost, Peer, ReceiverLink, SenderLink
+from streamsync.transports.link import LAST_WORD_S, LinkLost, Peer, ReceiverLink, SenderLink
 from streamsync.transports.ring import RingReceiver, RingSender
 from streamsync.transports.slots import SlotStore, SlotView
 from streamsync.wire import (
@@ -51,8 +51,6 @@ from streamsync.wire import (
 
 __all__ = ["LinkedReceiver", "LinkedSender"]
 
-# How long a sender whose write failed waits for what the receiver said before it went.
-_DRAIN_S = 0.2
 # Departures and refusals a sender remembers for its messages and reports.
 _KEEP = 8
 # Longest wait for the sender's answer to one Hello before trying again with a new link.
@@ -275,7 +273,7 @@ class LinkedSender(RingSender):
                     return self._failed is not None or self.peers.get(peer.index) is not peer
 
                 with contextlib.suppress(SyncTimeoutError):
-                    await self._signal.wait_until(heard, timeout=_DRAIN_S, what="")
+                    await self._signal.wait_until(heard, timeout=LAST_WORD_S, what="")
                 self._leave(peer, exc)
                 self._check()
 

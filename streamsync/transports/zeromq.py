@@ -37,6 +37,7 @@ from streamsync._log import log
 from streamsync.errors import ConfigError, PeerBrokenError, WireFormatError
 from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import (
+    LAST_WORD_S,
     Fds,
     LinkEvents,
     LinkLost,
@@ -52,8 +53,6 @@ from streamsync.transports.slots import HostSlots, PayloadView
 
 __all__ = ["TRANSPORT", "ZmqDialer", "ZmqLink", "zmq_address"]
 
-# Grace for a goodbye still in the data socket when the monitor reports the drop.
-_DRAIN_S = 0.2
 # Largest message the sender accepts from a receiver (as ``link.MAX_FRAME_BYTES``).
 _MAX_INBOUND_BYTES = 64 << 20
 # Longest sleep on a socket's FD: bounds the cost of an edge another call consumed, and how
@@ -284,7 +283,7 @@ class ZmqLink(SenderLink):
                 group.start_soon(self._drop_later, peer, events)
 
     async def _drop_later(self, peer: Peer, events: LinkEvents) -> None:
-        await anyio.sleep(_DRAIN_S)  # a goodbye precedes the drop it causes
+        await anyio.sleep(LAST_WORD_S)  # a goodbye precedes the drop it causes
         if self._peers.get(peer.handle) is not peer:
             return
         fd, socket_id = self._sockets[peer.handle]
@@ -294,7 +293,7 @@ class ZmqLink(SenderLink):
         for _ in range(5):
             if socket_id is None or _socket_id(fd) != socket_id:
                 break
-            await anyio.sleep(_DRAIN_S)
+            await anyio.sleep(LAST_WORD_S)
         else:
             return
         if self._peers.get(peer.handle) is not peer:
@@ -400,7 +399,7 @@ class ZmqDialer(ReceiverLink):
         while (parts := self._sock.try_recv()) is None:
             now = anyio.current_time()
             if self._dropped_at is not None:
-                if now - self._dropped_at > _DRAIN_S:
+                if now - self._dropped_at > LAST_WORD_S:
                     raise LinkLost("connection dropped")
             elif self._monitor.try_recv() is not None:
                 self._dropped_at = now  # drain what is already here, then report
