@@ -16,6 +16,7 @@ fails or is closed closes its source (:func:`reading`).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
@@ -23,6 +24,8 @@ from contextlib import asynccontextmanager
 from typing import Any, Concatenate, Generic, ParamSpec, TypeAlias, overload
 
 import torch
+
+from streamsync.errors import ConfigError
 
 __all__ = [
     "Adapter",
@@ -123,8 +126,34 @@ class Operator(Generic[P]):
         functools.update_wrapper(self, fn)
         self.fn, self.configure, self.fuse = fn, configure, fuse
         self._signature = inspect.signature(fn)
+        # What a caller passes: ``configure``'s parameters, or ``fn``'s after the source.
+        options = inspect.signature(configure) if configure is not None else self._signature
+        params = list(options.parameters.values())
+        self._options = options.replace(parameters=params if configure else params[1:])
+
+    def _check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A :class:`ConfigError` naming a wrong argument and the valid ones."""
+        valid = [
+            p.name
+            for p in self._options.parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in self._options.parameters.values())
+        name = self.fn.__name__
+        for key in kwargs:
+            if key not in valid and not takes_any:
+                close = difflib.get_close_matches(key, valid, n=1, cutoff=0.7)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"{name}(): unknown option {key!r}{hint}; valid: {', '.join(valid) or 'none'}"
+                )
+        try:
+            self._options.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"{name}(): {exc}; options: {', '.join(valid) or 'none'}") from None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Stage:
+        self._check(args, kwargs)
         if self.configure is not None:
             config = dict(self.configure(*args, **kwargs))
         else:

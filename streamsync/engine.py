@@ -44,7 +44,7 @@ from streamsync.errors import (
 from streamsync.loops import EventLoopThread, HostedSender, caller_cuda
 from streamsync.report import LoadResult, SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
-from streamsync.transports import Sender, open_sender
+from streamsync.transports import Sender, check_options, open_sender
 from streamsync.worker_messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
 
 __all__ = [
@@ -145,6 +145,17 @@ def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
     loop.close_soon(*(sender.aclose for sender in senders))
 
 
+# Keywords of WeightSync itself, beside the transport's options.
+_WEIGHT_SYNC_KEYWORDS = (
+    "pipeline",
+    "bucket_bytes",
+    "timeout",
+    "checksum",
+    "worker_options",
+    "require_all",
+)
+
+
 class WeightSync:
     """A persistent trainer-side channel into one engine, or into several from one stream
     and one sender (fan-out: pass a list of clients; every engine's workers receive).
@@ -203,6 +214,7 @@ class WeightSync:
         self.require_all = require_all
         if not require_all:
             transport_options = {**transport_options, "require_all": False}
+        check_options(endpoint, transport_options, caller=("WeightSync", _WEIGHT_SYNC_KEYWORDS))
         self._transport_options = transport_options
         self._loop: EventLoopThread | None = None
         self._sender: HostedSender | None = None

@@ -27,7 +27,14 @@ from streamsync.errors import (
 from streamsync.report import LoadResult, SyncReport
 from streamsync.sink import Sink, TargetSink, call_phase
 from streamsync.sources import named_tensors
-from streamsync.transports import Incoming, Receiver, Sender, open_receiver, open_sender
+from streamsync.transports import (
+    Incoming,
+    Receiver,
+    Sender,
+    check_options,
+    open_receiver,
+    open_sender,
+)
 from streamsync.wire import Abort, BucketHeader, Done, End, Failed
 
 __all__ = ["DEFAULT_TIMEOUT", "receive", "send"]
@@ -38,6 +45,9 @@ DEFAULT_TIMEOUT = 60.0
 # Sync ids increase across the process and across restarts (seeded from the clock), so a
 # receiver can refuse a sync older than the one it applied last.
 _sync_ids = itertools.count(time.time_ns() // 1000)
+# Keywords of send() and receive() themselves, beside the transport's options.
+_SEND_KEYWORDS = ("pipeline", "bucket_bytes", "timeout", "checksum", "sync_id")
+_RECEIVE_KEYWORDS = ("timeout", "max_tensor_bytes")
 
 
 async def send(
@@ -61,6 +71,7 @@ async def send(
     reused across syncs). Every wait is bounded by ``timeout`` seconds.
     """
     if isinstance(endpoint, str):
+        check_options(endpoint, transport_options, caller=("send", _SEND_KEYWORDS))
         if bucket_bytes is not None:
             transport_options.setdefault("slot_bytes", bucket_bytes)
         async with open_sender(endpoint, connect_timeout=timeout, **transport_options) as sender:
@@ -221,6 +232,9 @@ async def receive(
     ``loaded`` = what the sink was given) and the sender is told, so it fails too.
     """
     if isinstance(endpoint, str):
+        check_options(
+            endpoint, transport_options, side="receiver", caller=("receive", _RECEIVE_KEYWORDS)
+        )
         async with open_receiver(endpoint, **transport_options) as receiver:
             return await receive(receiver, sink, timeout=timeout, max_tensor_bytes=max_tensor_bytes)
     if transport_options:

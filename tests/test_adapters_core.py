@@ -150,9 +150,11 @@ async def test_a_decorated_generator_is_a_pipeable_stage() -> None:
 
 
 def test_configuration_is_checked_when_the_stage_is_made() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match=r"take\(\): missing a required argument: 'count'"):
         take()  # type: ignore[call-arg]
-    with pytest.raises(TypeError):
+    with pytest.raises(
+        ConfigError, match=r"take\(\): unknown option 'colour'; valid: count, suffix"
+    ):
         take(1, colour="red")  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"not a torch\.dtype"):
         cast("bf16")  # type: ignore[arg-type]

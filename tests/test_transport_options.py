@@ -121,3 +121,23 @@ async def test_the_memory_fake_checks_the_secret() -> None:
             await ss.receive(rx, None, timeout=1)  # type: ignore[arg-type]
         with pytest.raises(ss.SyncTimeoutError, match="0 of 1"):
             await ss.send({"w": torch.ones(1)}, tx, timeout=0.2)
+
+
+async def test_send_and_receive_name_their_own_keywords_too() -> None:
+    with pytest.raises(
+        ss.ConfigError,
+        match=r"unknown keyword of send\(\) 'bucket_byte' \(did you mean 'bucket_bytes'",
+    ) as e:
+        await ss.send({"w": torch.ones(1)}, "memory://opts-send", bucket_byte=1024)
+    assert "pipeline" in str(e.value) and "slot_bytes" in str(e.value)
+    with pytest.raises(ss.ConfigError, match=r"unknown keyword of receive\(\) 'max_tensor_byte'"):
+        await ss.receive("memory://opts-send", None, max_tensor_byte=1)  # type: ignore[arg-type]
+
+
+def test_weight_sync_checks_its_options_when_made() -> None:
+    from streamsync.engine import WeightSync
+
+    with pytest.raises(ss.ConfigError, match=r"unknown keyword of WeightSync\(\) 'slot'"):
+        WeightSync(object(), "shm://opts-ws", slot=3)  # type: ignore[arg-type]
+    with pytest.raises(ss.ConfigError, match=r"slots=0; need at least 1"):
+        WeightSync(object(), "shm://opts-ws?slots=0")  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ options: pass ``secret=`` to the sender and receivers, or set ``$STREAMSYNC_SECR
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -54,6 +54,7 @@ __all__ = [
     "Sender",
     "SenderStatistics",
     "Transport",
+    "check_options",
     "open_receiver",
     "open_sender",
     "parse_endpoint",
@@ -167,6 +168,23 @@ def parse_endpoint(url: str) -> Endpoint:
 
 def _forms() -> str:
     return ", ".join(f"{s}://..." for s in _registry.schemes())
+
+
+def check_options(
+    url: str,
+    options: Mapping[str, Any],
+    *,
+    side: str = "sender",
+    caller: tuple[str, Sequence[str]] | None = None,
+) -> None:
+    """Raise the :class:`ConfigError` that opening ``url``'s ``side`` with ``options``
+    would: for callers that take transport options with keywords of their own (``send``,
+    ``WeightSync``), at the call; ``caller`` (name and keywords) is listed in the message."""
+    endpoint = parse_endpoint(url)
+    transport = _registry.get(endpoint.scheme, url)
+    declared = transport.sender_options if side == "sender" else transport.receiver_options
+    query = endpoint.query if side == "sender" else {}
+    resolve(endpoint.url, declared, query, options, caller=caller)
 
 
 def open_sender(url: str, **options: Any) -> Sender:

@@ -97,7 +97,7 @@ def _from_text(where: str, option: Option, raw: str) -> Any:
 
 
 def _unknown(where: str, name: str, valid: Sequence[str], what: str) -> ConfigError:
-    close = difflib.get_close_matches(name, valid, n=1)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.7)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ConfigError(
         f"{where}: unknown {what} {name!r}{hint}; valid: {', '.join(valid) or 'none'}"
@@ -109,10 +109,13 @@ def resolve(
     declared: Sequence[Option],
     query: Mapping[str, str],
     kwargs: Mapping[str, Any],
+    *,
+    caller: tuple[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Every declared option's value: keyword arguments over the URL's query over the
     defaults. An undeclared name, an option the URL may not carry, a value of the wrong
-    type or below its minimum is a :class:`ConfigError` naming it."""
+    type or below its minimum is a :class:`ConfigError` naming it. ``caller`` (its name and
+    its own keywords) makes an unknown keyword's message list those too."""
     by_name = {o.name: o for o in declared}
     in_url = [o.name for o in declared if o.in_url]
     values = {o.name: o.default for o in declared}
@@ -129,6 +132,9 @@ def resolve(
     for name, value in kwargs.items():
         option = by_name.get(name)
         if option is None:
+            if caller is not None:
+                what = f"keyword of {caller[0]}()"
+                raise _unknown(where, name, [*caller[1], *by_name], what)
             raise _unknown(where, name, list(by_name), "option")
         values[name] = option.convert(where, value, from_url=False)
     return values
