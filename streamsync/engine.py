@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -45,15 +45,13 @@ from streamsync.loops import EventLoopThread, HostedSender, caller_cuda
 from streamsync.report import LoadResult, SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
 from streamsync.transports import Sender, check_options, open_sender
-from streamsync.worker_messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
+from streamsync.worker_messages import WorkerOptions, WorkerResult
 
 __all__ = [
-    "WORKER_PROTOCOL",
     "BlockingWeightSync",
     "EngineClient",
+    "LoopBoundClient",
     "WeightSync",
-    "WorkerOptions",
-    "WorkerResult",
     "merge_engine_reports",
     "merge_worker_reports",
     "several",
@@ -65,11 +63,7 @@ __all__ = [
 @runtime_checkable
 class EngineClient(Protocol):
     """The trainer's handle on one inference engine (see :mod:`streamsync.vllm.client`).
-
-    A client whose engine can only be driven from the event loop that created it (vLLM's
-    ``AsyncLLM``) also sets ``loop_bound = True``: :class:`WeightSync` then refuses its
-    blocking form, and the async form runs the client's calls on the caller's loop.
-    """
+    A client whose engine is bound to one event loop is a :class:`LoopBoundClient`."""
 
     @property
     def receivers(self) -> int:
@@ -84,6 +78,16 @@ class EngineClient(Protocol):
 
     async def close_receivers(self, endpoint: str) -> int:
         """Close the workers' receivers for ``endpoint``; returns how many were open."""
+
+
+@runtime_checkable
+class LoopBoundClient(EngineClient, Protocol):
+    """A client whose engine can only be driven from the event loop that created it (vLLM's
+    ``AsyncLLM``): :class:`WeightSync` refuses its blocking form, and the async form runs
+    the client's calls on the caller's loop."""
+
+    #: Always true; declares the client loop-bound.
+    loop_bound: bool
 
 
 def several(engines: Any) -> bool:
@@ -116,12 +120,20 @@ def merge_engine_reports(
 
 
 def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadResult]:
-    return {
-        f"{prefix}worker{rank}.{name}": inst
-        for rank, result in enumerate(results)
-        if result.report is not None
-        for name, inst in result.report.instances.items()
-    }
+    """Each worker's model instances as ``<prefix>worker<rank>.<name>``; a worker whose
+    sink has no instances (a ``ModuleSink``) as ``<prefix>worker<rank>``."""
+    out: dict[str, LoadResult] = {}
+    for rank, result in enumerate(results):
+        report = result.report
+        if report is None:
+            continue
+        for name, inst in report.instances.items():
+            out[f"{prefix}worker{rank}.{name}"] = inst
+        if not report.instances:
+            out[f"{prefix}worker{rank}"] = LoadResult(
+                loaded=report.loaded, missing=report.missing, unexpected=report.unexpected
+            )
+    return out
 
 
 def _root_cause(errors: Sequence[StreamsyncError | None]) -> StreamsyncError | None:
@@ -143,6 +155,17 @@ def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
     # The finalizer of a channel nobody closed: close its transport on its own loop, then
     # stop that loop (without waiting: this may run on any thread).
     loop.close_soon(*(sender.aclose for sender in senders))
+
+
+@dataclass
+class _Round:
+    """One :meth:`WeightSync.update`'s state: each engine's worker results (by rank) and
+    failures, and the send's report or error."""
+
+    results: list[list[WorkerResult]]
+    engine_errors: dict[int, StreamsyncError] = field(default_factory=dict)
+    report: SyncReport | None = None
+    send_error: StreamsyncError | None = None
 
 
 # Keywords of WeightSync itself, beside the transport's options.
@@ -265,7 +288,7 @@ class WeightSync:
                 f"{form} blocks, and an event loop is running in this thread; use '{instead}'"
             )
         for client in self.clients:
-            if getattr(client, "loop_bound", False):
+            if isinstance(client, LoopBoundClient) and client.loop_bound:
                 raise ConfigError(
                     f"{form}: {type(client).__name__} is driven from the event loop that "
                     f"created its engine; use '{instead}' on that loop"
@@ -380,45 +403,33 @@ class WeightSync:
         options = self.worker_options
         if options.timeout is None:
             options = msgspec.structs.replace(options, timeout=self.timeout)
-        results: list[list[WorkerResult]] = [[] for _ in self.clients]
-        engine_errors: dict[int, StreamsyncError] = {}
-        report: SyncReport | None = None
-        send_error: StreamsyncError | None = None
+        sync = _Round(results=[[] for _ in self.clients])
+        await self._run(sync, sender, options, weights, pipeline)
+        if sync.report is None and sync.send_error is None and not await sender.settle():
+            # Cancelled (an engine failed first), and a call still runs on the channel's
+            # loop after the wait: its state is unknown, so it goes. Normally the cancelled
+            # call unwinds at once (the sync it was in is aborted or never began), and the
+            # channel, with every engine's receivers, stays open.
+            await self._close_sender()
+        return await self._conclude(sync)
 
-        async def receive(e: int, client: EngineClient) -> None:
-            limit = self.timeout * 5
-            where = "the engine" if not self.fanout else f"engine {e}"
-            try:
-                with anyio.fail_after(limit):
-                    results[e] = list(await client.start_receive(self.endpoint, options))
-            except TimeoutError:
-                engine_errors[e] = SyncTimeoutError(
-                    f"{where}'s workers did not report on the sync from {self.endpoint} "
-                    f"within {limit:g} s"
-                )
-            except StreamsyncError as exc:
-                engine_errors[e] = exc
-            except Exception as exc:  # the engine's own RPC failed: the engine is gone
-                engine_errors[e] = ReceiverFailedError(
-                    f"{where} failed to run the receive from {self.endpoint}: "
-                    f"{type(exc).__name__}: {exc}"
-                )
-            if e in engine_errors:
-                engine_errors[e].engine = self._engine(e)
-                if self.require_all:
-                    tg.cancel_scope.cancel()  # its workers will not join: it cannot finish
-            elif self.require_all and any(not r.ok and r.report is None for r in results[e]):
-                # A worker failed before it applied anything (bad options, no connection):
-                # this sync cannot complete, so stop the send instead of letting it time out.
-                tg.cancel_scope.cancel()
-
+    async def _run(
+        self,
+        sync: _Round,
+        sender: HostedSender,
+        options: WorkerOptions,
+        weights: Any,
+        pipeline: AdapterLike | None,
+    ) -> None:
+        """The send beside every engine's receive; a failure that dooms the sync cancels
+        the rest (see :meth:`_receive`)."""
         async with anyio.create_task_group() as tg:
             for e, client in enumerate(self.clients):
-                tg.start_soon(receive, e, client)
+                tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope)
             if not self.require_all:
-                await self._joined(sender, engine_errors)
+                await self._joined(sender, sync.engine_errors)
             try:
-                report = await send(
+                sync.report = await send(
                     weights,
                     sender,
                     pipeline=pipeline if pipeline is not None else self.pipeline,
@@ -427,45 +438,79 @@ class WeightSync:
                     checksum=self.checksum,
                 )
             except StreamsyncError as exc:
-                send_error = exc
+                sync.send_error = exc
                 if isinstance(exc, ClosedError):
                     await self._close_sender()  # reopened by the next sync
-        if report is None and send_error is None and not await sender.settle():
-            # Cancelled (an engine failed first), and a call still runs on the channel's
-            # loop after the wait: its state is unknown, so it goes. Normally the cancelled
-            # call unwinds at once (the sync it was in is aborted or never began), and the
-            # channel, with every engine's receivers, stays open.
-            await self._close_sender()
-        # An engine whose every worker applied this sync drops its caches, whatever the others.
+
+    async def _receive(
+        self,
+        sync: _Round,
+        e: int,
+        client: EngineClient,
+        options: WorkerOptions,
+        scope: anyio.CancelScope,
+    ) -> None:
+        """Engine ``e``'s receive on all its workers, into ``sync``. With ``require_all``, an
+        engine that fails, or a worker that fails before applying anything (bad options, no
+        connection), cancels ``scope``: the sync cannot complete, so the send stops instead
+        of waiting out its timeout."""
+        limit = self.timeout * 5
+        where = "the engine" if not self.fanout else f"engine {e}"
+        error: StreamsyncError | None = None
+        try:
+            with anyio.fail_after(limit):
+                sync.results[e] = list(await client.start_receive(self.endpoint, options))
+        except TimeoutError:
+            error = SyncTimeoutError(
+                f"{where}'s workers did not report on the sync from {self.endpoint} "
+                f"within {limit:g} s"
+            )
+        except StreamsyncError as exc:
+            error = exc
+        except Exception as exc:  # the engine's own RPC failed: the engine is gone
+            error = ReceiverFailedError(
+                f"{where} failed to run the receive from {self.endpoint}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+        if error is not None:
+            error.engine = self._engine(e)
+            sync.engine_errors[e] = error
+        doomed = error is not None or any(not r.ok and r.report is None for r in sync.results[e])
+        if doomed and self.require_all:
+            scope.cancel()
+
+    async def _conclude(self, sync: _Round) -> SyncReport:
+        """Raise the sync's root cause, or merge the workers' reports into the sender's;
+        either way the engines whose every worker applied it drop their caches."""
         applied = [
             e
             for e, client in enumerate(self.clients)
-            if len(results[e]) == client.receivers and all(r.ok for r in results[e])
+            if len(sync.results[e]) == client.receivers and all(r.ok for r in sync.results[e])
         ]
         # Without require_all, an engine that could not take part is absent, not a failure.
-        absent = {} if self.require_all else dict(engine_errors)
+        absent = {} if self.require_all else dict(sync.engine_errors)
         failure = _root_cause(
             [
-                *(err for e, err in engine_errors.items() if e not in absent),
+                *(err for e, err in sync.engine_errors.items() if e not in absent),
                 *(
                     result.exception(rank, engine=self._engine(e))
-                    for e, per_engine in enumerate(results)
+                    for e, per_engine in enumerate(sync.results)
                     if e not in absent
                     for rank, result in enumerate(per_engine)
                 ),
-                send_error,
+                sync.send_error,
             ]
         )
         if failure is not None:
             if applied:
                 with anyio.CancelScope(shield=True):
                     await self._after_sync(applied, None)
-            raise failure from (send_error if failure is not send_error else None)
-        assert report is not None
+            raise failure from (sync.send_error if failure is not sync.send_error else None)
+        assert sync.report is not None
         if self.fanout:
-            merged = merge_engine_reports(report, results)
+            merged = merge_engine_reports(sync.report, sync.results)
         else:
-            merged = merge_worker_reports(report, results[0])
+            merged = merge_worker_reports(sync.report, sync.results[0])
         if absent:
             gone = tuple(f"engine {e}: {type(err).__name__}: {err}" for e, err in absent.items())
             merged = msgspec.structs.replace(merged, absent=(*merged.absent, *gone))
@@ -475,8 +520,8 @@ class WeightSync:
             "engine.sync",
             endpoint=self.endpoint,
             engines=len(self.clients),
-            workers=sum(len(r) for r in results),
-            sync_id=report.sync_id,
+            workers=sum(len(r) for r in sync.results),
+            sync_id=sync.report.sync_id,
         )
         return merged
 

@@ -25,7 +25,7 @@ from streamsync.copies import CopyBatch
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.report import LoadResult
 
-__all__ = ["BUFFER_MANIFEST", "ModuleSink", "Sink", "TargetSink", "call_phase"]
+__all__ = ["BUFFER_MANIFEST", "AbortableSink", "ModuleSink", "Sink", "TargetSink", "call_phase"]
 
 #: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
 #: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.
@@ -56,6 +56,16 @@ class TargetSink(Sink, Protocol):
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The sink's own tensor for ``name``, or ``None``."""
+
+
+@runtime_checkable
+class AbortableSink(Sink, Protocol):
+    """A sink that can put back what ``prepare`` took apart when a sync fails between
+    ``prepare`` and ``finalize`` (``VllmSink``: the layers still waiting for weights). The
+    worker side calls ``abort`` then, on the thread the other phases ran on."""
+
+    def abort(self) -> None:
+        """Leave the model able to serve after a failed sync."""
 
 
 async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:

@@ -9,20 +9,20 @@ anyio blocking portal (:class:`EventLoopThread`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 from streamsync._log import log, warn
-from streamsync.engine import WorkerOptions, WorkerResult
 from streamsync.errors import EndOfStream, PeerBrokenError, StreamsyncError
 from streamsync.loops import EventLoopThread
 from streamsync.report import SyncReport
-from streamsync.sink import Sink
+from streamsync.sink import AbortableSink, Sink
 from streamsync.sync import DEFAULT_TIMEOUT, receive
 from streamsync.transports import Receiver, open_receiver
+from streamsync.worker_messages import WorkerOptions, WorkerResult
 
-__all__ = ["EventLoopThread", "WorkerReceivers"]
+__all__ = ["WorkerReceivers"]
 
 
 class WorkerReceivers:
@@ -36,6 +36,22 @@ class WorkerReceivers:
     def __init__(self, name: str = "streamsync-worker") -> None:
         self._loop = EventLoopThread(name)
         self._receivers: dict[str, Receiver] = {}
+
+    def handle(
+        self, endpoint: str, options: Any, make_sink: Callable[[WorkerOptions], Sink]
+    ) -> WorkerResult:
+        """The worker side of one sync, as every engine's RPC handler runs it: ``options``
+        from their wire form (a :class:`WorkerOptions` passes as it is), the sink
+        ``make_sink`` builds for them, then :meth:`receive`. A streamsync error in any step
+        is returned in the result, not raised."""
+        try:
+            opts = (
+                options if isinstance(options, WorkerOptions) else WorkerOptions.from_wire(options)
+            )
+            sink = make_sink(opts)
+        except StreamsyncError as exc:
+            return WorkerResult.failed(exc)
+        return self.receive(endpoint, opts, sink)
 
     def receive(self, endpoint: str, options: WorkerOptions, sink: Sink) -> WorkerResult:
         """Receive one sync from ``endpoint`` into ``sink``. A streamsync error is returned in
@@ -73,14 +89,12 @@ class WorkerReceivers:
         return WorkerResult.succeeded(report)
 
     def _abort(self, sink: Sink, endpoint: str) -> None:
-        # A sink with an ``abort`` (VllmSink) puts back what ``prepare`` took apart when the
-        # sync failed after it; on the loop thread, where its other phases ran.
-        abort = getattr(sink, "abort", None)
-        if abort is None:
+        # On the loop thread, where the sink's other phases ran.
+        if not isinstance(sink, AbortableSink):
             return
 
         async def run() -> None:
-            abort()
+            sink.abort()
 
         try:
             self._loop.run(run, timeout=60, what=f"worker-side abort of the sync from {endpoint}")

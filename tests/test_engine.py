@@ -24,17 +24,10 @@ import pytest
 import torch
 
 import streamsync as ss
-from streamsync.engine import (
-    WORKER_PROTOCOL,
-    BlockingWeightSync,
-    EngineClient,
-    WeightSync,
-    WorkerOptions,
-    WorkerResult,
-    update_engine,
-)
+from streamsync.engine import BlockingWeightSync, EngineClient, WeightSync, update_engine
 from streamsync.testing.peers import free_port
 from streamsync.worker import WorkerReceivers
+from streamsync.worker_messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
 
 
 def model(seed: int) -> torch.nn.Module:
@@ -78,14 +71,12 @@ class ThreadEngine:
 
     def _worker_receive(self, rank: int, endpoint: str, options: Any) -> dict[str, Any]:
         # The worker side, as an engine extension writes it.
-        try:
-            opts = WorkerOptions.from_wire(options)
+        def sink(opts: WorkerOptions) -> ss.Sink:
             if opts.quirks:
                 raise ss.ConfigError(f"unknown quirk {opts.quirks[0]!r}; known: none")
-            sink = (FinalizeFails if rank in self.fail_finalize else MainSink)(self.modules[rank])
-        except ss.StreamsyncError as exc:
-            return WorkerResult.failed(exc).to_wire()
-        return self.workers[rank].receive(endpoint, opts, sink).to_wire()
+            return (FinalizeFails if rank in self.fail_finalize else MainSink)(self.modules[rank])
+
+        return self.workers[rank].handle(endpoint, options, sink).to_wire()
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         raw: list[Any] = [None] * len(self.workers)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 import streamsync as ss
+from streamsync.loops import EventLoopThread
 from streamsync.testing.engine import (
     LONG_PROMPT,
     MAX_TOKENS,
@@ -21,7 +22,6 @@ from streamsync.testing.engine import (
     reference_outputs,
     sampling,
 )
-from streamsync.worker import EventLoopThread
 
 __all__ = [
     "LONG_PROMPT",

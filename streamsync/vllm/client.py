@@ -19,17 +19,12 @@ import anyio.to_thread
 
 from streamsync.adapter import AdapterLike
 from streamsync.bucket import DEFAULT_BUCKET_BYTES
-from streamsync.engine import (
-    EngineClient,
-    WorkerOptions,
-    WorkerResult,
-    several,
-    update_engine,
-)
+from streamsync.engine import EngineClient, several, update_engine
 from streamsync.engine import WeightSync as _EngineWeightSync
 from streamsync.errors import ConfigError
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
+from streamsync.worker_messages import WorkerOptions, WorkerResult
 
 __all__ = [
     "AsyncLLMClient",

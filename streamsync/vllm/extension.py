@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamsync.engine import WorkerOptions, WorkerResult
-from streamsync.errors import StreamsyncError
 from streamsync.worker import WorkerReceivers
+from streamsync.worker_messages import WorkerOptions
 
 __all__ = ["WorkerExtension"]
 
@@ -39,14 +38,12 @@ class WorkerExtension:
         """
         from streamsync.vllm.sink import VllmSink
 
-        try:
-            opts = WorkerOptions.from_wire(options)
-            sink = VllmSink.from_worker(
+        def sink(opts: WorkerOptions) -> VllmSink:
+            return VllmSink.from_worker(
                 self, lifecycle=opts.lifecycle, quirks=opts.quirks, instances=opts.instances
             )
-        except StreamsyncError as exc:
-            return WorkerResult.failed(exc).to_wire()
-        return _receivers(self).receive(endpoint, opts, sink).to_wire()
+
+        return _receivers(self).handle(endpoint, options, sink).to_wire()
 
     def streamsync_close(self, endpoint: str | None = None) -> int:
         """Close this worker's receivers (all, or the one for ``endpoint``); returns how many."""

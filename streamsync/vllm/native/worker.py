@@ -89,14 +89,17 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             transport={**init.transport, **update_info.transport},
             timeout=update_info.timeout if update_info.timeout is not None else init.timeout,
         )
-        quirks = options.quirks
-        sink = VllmSink(
-            [ModelInstance(self._target, self.model, self.model_config)],
-            lifecycle=choose_lifecycle(options.lifecycle),
-            vllm_config=self.vllm_config,
-            quirks=quirks_by_name(quirks) if quirks is not None else None,
-        )
-        result = receivers.receive(init.endpoint, options, sink)
+        target = self._target
+
+        def sink(opts: WorkerOptions) -> VllmSink:
+            return VllmSink(
+                [ModelInstance(target, self.model, self.model_config)],
+                lifecycle=choose_lifecycle(opts.lifecycle),
+                vllm_config=self.vllm_config,
+                quirks=quirks_by_name(opts.quirks) if opts.quirks is not None else None,
+            )
+
+        result = receivers.handle(init.endpoint, options, sink)
         self.last_result = result
         error = result.exception(self.rank)
         if error is not None:
