@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from streamsync.bench import synthetic_model
+from streamsync.cli.bench import synthetic_model
 from streamsync.testing.peers import free_port
 
 

@@ -1,5 +1,5 @@
 """End-to-end throughput of each transport against memcpy and raw pyzmq: now
-``streamsync bench`` (:mod:`streamsync.bench`); this script runs it with the same options.
+``streamsync bench`` (:mod:`streamsync.cli.bench`); this script runs it with the same options.
 
     .venv/bin/python benchmarks/transports.py                       # = streamsync bench
     .venv/bin/python benchmarks/transports.py --transport shm --size 256MiB --runs 2

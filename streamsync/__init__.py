@@ -5,7 +5,6 @@ Weights flow as ``AsyncIterator[tuple[str, torch.Tensor]]`` through stackable ad
 into a receiver-side sink that runs prepare → load each bucket → finalize.
 """
 
-from streamsync.adapter import Adapter, Chain, NamedTensor, NamedTensors, reading
 from streamsync.errors import (
     AuthenticationError,
     ChecksumError,
@@ -26,6 +25,7 @@ from streamsync.errors import (
     UnknownTensorError,
     WireFormatError,
 )
+from streamsync.pipeline import Adapter, Chain, NamedTensor, NamedTensors, reading
 from streamsync.report import LoadResult, SyncReport
 from streamsync.sink import ModuleSink, Sink
 from streamsync.sources import named_tensors

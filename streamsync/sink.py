@@ -20,9 +20,9 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 
-from streamsync.adapter import NamedTensor
-from streamsync.copies import CopyBatch
+from streamsync._copies import CopyBatch
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
+from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 
 __all__ = ["BUFFER_MANIFEST", "AbortableSink", "ModuleSink", "Sink", "TargetSink", "call_phase"]

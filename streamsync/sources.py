@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from streamsync.adapter import NamedTensor, reading
 from streamsync.errors import ConfigError
+from streamsync.pipeline import NamedTensor, reading
 
 __all__ = ["named_tensors"]
 

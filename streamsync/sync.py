@@ -13,9 +13,7 @@ import anyio
 import msgspec
 
 from streamsync._log import log
-from streamsync.adapter import AdapterLike, Chain, reading
 from streamsync.adapters.bucket import Bucketer
-from streamsync.bucket import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_TENSOR_BYTES, Bucket
 from streamsync.errors import (
     ConfigError,
     SenderAbortedError,
@@ -24,6 +22,7 @@ from streamsync.errors import (
     SyncInProgressError,
     WireFormatError,
 )
+from streamsync.pipeline import AdapterLike, Chain, reading
 from streamsync.report import LoadResult, SyncReport
 from streamsync.sink import Sink, TargetSink, call_phase
 from streamsync.sources import named_tensors
@@ -35,7 +34,8 @@ from streamsync.transports import (
     open_receiver,
     open_sender,
 )
-from streamsync.wire import Abort, BucketHeader, Done, End, Failed
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_TENSOR_BYTES, Bucket
+from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
 __all__ = ["DEFAULT_TIMEOUT", "receive", "send"]
 

@@ -24,11 +24,11 @@ import anyio
 import torch
 
 import streamsync as ss
-import streamsync.bucket
-import streamsync.wire
+import streamsync.wire.bucket
+import streamsync.wire.frames
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink
 from streamsync.transports import Receiver, Sender, open_receiver, open_sender
-from streamsync.wire import BucketHeader, Entry
+from streamsync.wire.frames import BucketHeader, Entry
 
 #: Every wait of a sync, in seconds: the faults must surface within twice this.
 TIMEOUT = 2.0
@@ -377,14 +377,14 @@ def peer_main(tag: str, role: str, args: dict[str, Any], conn: Any, control: Any
     results = Reporter(conn)
     if args.get("version") is not None:
         # This process speaks another version of the wire protocol.
-        streamsync.wire.PROTOCOL_VERSION = args["version"]  # type: ignore[misc]
-    allocate = streamsync.bucket.allocate_slot
+        streamsync.wire.frames.PROTOCOL_VERSION = args["version"]  # type: ignore[misc]
+    allocate = streamsync.wire.bucket.allocate_slot
 
     def recording(nbytes: int) -> torch.Tensor:
         _LARGEST[0] = max(_LARGEST[0], nbytes)
         return allocate(nbytes)
 
-    streamsync.bucket.allocate_slot = recording
+    streamsync.wire.bucket.allocate_slot = recording
     run = _receiver if role == "receiver" else _sender
     try:
         asyncio.run(run(tag, args, results, control))

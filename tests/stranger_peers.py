@@ -22,7 +22,7 @@ import torch
 from loop_peers import Keep, digest
 
 import streamsync as ss
-import streamsync.wire
+import streamsync.wire.frames
 from streamsync.transports import open_receiver
 from streamsync.transports.link import unix_address
 from streamsync.transports.zeromq import zmq_address
@@ -198,16 +198,16 @@ def _taken_routing_id(url: str) -> None:
 async def _looks_like_a_receiver(url: str, kind: str) -> str:
     """A streamsync receiver the sender must refuse (and say so); what it raised."""
     secret = b"wrong" if kind == "wrong secret" else SECRET
-    saved = streamsync.wire.PROTOCOL_VERSION
+    saved = streamsync.wire.frames.PROTOCOL_VERSION
     if kind == "other version":
-        streamsync.wire.PROTOCOL_VERSION = saved + 1  # type: ignore[misc]
+        streamsync.wire.frames.PROTOCOL_VERSION = saved + 1  # type: ignore[misc]
     try:
         async with open_receiver(url, secret=secret, connect_timeout=TIMEOUT):
             return "joined"
     except ss.StreamsyncError as exc:
         return type(exc).__name__
     finally:
-        streamsync.wire.PROTOCOL_VERSION = saved  # type: ignore[misc]
+        streamsync.wire.frames.PROTOCOL_VERSION = saved  # type: ignore[misc]
 
 
 def strangers(transport: str, url: str, tag: str, results: Any) -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from streamsync import Adapter, Chain, ConfigError, named_tensors
-from streamsync.adapter import Stage
 from streamsync.adapters import Bucketer, adapter, bucket, cast, rename, select, unbucket
-from streamsync.bucket import BucketBuilder
+from streamsync.pipeline import Stage
+from streamsync.wire.bucket import BucketBuilder
 
 
 async def collect(stream) -> list:  # type: ignore[no-untyped-def]

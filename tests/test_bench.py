@@ -13,10 +13,10 @@ import torch
 
 import streamsync as ss
 from streamsync.adapters import expand_moe
-from streamsync.bench import SCENARIOS, TARGETS, TRANSPORTS, parse_size, synthetic_model
-from streamsync.bench.stamped import StampedReceiver, StampedSender
-from streamsync.bench.targets import evaluate_targets
 from streamsync.cli import main
+from streamsync.cli.bench import SCENARIOS, TARGETS, TRANSPORTS, parse_size, synthetic_model
+from streamsync.cli.bench.stamped import StampedReceiver, StampedSender
+from streamsync.cli.bench.targets import evaluate_targets
 from streamsync.testing import FakeConfig, fake_state_dict
 from streamsync.testing.shapes import qwen3_shapes
 
@@ -189,7 +189,7 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
     assert main(args) == 0
     assert "| transport | scenario |" in capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert data["schema"] == "streamsync.bench/1"
+    assert data["schema"] == "streamsync.cli.bench/1"
     assert {
         "date",
         "machine",
@@ -250,7 +250,7 @@ def test_bench_fan_out_to_two_receivers(tmp_path: Path, capsys: pytest.CaptureFi
     assert main([*args, "--bucket-bytes", "1MiB", "--json", str(out)]) == 0
     assert "raw gloo s" in capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert data["schema"] == "streamsync.bench.fanout/1"
+    assert data["schema"] == "streamsync.cli.bench.fanout/1"
     rows = {(r["receivers"], r["transport"]): r for r in data["rows"]}
     assert set(rows) == {(n, t) for n in (1, 2) for t in ("zmq+tcp", "torch+gloo")}
     for row in rows.values():
@@ -259,7 +259,7 @@ def test_bench_fan_out_to_two_receivers(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_uniform_model_is_tensors_of_one_size() -> None:
-    from streamsync.bench.models import uniform_model
+    from streamsync.cli.bench.models import uniform_model
 
     model = uniform_model(1 << 20, 16 << 10)
     assert len(model.shapes) == 64
@@ -269,7 +269,7 @@ def test_uniform_model_is_tensors_of_one_size() -> None:
 
 
 def test_the_table_says_which_thread_setting_ran() -> None:
-    from streamsync.bench.report import format_table
+    from streamsync.cli.bench.report import format_table
 
     data: dict[str, Any] = {
         "config": {"size": 1 << 20, "bucket_bytes": 1 << 20, "slots": 2, "runs": 1},
@@ -285,7 +285,7 @@ def test_the_table_says_which_thread_setting_ran() -> None:
 
 
 def test_the_engine_table_gives_the_ratio_and_the_phases() -> None:
-    from streamsync.bench.engine import format_engine_table
+    from streamsync.cli.bench.engine import format_engine_table
 
     row = {
         "bucket_bytes": 64 << 20,
@@ -304,7 +304,7 @@ def test_the_engine_table_gives_the_ratio_and_the_phases() -> None:
 def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
     import argparse
 
-    from streamsync.bench.command import _command_line
+    from streamsync.cli.bench.command import _command_line
 
     args = argparse.Namespace(
         size=1 << 30,

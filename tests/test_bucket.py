@@ -11,15 +11,15 @@ from conftest import WIRE_DTYPES, random_tensor, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import streamsync.bucket as bucket_module
-from streamsync.bucket import ALIGN, BucketBuilder, Unpacker
+import streamsync.wire.bucket as bucket_module
 from streamsync.errors import (
     ChecksumError,
     ConfigError,
     DuplicateTensorError,
     WireFormatError,
 )
-from streamsync.wire import BucketHeader, End, Entry
+from streamsync.wire.bucket import ALIGN, BucketBuilder, Unpacker
+from streamsync.wire.frames import BucketHeader, End, Entry
 
 
 def roundtrip(

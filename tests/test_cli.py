@@ -35,7 +35,7 @@ def test_help_reads_as_help(
 
 
 def test_bench_help_lists_every_scenario_and_transport(capsys: pytest.CaptureFixture[str]) -> None:
-    from streamsync.bench import SCENARIOS, TRANSPORTS
+    from streamsync.cli.bench import SCENARIOS, TRANSPORTS
 
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
@@ -60,7 +60,7 @@ def test_demo_with_real_vllm_engine(tmp_path: Path, capsys) -> None:  # type: ig
 def test_demo_hides_engine_output_unless_it_fails(capfd: pytest.CaptureFixture[str]) -> None:
     import os
 
-    from streamsync.demo import _engine_output
+    from streamsync.cli.demo import _engine_output
 
     with _engine_output(verbose=False) as progress:
         os.write(2, b"engine noise\n")  # what C++ warnings do: straight to fd 2

@@ -1,4 +1,4 @@
-"""The library's copies (streamsync.copies): the same bytes as ``Tensor.copy_``, on every
+"""The library's copies (streamsync._copies): the same bytes as ``Tensor.copy_``, on every
 path (inline memmove, split memmove, pool casts, non-contiguous), without touching the
 process's torch thread count and without starting OpenMP worker threads."""
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import streamsync as ss
-from streamsync import copies
-from streamsync.bucket import BucketBuilder, Unpacker
-from streamsync.dtypes import CASTABLE
-from streamsync.wire import BucketHeader
+from streamsync import _copies as copies
+from streamsync._dtypes import CASTABLE
+from streamsync.wire.bucket import BucketBuilder, Unpacker
+from streamsync.wire.frames import BucketHeader
 
 PIECE = copies.PIECE_BYTES
 CAST_PAIRS = [(a, b) for a in sorted(CASTABLE, key=str) for b in sorted(CASTABLE, key=str)]
@@ -101,7 +101,7 @@ _NO_OPENMP_WORKERS = textwrap.dedent(
     import os, sys, torch
     torch.set_num_threads(2)  # what torch picks on a 2-core machine
     import streamsync as ss
-    from streamsync import copies
+    from streamsync import _copies as copies
 
     def threads():
         out = {}
@@ -121,8 +121,8 @@ _NO_OPENMP_WORKERS = textwrap.dedent(
     for _ in range(3):
         ss.ModuleSink(module)  # warm-up of its own imports
         rule = lambda name, dtype: torch.bfloat16 if dtype == torch.float32 else None
-        from streamsync.bucket import BucketBuilder, Unpacker
-        from streamsync.wire import BucketHeader
+        from streamsync.wire.bucket import BucketBuilder, Unpacker
+        from streamsync.wire.frames import BucketHeader
         builder = BucketBuilder(4 << 20, cast=rule)
         buckets = [*builder.add("a", bf16), *builder.add("b", f32), builder.flush()]
         unpacker = Unpacker()

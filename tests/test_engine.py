@@ -1,7 +1,7 @@
 """The engine seam without vLLM: a second engine is one client plus one sink.
 
-``ThreadEngine`` is an :class:`~streamsync.engine.EngineClient` whose workers are threads,
-each with its own event loop (a :class:`~streamsync.worker.WorkerReceivers`) and a
+``ThreadEngine`` is an :class:`~streamsync.engine.channel.EngineClient` whose workers are threads,
+each with its own event loop (a :class:`~streamsync.engine.worker.WorkerReceivers`) and a
 ``ModuleSink``; options and results cross its "RPC" through msgpack, as they cross vLLM's.
 """
 
@@ -24,10 +24,10 @@ import pytest
 import torch
 
 import streamsync as ss
-from streamsync.engine import BlockingWeightSync, EngineClient, WeightSync, update_engine
+from streamsync.engine.channel import BlockingWeightSync, EngineClient, WeightSync, update_engine
+from streamsync.engine.messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
+from streamsync.engine.worker import WorkerReceivers
 from streamsync.testing.peers import free_port
-from streamsync.worker import WorkerReceivers
-from streamsync.worker_messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
 
 
 def model(seed: int) -> torch.nn.Module:

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from streamsync import ConfigError, named_tensors
+from streamsync._versions import vllm_version
 from streamsync.adapters import expand_moe
 from streamsync.adapters.expand_moe import ENV_VAR, should_expand
 from streamsync.testing import FakeConfig, fake_state_dict
-from streamsync.versions import vllm_version
 
 
 async def collect(stream: Any) -> list[tuple[str, torch.Tensor]]:

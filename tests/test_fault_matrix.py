@@ -25,7 +25,7 @@ import fault_peers
 import pytest
 from fault_peers import NAMES, SLOT_BYTES, TIMEOUT
 
-import streamsync.wire
+import streamsync.wire.frames
 from streamsync.testing.peers import context, free_port
 
 TRANSPORTS = ["shm", "zmq+tcp", "zmq+ipc", "torch+gloo"]
@@ -341,7 +341,7 @@ def stale_sync(m: Matrix) -> None:
     succeeded(m.outcome("tx", 0, 2))
 
 
-OTHER_VERSION = streamsync.wire.PROTOCOL_VERSION + 1
+OTHER_VERSION = streamsync.wire.frames.PROTOCOL_VERSION + 1
 
 
 def receiver_speaks_another_version(m: Matrix) -> None:

@@ -27,16 +27,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import streamsync.bucket as bucket_module
-from streamsync.bucket import ALIGN, BucketBuilder, Unpacker
-from streamsync.dtypes import DTYPES
+import streamsync.wire.bucket as bucket_module
+from streamsync._dtypes import DTYPES
 from streamsync.errors import (
     AuthenticationError,
     DuplicateTensorError,
     StreamsyncError,
     WireFormatError,
 )
-from streamsync.wire import (
+from streamsync.wire.bucket import ALIGN, BucketBuilder, Unpacker
+from streamsync.wire.frames import (
     PROTOCOL_VERSION,
     Abort,
     Ack,

@@ -256,7 +256,7 @@ async def test_receiver_receives_messages_in_order() -> None:
                 if kinds[-1] == "BucketHeader":
                     await receiver.release(incoming.message)
                 else:
-                    from streamsync.wire import Done
+                    from streamsync.wire.frames import Done
 
                     await receiver.reply(Done(incoming.message.sync_id, 0, 1, 16))
                     break
@@ -271,7 +271,7 @@ async def test_unknown_scheme_lists_valid_ones() -> None:
 async def test_a_receiver_failing_on_the_last_bucket_aborts_the_others() -> None:
     # Bucket 1 (the last) fails on one receiver before the sender ends the sync: the other
     # receiver must hear that the sync is abandoned, not wait out its timeout for an End.
-    from streamsync.bucket import BucketBuilder
+    from streamsync.wire.bucket import BucketBuilder
 
     failed = anyio.Event()
 

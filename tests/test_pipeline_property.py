@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamsync as ss
-from streamsync.adapter import Chain
 from streamsync.adapters import cast, rename, select
+from streamsync.pipeline import Chain
 
 CASTS = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -54,7 +54,7 @@ def _unsafe(module: str) -> bool:
 
 def test_no_pickle_anywhere_in_the_package() -> None:
     sources = sorted(PACKAGE.rglob("*.py"))
-    assert len(sources) > 20 and any(p.name == "wire.py" for p in sources)
+    assert len(sources) > 20 and any(p.name == "frames.py" for p in sources)
     found = [use for path in sources for use in _unsafe_uses(path)]
     assert not found, "pickle-like (de)serialisation in streamsync:\n" + "\n".join(found)
 
@@ -140,3 +140,18 @@ class _Keep:
 
     def finalize(self) -> None:
         pass
+
+
+def test_the_worker_side_loads_no_trainer_side_and_import_does_no_work() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, threading, streamsync, streamsync.engine.worker\n"
+        "assert 'streamsync.engine.channel' not in sys.modules, 'worker loaded the trainer'\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+        "import streamsync._copies as c\n"
+        "assert c._omp_set_num_threads.cache_info().currsize == 0, 'OpenMP looked up'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

@@ -7,7 +7,7 @@ import torch
 from conftest import run_both
 
 import streamsync as ss
-import streamsync.bucket as bucket_module
+import streamsync.wire.bucket as bucket_module
 from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
 
 

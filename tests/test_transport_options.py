@@ -135,7 +135,7 @@ async def test_send_and_receive_name_their_own_keywords_too() -> None:
 
 
 def test_weight_sync_checks_its_options_when_made() -> None:
-    from streamsync.engine import WeightSync
+    from streamsync.engine.channel import WeightSync
 
     with pytest.raises(ss.ConfigError, match=r"unknown keyword of WeightSync\(\) 'slot'"):
         WeightSync(object(), "shm://opts-ws", slot=3)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import streamsync as ss
-from streamsync.adapter import NamedTensor
+from streamsync.pipeline import NamedTensor
 from streamsync.vllm.sink import ModelInstance, VllmSink
 
 

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 
 import streamsync as ss
-from streamsync.loops import EventLoopThread
-from streamsync.testing.engine import (
+from streamsync.cli.verify import (
     LONG_PROMPT,
     MAX_TOKENS,
     PROMPTS,
@@ -22,6 +21,7 @@ from streamsync.testing.engine import (
     reference_outputs,
     sampling,
 )
+from streamsync.engine.loops import EventLoopThread
 
 __all__ = [
     "LONG_PROMPT",

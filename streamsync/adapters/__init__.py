@@ -1,5 +1,5 @@
 """Adapters: stackable stages on a stream of named tensors, one per file, each an
-async-generator function made pipeable by :func:`adapter` (see :mod:`streamsync.adapter`).
+async-generator function made pipeable by :func:`adapter` (see :mod:`streamsync.pipeline`).
 
 ==================================  ============================================================
 ``cast(dtype)``                     convert floating-point tensors (fused into packing
@@ -17,7 +17,6 @@ async-generator function made pipeable by :func:`adapter` (see :mod:`streamsync.
 ==================================  ============================================================
 """
 
-from streamsync.adapter import adapter
 from streamsync.adapters.bucket import Bucketer, bucket, unbucket
 from streamsync.adapters.cast import cast
 from streamsync.adapters.expand_moe import expand_moe
@@ -25,6 +24,7 @@ from streamsync.adapters.quantize_fp8 import quantize_fp8
 from streamsync.adapters.rename import rename
 from streamsync.adapters.select import select
 from streamsync.adapters.split_buffers import BufferRouter, BufferSink, apply_buffers, split_buffers
+from streamsync.pipeline import adapter
 
 __all__ = [
     "BufferRouter",

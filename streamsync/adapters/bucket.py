@@ -1,9 +1,9 @@
 """``bucket(bucket_bytes)``: the last adapter of a sending chain; ``unbucket()`` its inverse.
 
-The bucketer turns named tensors into :class:`~streamsync.bucket.Bucket` plans that a
+The bucketer turns named tensors into :class:`~streamsync.wire.bucket.Bucket` plans that a
 transport packs straight into its slots; it holds at most one bucket's worth of tensors plus
 the one being split. ``unbucket()`` turns packed buckets back into named tensors, reassembling
-chunks (receivers do the same through :class:`~streamsync.bucket.Unpacker`).
+chunks (receivers do the same through :class:`~streamsync.wire.bucket.Unpacker`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
-from streamsync.adapter import NamedTensor, adapter
-from streamsync.bucket import (
+from streamsync.pipeline import NamedTensor, adapter
+from streamsync.wire.bucket import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
     BucketBuilder,
@@ -20,7 +20,7 @@ from streamsync.bucket import (
     PackedBucket,
     Unpacker,
 )
-from streamsync.wire import BucketHeader
+from streamsync.wire.frames import BucketHeader
 
 __all__ = ["Bucketer", "bucket", "unbucket"]
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from streamsync.adapter import Adapter, NamedTensor, Stage, adapter
+from streamsync._dtypes import CASTABLE
 from streamsync.adapters.bucket import bucket
 from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
-from streamsync.bucket import CastRule
-from streamsync.dtypes import CASTABLE
+from streamsync.pipeline import Adapter, NamedTensor, Stage, adapter
+from streamsync.wire.bucket import CastRule
 
 __all__ = ["cast"]
 

@@ -1,6 +1,6 @@
 """``expand_moe(when=..., model_type=...)``: packed MoE experts into per-expert checkpoint keys.
 
-Transformers ≥ 5 keeps the experts of an MoE layer packed (:mod:`streamsync.moe_names`);
+Transformers ≥ 5 keeps the experts of an MoE layer packed (:mod:`streamsync._moe_names`);
 vLLM before 0.25 only loads the per-expert checkpoint keys. This adapter yields those keys
 expert by expert, as views of the packed tensor (no copy, no dict of the layer).
 
@@ -19,10 +19,10 @@ from typing import Any, Final, Literal
 import torch
 
 from streamsync._log import warn
-from streamsync.adapter import NamedTensor, adapter
+from streamsync._moe_names import PACKED, ROUTER, block_kind, expert_name, router_name
+from streamsync._versions import vllm_version
 from streamsync.errors import ConfigError
-from streamsync.moe_names import PACKED, ROUTER, block_kind, expert_name, router_name
-from streamsync.versions import vllm_version
+from streamsync.pipeline import NamedTensor, adapter
 
 __all__ = [
     "ENV_VAR",

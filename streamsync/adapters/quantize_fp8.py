@@ -25,10 +25,10 @@ from typing import Any, Final
 import torch
 import torch.nn.functional as F
 
-from streamsync.adapter import NamedTensor, adapter
-from streamsync.dtypes import CASTABLE
+from streamsync._dtypes import CASTABLE
+from streamsync._moe_names import PACKED, ROUTER, ROUTER_MODULES
 from streamsync.errors import ConfigError
-from streamsync.moe_names import PACKED, ROUTER, ROUTER_MODULES
+from streamsync.pipeline import NamedTensor, adapter
 
 __all__ = [
     "FP8_MAX",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
-from streamsync.adapter import NamedTensor, adapter
+from streamsync.pipeline import NamedTensor, adapter
 
 __all__ = ["select"]
 

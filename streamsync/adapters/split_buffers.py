@@ -20,8 +20,8 @@ from typing import Any, Final
 
 import torch
 
-from streamsync.adapter import NamedTensor, adapter
 from streamsync.errors import ShapeMismatchError, UnknownTensorError, WireFormatError
+from streamsync.pipeline import NamedTensor, adapter
 from streamsync.report import LoadResult
 from streamsync.sink import BUFFER_MANIFEST, Sink, call_phase
 

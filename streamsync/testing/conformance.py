@@ -43,10 +43,10 @@ import anyio
 import torch
 
 import streamsync as ss
-from streamsync.bucket import BucketBuilder
 from streamsync.testing.peers import Peers
 from streamsync.transports import open_receiver, open_sender
-from streamsync.wire import Abort
+from streamsync.wire.bucket import BucketBuilder
+from streamsync.wire.frames import Abort
 
 __all__ = ["TransportConformance", "conformance_weights", "digest"]
 

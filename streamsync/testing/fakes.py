@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from streamsync.adapter import NamedTensor
 from streamsync.errors import UnknownTensorError
+from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.testing.shapes import VLLM_STACKED, qwen3_shapes
 

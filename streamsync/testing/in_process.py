@@ -15,8 +15,8 @@ from typing import Any
 
 import anyio
 
-from streamsync.adapter import AdapterLike
 from streamsync.errors import root_cause
+from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sink import Sink
 from streamsync.sync import receive, send

@@ -2,7 +2,7 @@
 Transformers names them, with their shapes, and how vLLM fuses and unpacks them.
 
 The one home of these facts for the public fakes (:mod:`streamsync.testing.fakes`), the fake
-demo and the benchmark's synthetic models (:mod:`streamsync.bench.models`).
+demo and the benchmark's synthetic models (:mod:`streamsync.cli.bench.models`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from streamsync.moe_names import packed_name, router_name
+from streamsync._moe_names import packed_name, router_name
 
 __all__ = ["VLLM_STACKED", "Shape", "checkpoint_experts", "qwen3_layer", "qwen3_shapes"]
 

@@ -17,8 +17,8 @@ from typing import Self
 
 import torch
 
-from streamsync.bucket import Bucket, Unpacker
-from streamsync.wire import Abort, BucketHeader, Done, End, Failed
+from streamsync.wire.bucket import Bucket, Unpacker
+from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
 __all__ = ["Attendance", "Incoming", "Receiver", "ReceiverState", "Sender", "SenderStatistics"]
 

@@ -27,7 +27,7 @@ from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import DEVICE, SENDER_OPTIONS
 from streamsync.transports.places import cuda_device
 from streamsync.transports.slots import Shared, SlotStore, SlotView, _slot
-from streamsync.wire import BucketHeader, Welcome
+from streamsync.wire.frames import BucketHeader, Welcome
 
 __all__ = [
     "CudaRing",

@@ -29,7 +29,7 @@ from streamsync.errors import (
     described,
 )
 from streamsync.transports.slots import Shared
-from streamsync.wire import Bye, Hello, Welcome, WireCodec
+from streamsync.wire.frames import Bye, Hello, Welcome, WireCodec
 
 __all__ = [
     "SECRET_ENV",

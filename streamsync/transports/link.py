@@ -45,7 +45,7 @@ from streamsync.errors import (
     StreamsyncError,
     WireFormatError,
 )
-from streamsync.wire import WireCodec
+from streamsync.wire.frames import WireCodec
 
 __all__ = [
     "LinkEvents",

@@ -34,7 +34,7 @@ from streamsync.transports import handshake
 from streamsync.transports.link import LAST_WORD_S, LinkLost, Peer, ReceiverLink, SenderLink
 from streamsync.transports.ring import RingReceiver, RingSender
 from streamsync.transports.slots import SlotStore, SlotView
-from streamsync.wire import (
+from streamsync.wire.frames import (
     Abort,
     Ack,
     BucketHeader,

@@ -21,7 +21,6 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from streamsync.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.errors import (
     AuthenticationError,
     ConfigError,
@@ -33,7 +32,8 @@ from streamsync.transports import Endpoint, Transport
 from streamsync.transports.handshake import resolve_secret
 from streamsync.transports.ring import RingReceiver, RingSender
 from streamsync.transports.slots import HostSlots
-from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
 __all__ = ["TRANSPORT", "MemoryReceiver", "MemorySender"]
 

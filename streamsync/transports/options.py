@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from streamsync.bucket import DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES
 from streamsync.errors import ConfigError
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES
 
 __all__ = [
     "DEVICE",

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable
 import anyio
 import torch
 
-from streamsync.bucket import Bucket
 from streamsync.errors import (
     ClosedError,
     EndOfStream,
@@ -43,7 +42,8 @@ from streamsync.transports.base import (
     SenderStatistics,
 )
 from streamsync.transports.slots import SlotStore
-from streamsync.wire import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
+from streamsync.wire.bucket import Bucket
+from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
 __all__ = ["RingReceiver", "RingSender", "SlotRing"]
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from streamsync.bucket import allocate_slot
 from streamsync.errors import WireFormatError
-from streamsync.wire import BucketHeader, Welcome
+from streamsync.wire.bucket import allocate_slot
+from streamsync.wire.frames import BucketHeader, Welcome
 
 __all__ = ["HostSlots", "MemfdSlots", "MemfdView", "PayloadView", "Shared", "SlotStore", "SlotView"]
 

@@ -53,7 +53,6 @@ import anyio
 import msgspec
 import torch
 
-from streamsync.bucket import Bucket, allocate_slot
 from streamsync.errors import (
     ConfigError,
     PeerBrokenError,
@@ -75,7 +74,8 @@ from streamsync.transports.torch_group import (
     local_address,
 )
 from streamsync.transports.zeromq import ZmqDialer, ZmqLink
-from streamsync.wire import Abort, BucketHeader, Bye, End, Welcome
+from streamsync.wire.bucket import Bucket, allocate_slot
+from streamsync.wire.frames import Abort, BucketHeader, Bye, End, Welcome
 
 __all__ = [
     "GroupDialer",

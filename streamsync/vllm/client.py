@@ -4,9 +4,9 @@
 A client runs the workers' receive through ``collective_rpc`` (in a thread for ``LLM``,
 awaited in a task for ``AsyncLLM``, so the sender is not blocked) and resets the prefix
 cache after a sync (its blocks hold what the old weights computed). ``collective_rpc``
-carries the endpoint and the :class:`~streamsync.engine.WorkerOptions` as plain values
+carries the endpoint and the :class:`~streamsync.engine.channel.WorkerOptions` as plain values
 (msgpack when the engine core is another process) and brings back each worker's
-:class:`~streamsync.engine.WorkerResult` as plain values too.
+:class:`~streamsync.engine.channel.WorkerResult` as plain values too.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 
 import anyio.to_thread
 
-from streamsync.adapter import AdapterLike
-from streamsync.bucket import DEFAULT_BUCKET_BYTES
-from streamsync.engine import EngineClient, several, update_engine
-from streamsync.engine import WeightSync as _EngineWeightSync
+from streamsync.engine.channel import EngineClient, several, update_engine
+from streamsync.engine.channel import WeightSync as _EngineWeightSync
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import ConfigError
+from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
-from streamsync.worker_messages import WorkerOptions, WorkerResult
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = [
     "AsyncLLMClient",
@@ -77,7 +77,8 @@ class AsyncLLMClient:
     """A vLLM ``AsyncLLM`` (in-process or multi-process engine core): RPCs are awaited, on
     the event loop that created it."""
 
-    #: Its RPCs are awaited on the engine's own loop (see :class:`~streamsync.engine.EngineClient`).
+    #: Its RPCs are awaited on the engine's own loop (a
+    #: :class:`~streamsync.engine.channel.LoopBoundClient`).
     loop_bound = True
 
     def __init__(self, llm: Any) -> None:
@@ -126,7 +127,7 @@ def _clients(llm: Any) -> EngineClient | list[EngineClient]:
 
 class WeightSync(_EngineWeightSync):
     """A persistent channel into one vLLM engine, or into several from one stream
-    (:class:`streamsync.engine.WeightSync` on their :func:`vllm_client`).
+    (:class:`streamsync.engine.channel.WeightSync` on their :func:`vllm_client`).
 
     From synchronous code (an ``LLM``)::
 

@@ -1,8 +1,8 @@
 """The worker side: ``worker_extension_cls="streamsync.vllm.WorkerExtension"``.
 
 vLLM mixes this class into every worker. Its methods are called through ``collective_rpc``
-with plain values in and out (an endpoint URL and :class:`~streamsync.engine.WorkerOptions`
-as builtins; a :class:`~streamsync.engine.WorkerResult` as builtins back): vLLM serialises
+with plain values in and out (an endpoint URL and :class:`~streamsync.engine.channel.WorkerOptions`
+as builtins; a :class:`~streamsync.engine.channel.WorkerResult` as builtins back): vLLM serialises
 them with msgpack when the engine core is another process, and nothing is pickled. The
 weights themselves arrive over the transport. Method names carry the ``streamsync_`` prefix
 because vLLM refuses extension attributes that clash with the worker's own
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamsync.worker import WorkerReceivers
-from streamsync.worker_messages import WorkerOptions
+from streamsync.engine.messages import WorkerOptions
+from streamsync.engine.worker import WorkerReceivers
 
 __all__ = ["WorkerExtension"]
 
@@ -32,7 +32,7 @@ class WorkerExtension:
     def streamsync_receive(self, endpoint: str, options: Any = None) -> dict[str, Any]:
         """Receive one sync from ``endpoint`` into every model instance of this worker.
 
-        Returns a :class:`~streamsync.engine.WorkerResult` as plain values; a failure is in
+        Returns a :class:`~streamsync.engine.channel.WorkerResult` as plain values; a failure is in
         it (by class name, with the partial report), so a failed sync never takes the
         engine down and the trainer re-raises it.
         """

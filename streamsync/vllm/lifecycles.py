@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from streamsync.adapter import NamedTensor
-from streamsync.copies import clone
+from streamsync._copies import clone
 from streamsync.errors import ConfigError, ReceiverFailedError
+from streamsync.pipeline import NamedTensor
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance

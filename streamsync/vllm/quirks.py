@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from streamsync._log import log
+from streamsync._versions import vllm_version
 from streamsync.errors import ConfigError
-from streamsync.versions import vllm_version
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance

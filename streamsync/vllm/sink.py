@@ -29,11 +29,11 @@ from typing import Any
 import torch
 import xxhash
 
+from streamsync._copies import clone
 from streamsync._log import log
-from streamsync.adapter import NamedTensor
 from streamsync.adapters.split_buffers import MANIFEST_NAME, BufferRouter
-from streamsync.copies import clone
 from streamsync.errors import ConfigError, ReceiverFailedError, StreamsyncError
+from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.vllm.lifecycles import (
     DirectLoad,

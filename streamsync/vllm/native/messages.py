@@ -1,6 +1,6 @@
 """What crosses vLLM's control plane for the ``streamsync`` backend, as JSON-native values:
 the backend's name and the worker's init info (:class:`TransferInit`); the update info is the
-engine seam's :class:`~streamsync.worker_messages.WorkerOptions`."""
+engine seam's :class:`~streamsync.engine.messages.WorkerOptions`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import msgspec
 
+from streamsync.engine.messages import WORKER_PROTOCOL
 from streamsync.errors import ConfigError, ProtocolVersionError
 from streamsync.sync import DEFAULT_TIMEOUT
-from streamsync.worker_messages import WORKER_PROTOCOL
 
 __all__ = ["BACKEND", "TransferInit"]
 

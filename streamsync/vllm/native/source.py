@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from streamsync.adapter import AdapterLike
+from streamsync.engine.loops import EventLoopThread, caller_cuda
 from streamsync.errors import ConfigError
-from streamsync.loops import EventLoopThread, caller_cuda
+from streamsync.pipeline import AdapterLike
 from streamsync.sources import named_tensors
 from streamsync.sync import DEFAULT_TIMEOUT
 

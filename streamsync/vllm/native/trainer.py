@@ -1,5 +1,5 @@
 """The trainer side of the ``streamsync`` backend: :class:`StreamsyncInitInfo`, vLLM's
-``TrainerWeightTransferEngine`` on a :class:`~streamsync.engine.WeightSync`, and a
+``TrainerWeightTransferEngine`` on a :class:`~streamsync.engine.channel.WeightSync`, and a
 ``VLLMWeightSyncClient`` for an in-process ``AsyncLLM``."""
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from streamsync import errors
 from streamsync._log import log
-from streamsync.adapter import AdapterLike
-from streamsync.bucket import DEFAULT_BUCKET_BYTES
-from streamsync.engine import BlockingWeightSync, WeightSync
+from streamsync.engine.channel import BlockingWeightSync, WeightSync
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
     PeerBrokenError,
@@ -28,10 +27,11 @@ from streamsync.errors import (
     StreamsyncError,
     SyncTimeoutError,
 )
+from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.native.messages import BACKEND, TransferInit
-from streamsync.worker_messages import WorkerOptions, WorkerResult
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["AsyncLLMWeightSyncClient", "StreamsyncInitInfo", "StreamsyncTrainerEngine"]
 
@@ -59,13 +59,13 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: the engine (the server's ``/get_world_size``, or the client's ``get_world_size()``);
     #: a number given is checked against the engine's where the engine can be asked.
     receivers: int | None = None
-    #: :class:`~streamsync.engine.WorkerOptions` fields for every sync (``lifecycle``,
+    #: :class:`~streamsync.engine.channel.WorkerOptions` fields for every sync (``lifecycle``,
     #: ``quirks``, ``transport``).
     worker_options: Mapping[str, Any] | None = None
 
 
 class _VllmClient:
-    """The :class:`~streamsync.engine.EngineClient` over a ``VLLMWeightSyncClient``: the
+    """The :class:`~streamsync.engine.channel.EngineClient` over a ``VLLMWeightSyncClient``: the
     receive is vLLM's ``update_weights`` call (blocking, so in a thread)."""
 
     def __init__(self, client: VLLMWeightSyncClient, receivers: int) -> None:

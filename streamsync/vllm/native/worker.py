@@ -9,10 +9,10 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from streamsync._log import log, warn
+from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, StreamsyncError, describe
 from streamsync.vllm.native.messages import TransferInit
-from streamsync.worker import WorkerReceivers
-from streamsync.worker_messages import WorkerOptions, WorkerResult
 
 __all__ = ["StreamsyncWeightTransferEngine"]
 

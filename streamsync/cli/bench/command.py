@@ -10,12 +10,12 @@ import os
 import sys
 from typing import Any
 
-from streamsync.bench.harness import BenchConfig, run_bench
-from streamsync.bench.models import GiB, MiB, human, parse_size
-from streamsync.bench.plot import plot
-from streamsync.bench.report import format_table
-from streamsync.bench.scenarios import SCENARIOS, TRANSPORTS
-from streamsync.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.cli.bench.harness import BenchConfig, run_bench
+from streamsync.cli.bench.models import GiB, MiB, human, parse_size
+from streamsync.cli.bench.plot import plot
+from streamsync.cli.bench.report import format_table
+from streamsync.cli.bench.scenarios import SCENARIOS, TRANSPORTS
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["add_parser", "run"]
 
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             bar.update()
         sys.stdout.write(format_table(data) + "\n")  # the command's output
     if vllm:
-        from streamsync.bench.engine import format_engine_table, run_engine_bench
+        from streamsync.cli.bench.engine import format_engine_table, run_engine_bench
 
         sizes = args.vllm_bucket_bytes or [DEFAULT_BUCKET_BYTES]
         with tqdm(total=None, file=sys.stderr, disable=None, bar_format="{desc}") as bar:
@@ -200,7 +200,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_fanout(args: argparse.Namespace) -> int:
-    from streamsync.bench.fanout import FANOUT_TRANSPORTS, FanoutConfig, format_fanout, run_fanout
+    from streamsync.cli.bench.fanout import (
+        FANOUT_TRANSPORTS,
+        FanoutConfig,
+        format_fanout,
+        run_fanout,
+    )
 
     transports = tuple(dict.fromkeys(args.transport or FANOUT_TRANSPORTS))
     others = [t for t in transports if t not in FANOUT_TRANSPORTS]

@@ -7,8 +7,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from streamsync import demo
-from streamsync.bench import command as bench
+from streamsync.cli import demo
+from streamsync.cli.bench import command as bench
 
 __all__ = ["main"]
 

@@ -12,7 +12,7 @@ stream (fan-out): it runs the send beside every client's receive, merges the wor
 reports and re-raises a worker's error under its own name (and its engine's index). Its
 transport lives on a loop of its own, so synchronous code (``with`` and a blocking
 ``update``) and any event loop (``async with`` and ``await update``) can drive it. The
-worker side keeps its receivers in a :class:`streamsync.worker.WorkerReceivers`. A second
+worker side keeps its receivers in a :class:`streamsync.engine.worker.WorkerReceivers`. A second
 engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
 :class:`streamsync.vllm.sink.VllmSink`.
 """
@@ -31,8 +31,8 @@ import anyio.to_thread
 import msgspec
 
 from streamsync._log import log, warn
-from streamsync.adapter import AdapterLike
-from streamsync.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.engine.loops import EventLoopThread, HostedSender, caller_cuda
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import (
     ClosedError,
     ConfigError,
@@ -41,11 +41,11 @@ from streamsync.errors import (
     SyncTimeoutError,
     root_cause,
 )
-from streamsync.loops import EventLoopThread, HostedSender, caller_cuda
+from streamsync.pipeline import AdapterLike
 from streamsync.report import LoadResult, SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
 from streamsync.transports import Sender, check_options, open_sender
-from streamsync.worker_messages import WorkerOptions, WorkerResult
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = [
     "BlockingWeightSync",

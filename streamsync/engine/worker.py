@@ -14,13 +14,13 @@ from functools import partial
 from typing import Any
 
 from streamsync._log import log, warn
+from streamsync.engine.loops import EventLoopThread
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import EndOfStream, PeerBrokenError, StreamsyncError
-from streamsync.loops import EventLoopThread
 from streamsync.report import SyncReport
 from streamsync.sink import AbortableSink, Sink
 from streamsync.sync import DEFAULT_TIMEOUT, receive
 from streamsync.transports import Receiver, open_receiver
-from streamsync.worker_messages import WorkerOptions, WorkerResult
 
 __all__ = ["WorkerReceivers"]
 

@@ -20,10 +20,10 @@ import anyio
 import torch
 
 import streamsync as ss
-from streamsync.bench.baseline_verl import verl_receiver, verl_sender
-from streamsync.bench.models import SyntheticModel, synthetic_model
-from streamsync.bench.scenarios import SCENARIOS, Scenario
-from streamsync.bench.stamped import StampedReceiver, StampedSender
+from streamsync.cli.bench.baseline_verl import verl_receiver, verl_sender
+from streamsync.cli.bench.models import SyntheticModel, synthetic_model
+from streamsync.cli.bench.scenarios import SCENARIOS, Scenario
+from streamsync.cli.bench.stamped import StampedReceiver, StampedSender
 
 __all__ = ["ROLES", "child"]
 

@@ -1,5 +1,5 @@
 """The bench's run: measure the bounds, then each transport in each scenario in child
-processes (:mod:`streamsync.bench.roles`, started through the shared peer harness), and
+processes (:mod:`streamsync.cli.bench.roles`, started through the shared peer harness), and
 summarise it all as plain data."""
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from typing import Any
 import torch
 
 import streamsync as ss
-from streamsync.bench import roles
-from streamsync.bench.models import GiB, MiB, synthetic_model
-from streamsync.bench.scenarios import BOUNDS, SCENARIOS, TRANSPORTS, TransportSpec
-from streamsync.bench.stamped import transfer_seconds
-from streamsync.bench.targets import evaluate_targets
-from streamsync.copies import POOL_THREADS, openmp_runtime
+from streamsync._copies import POOL_THREADS, openmp_runtime
+from streamsync.cli.bench import roles
+from streamsync.cli.bench.models import GiB, MiB, synthetic_model
+from streamsync.cli.bench.scenarios import BOUNDS, SCENARIOS, TRANSPORTS, TransportSpec
+from streamsync.cli.bench.stamped import transfer_seconds
+from streamsync.cli.bench.targets import evaluate_targets
 from streamsync.testing.peers import Peers, free_port
 
 __all__ = ["SCHEMA", "BenchConfig", "run_bench"]
 
 #: The version of the data :func:`run_bench` returns (and ``--json`` writes).
-SCHEMA = "streamsync.bench/1"
+SCHEMA = "streamsync.cli.bench/1"
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ VERL_BUCKETS = (64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB)
 
 
 def _verl_baseline(config: BenchConfig) -> dict[str, Any] | None:
-    """verl's shared-memory path (:mod:`streamsync.bench.baseline_verl`) at each bucket size
+    """verl's shared-memory path (:mod:`streamsync.cli.bench.baseline_verl`) at each bucket size
     that fits, dense bf16: its best median GB/s, or None if no run succeeded."""
     model = synthetic_model(config.size)
     largest = model.largest_tensor_bytes()

@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import torch
 
-from streamsync.bench.models import synthetic_model
-from streamsync.dtypes import dtype_from_name, dtype_name
+from streamsync._dtypes import dtype_from_name, dtype_name
+from streamsync.cli.bench.models import synthetic_model
 
 __all__ = ["verl_receiver", "verl_sender"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamsync.bench.models import MiB, human
+from streamsync.cli.bench.models import MiB, human
 
 __all__ = ["format_table"]
 

@@ -25,8 +25,8 @@ from typing import Any, TextIO
 import msgspec
 import torch
 
-from streamsync.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.sources import named_tensors
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["add_parser", "run"]
 
@@ -88,7 +88,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit status 1 if any step fails verification."""
     if args.engine == "fake":
-        from streamsync.demo_fake import demo_fake
+        from streamsync.cli.demo_fake import demo_fake
 
         return demo_fake(args)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: starts fast
@@ -136,7 +136,7 @@ def _run(args: argparse.Namespace, tmp: Path, progress: TextIO) -> int:
     from tqdm import tqdm
 
     from streamsync.adapters import cast, expand_moe, split_buffers
-    from streamsync.testing.engine import engine_outputs, make_llm, reference_outputs
+    from streamsync.cli.verify import engine_outputs, make_llm, reference_outputs
     from streamsync.testing.models import build_tiny_model, perturb
     from streamsync.vllm import WeightSync
 

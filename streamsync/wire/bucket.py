@@ -16,10 +16,10 @@ import msgspec
 import torch
 import xxhash
 
-from streamsync.copies import CopyBatch, copy_tensors
-from streamsync.dtypes import dtype_from_name, dtype_name
+from streamsync._copies import CopyBatch, copy_tensors
+from streamsync._dtypes import dtype_from_name, dtype_name
 from streamsync.errors import ChecksumError, ConfigError, DuplicateTensorError, WireFormatError
-from streamsync.wire import BucketHeader, End, Entry
+from streamsync.wire.frames import BucketHeader, End, Entry
 
 __all__ = [
     "ALIGN",

@@ -59,13 +59,13 @@ The package, by concern:
 =====================  ====================================================================
 """
 
-from streamsync.bench.command import add_parser
-from streamsync.bench.harness import SCHEMA, BenchConfig, run_bench
-from streamsync.bench.models import SyntheticModel, parse_size, synthetic_model
-from streamsync.bench.plot import plot
-from streamsync.bench.report import format_table
-from streamsync.bench.scenarios import SCENARIOS, TRANSPORTS, Scenario, TransportSpec
-from streamsync.bench.targets import TARGETS, Target, evaluate_targets
+from streamsync.cli.bench.command import add_parser
+from streamsync.cli.bench.harness import SCHEMA, BenchConfig, run_bench
+from streamsync.cli.bench.models import SyntheticModel, parse_size, synthetic_model
+from streamsync.cli.bench.plot import plot
+from streamsync.cli.bench.report import format_table
+from streamsync.cli.bench.scenarios import SCENARIOS, TRANSPORTS, Scenario, TransportSpec
+from streamsync.cli.bench.targets import TARGETS, Target, evaluate_targets
 
 __all__ = [
     "SCENARIOS",

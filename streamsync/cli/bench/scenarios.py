@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 import streamsync as ss
-from streamsync.adapter import AdapterLike
 from streamsync.adapters import BufferSink, cast, expand_moe, split_buffers
-from streamsync.bench.models import WIRE_DTYPE, SyntheticModel, synthetic_model, uniform_model
+from streamsync.cli.bench.models import WIRE_DTYPE, SyntheticModel, synthetic_model, uniform_model
+from streamsync.pipeline import AdapterLike
 from streamsync.sink import Sink
 from streamsync.testing.peers import free_port
 

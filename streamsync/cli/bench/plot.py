@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamsync.bench.models import human
-from streamsync.bench.scenarios import TRANSPORTS
+from streamsync.cli.bench.models import human
+from streamsync.cli.bench.scenarios import TRANSPORTS
 
 __all__ = ["plot"]
 

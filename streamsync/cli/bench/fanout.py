@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from streamsync.bench.models import GiB, human, synthetic_model
-from streamsync.copies import copy_tensors
+from streamsync._copies import copy_tensors
+from streamsync.cli.bench.models import GiB, human, synthetic_model
 from streamsync.testing.peers import Peers, free_port
 
 __all__ = ["FANOUT_TRANSPORTS", "FanoutConfig", "format_fanout", "run_fanout"]
 
-SCHEMA = "streamsync.bench.fanout/1"
+SCHEMA = "streamsync.cli.bench.fanout/1"
 #: The transports a fan-out runs over (each names a fresh channel on a free port).
 FANOUT_TRANSPORTS: dict[str, Callable[[], str]] = {
     "zmq+tcp": lambda: f"zmq+tcp://127.0.0.1:{free_port()}",

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from streamsync.transports.base import Incoming, Receiver, Sender, SenderStatistics
-from streamsync.wire import Abort, BucketHeader, Done, End, Failed
+from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
 __all__ = ["StampedReceiver", "StampedSender", "transfer_seconds"]
 

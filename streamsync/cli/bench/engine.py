@@ -48,8 +48,8 @@ def run_engine_bench(
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from streamsync.adapters import cast
+    from streamsync.cli.verify import make_llm
     from streamsync.sources import named_tensors
-    from streamsync.testing.engine import make_llm
     from streamsync.testing.models import build_tiny_model
     from streamsync.vllm import WeightSync
 

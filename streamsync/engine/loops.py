@@ -6,7 +6,7 @@ cannot keep such a channel, so streamsync keeps it on a loop of its own:
 :class:`EventLoopThread` (a long-lived anyio loop in a daemon thread) and
 :class:`HostedSender` (a :class:`~streamsync.transports.Sender` that lives on one and is
 awaited from any loop). The engine workers' receivers live on one too
-(:class:`streamsync.worker.WorkerReceivers`).
+(:class:`streamsync.engine.worker.WorkerReceivers`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import anyio.to_thread
 import torch
 from anyio.from_thread import BlockingPortal
 
-from streamsync.bucket import Bucket
 from streamsync.errors import ClosedError, SyncTimeoutError
 from streamsync.transports import Attendance, Sender, SenderStatistics
-from streamsync.wire import Abort, Done, End
+from streamsync.wire.bucket import Bucket
+from streamsync.wire.frames import Abort, Done, End
 
 T = TypeVar("T")
 
