@@ -25,9 +25,9 @@ from streamsync.errors import (
     UnknownTensorError,
     WireFormatError,
 )
-from streamsync.pipeline import Adapter, Chain, NamedTensor, NamedTensors, reading
+from streamsync.pipeline import Adapter, Chain, NamedTensor, NamedTensors, adapter, reading
 from streamsync.report import LoadResult, SyncReport
-from streamsync.sink import ModuleSink, Sink
+from streamsync.sink import AbortableSink, ModuleSink, Sink, TargetSink
 from streamsync.sources import named_tensors
 from streamsync.sync import DEFAULT_TIMEOUT, receive, send
 from streamsync.transports import Receiver, Sender, open_receiver, open_sender
@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "AbortableSink",
     "Adapter",
     "AuthenticationError",
     "Chain",
@@ -62,9 +63,11 @@ __all__ = [
     "SyncInProgressError",
     "SyncReport",
     "SyncTimeoutError",
+    "TargetSink",
     "UnknownTensorError",
     "WireFormatError",
     "__version__",
+    "adapter",
     "named_tensors",
     "open_receiver",
     "open_sender",

@@ -9,8 +9,9 @@ import anyio
 import pytest
 import torch
 
-from streamsync import Adapter, Chain, ConfigError, named_tensors
-from streamsync.adapters import Bucketer, adapter, bucket, cast, rename, select, unbucket
+from streamsync import Adapter, Chain, ConfigError, adapter, named_tensors
+from streamsync.adapters import bucket, cast, rename, select, unbucket
+from streamsync.adapters.bucket import Bucketer
 from streamsync.pipeline import Stage
 from streamsync.wire.bucket import BucketBuilder
 

@@ -1,5 +1,6 @@
 """Adapters: stackable stages on a stream of named tensors, one per file, each an
-async-generator function made pipeable by :func:`adapter` (see :mod:`streamsync.pipeline`).
+async-generator function made pipeable by :func:`streamsync.adapter` (see
+:mod:`streamsync.pipeline`).
 
 ==================================  ============================================================
 ``cast(dtype)``                     convert floating-point tensors (fused into packing
@@ -17,20 +18,16 @@ async-generator function made pipeable by :func:`adapter` (see :mod:`streamsync.
 ==================================  ============================================================
 """
 
-from streamsync.adapters.bucket import Bucketer, bucket, unbucket
+from streamsync.adapters.bucket import bucket, unbucket
 from streamsync.adapters.cast import cast
 from streamsync.adapters.expand_moe import expand_moe
 from streamsync.adapters.quantize_fp8 import quantize_fp8
 from streamsync.adapters.rename import rename
 from streamsync.adapters.select import select
-from streamsync.adapters.split_buffers import BufferRouter, BufferSink, apply_buffers, split_buffers
-from streamsync.pipeline import adapter
+from streamsync.adapters.split_buffers import BufferSink, apply_buffers, split_buffers
 
 __all__ = [
-    "BufferRouter",
     "BufferSink",
-    "Bucketer",
-    "adapter",
     "apply_buffers",
     "bucket",
     "cast",

@@ -35,22 +35,9 @@ from streamsync.adapters.split_buffers import MANIFEST_NAME, BufferRouter
 from streamsync.errors import ConfigError, ReceiverFailedError, StreamsyncError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.vllm.lifecycles import (
-    DirectLoad,
-    LayerwiseReload,
-    Lifecycle,
-    choose_lifecycle,
-)
+from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
-__all__ = [
-    "DirectLoad",
-    "LayerwiseReload",
-    "Lifecycle",
-    "ModelInstance",
-    "VllmSink",
-    "choose_lifecycle",
-    "model_instances",
-]
+__all__ = ["ModelInstance", "VllmSink", "model_instances", "tied_names"]
 
 
 @dataclass
