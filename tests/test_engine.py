@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import streamsync as ss
-from streamsync.engine.channel import BlockingWeightSync, EngineClient, WeightSync, update_engine
+from streamsync.engine.channel import BlockingWeightSync, EngineClient, WeightSync
+from streamsync.engine.kept import KeptChannels, update_engine
 from streamsync.engine.messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.testing.peers import free_port
@@ -227,13 +228,16 @@ def test_update_engine_runs_each_step_in_a_fresh_event_loop(
         report = asyncio.run(step())  # a new event loop per step, as a synchronous trainer does
         assert report.complete and set(report.instances) == {"worker0.main", "worker1.main"}
         assert all(same_weights(trainer, m) for m in engine.modules)
-        channels.append(vars(held[0])["_streamsync_channels"][endpoint].channel)
+        kept = KeptChannels.of(held[0])
+        assert kept is not None
+        channels.append(kept.get(endpoint))
     assert channels[0] is channels[1] is channels[2]  # one channel, reused across loops
     assert engine.closed == 0 and engine.resets == 3
     # The channel lives on the engine object: it goes (and its loop thread stops) with it.
     (thread,) = channel_threads()
     held.clear()
     channels.clear()
+    kept = None
     gc.collect()
     thread.join(10)
     assert not thread.is_alive()

@@ -20,7 +20,7 @@ engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, cast, runtime_checkable
@@ -55,7 +55,6 @@ __all__ = [
     "merge_engine_reports",
     "merge_worker_reports",
     "several",
-    "update_engine",
     "worker_failure",
 ]
 
@@ -587,62 +586,3 @@ class BlockingWeightSync:
 
     def __repr__(self) -> str:
         return f"BlockingWeightSync({self.channel!r})"
-
-
-@dataclass
-class _Cached:
-    channel: WeightSync
-    engines: tuple[Any, ...]
-
-
-async def update_engine(
-    engine: Any,
-    weights: Any,
-    *,
-    client: Callable[[Any], EngineClient],
-    endpoint: str,
-    pipeline: AdapterLike | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    timeout: float = DEFAULT_TIMEOUT,
-    worker_options: WorkerOptions | Mapping[str, Any] | None = None,
-    **options: Any,
-) -> SyncReport:
-    """Sync ``weights`` into ``engine`` (or into every engine of a list, from one stream:
-    see :class:`WeightSync`) through a channel on ``client(engine)`` kept open for later
-    calls with the same engines and ``endpoint``, so its slots and sockets are reused.
-
-    Any event loop may call it, a fresh one per step (``asyncio.run`` per step) included:
-    the channel lives on a loop of its own. Engine packages wrap it as their
-    ``update_weights``. The channel is kept on the (first) engine object, so it goes when
-    the engine does; calling with other engines on the same endpoint replaces it.
-    """
-    engines = tuple(engine) if several(engine) else (engine,)
-    if not engines:
-        raise ConfigError("update_weights: no engine given; pass one engine or several")
-    try:
-        channels: dict[str, _Cached] = vars(engines[0]).setdefault("_streamsync_channels", {})
-        kept = True
-    except TypeError:  # no __dict__ to keep it in: a channel for this call only
-        channels, kept = {}, False
-    cached = channels.get(endpoint)
-    if cached is not None and (
-        len(cached.engines) != len(engines)
-        or any(a is not b for a, b in zip(cached.engines, engines, strict=True))
-        or cached.channel.fanout != several(engine)
-        or cached.channel.bucket_bytes != bucket_bytes  # its slots have another size
-    ):
-        del channels[endpoint]
-        await cached.channel.aclose()
-        cached = None
-    if cached is None:
-        clients = [client(e) for e in engines] if several(engine) else client(engine)
-        channel = WeightSync(
-            clients, endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options
-        )
-        cached = channels[endpoint] = _Cached(channel, engines)
-    cached.channel.timeout = timeout
-    cached.channel.worker_options = WorkerOptions.coerce(worker_options)
-    if not kept:
-        async with cached.channel:
-            return await cached.channel.update(weights, pipeline=pipeline)
-    return await cached.channel.update(weights, pipeline=pipeline)

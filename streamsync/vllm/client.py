@@ -17,8 +17,9 @@ from typing import Any
 
 import anyio.to_thread
 
-from streamsync.engine.channel import EngineClient, several, update_engine
+from streamsync.engine.channel import EngineClient, several
 from streamsync.engine.channel import WeightSync as _EngineWeightSync
+from streamsync.engine.kept import update_engine
 from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import ConfigError
 from streamsync.pipeline import AdapterLike
