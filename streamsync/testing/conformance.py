@@ -598,7 +598,8 @@ class TransportConformance:
                     )
             assert isinstance(out["tx"], raised) and why in str(out["tx"]), out
             assert isinstance(out["rx"], ss.SenderAbortedError) and why in str(out["rx"]), out
-            assert out["rx"].report.loaded == () and sink.prepared == 0, out
+            report = out["rx"].report
+            assert report is not None and report.loaded == () and sink.prepared == 0, out
 
         for case in cases:
             asyncio.run(run(*case))
