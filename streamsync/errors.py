@@ -118,8 +118,8 @@ class EndOfStream(StreamsyncError):
 
 
 class SenderAbortedError(StreamsyncError):
-    """The sender aborted the sync (its source or adapter chain raised); the message holds
-    the sender's reason."""
+    """The sender aborted the sync (its source or adapter chain raised, or the other
+    receivers it waited for did not come); the message holds the sender's reason."""
 
 
 class ReceiverFailedError(StreamsyncError):

@@ -113,11 +113,19 @@ async def _send(
     buckets: AsyncIterable[Bucket], sender: Sender, sync_id: int, *, timeout: float, checksum: bool
 ) -> SyncReport:
     # The clock starts once every receiver is there: joining is not part of the sync.
-    await sender.wait_ready(timeout=timeout)
+    try:
+        await sender.wait_ready(timeout=timeout)
+    except Exception as exc:
+        # The receivers that did come wait for this sync: they hear it is off (unless it
+        # was cancelled: see below).
+        with anyio.CancelScope(shield=True):
+            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+        raise
     before = sender.statistics()
     start = time.perf_counter()
     seq = tensors = nbytes = 0
     source_s = send_s = 0.0
+    began = False  # a bucket was handed to the sender
     try:
         async with reading(buckets) as items:
             try:
@@ -128,6 +136,7 @@ async def _send(
                     except StopAsyncIteration:
                         break
                     t1 = time.perf_counter()
+                    began = True
                     await sender.send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
                     source_s += t1 - t0
                     send_s += time.perf_counter() - t1
@@ -136,8 +145,13 @@ async def _send(
                     nbytes += bucket.nbytes
                     del bucket  # packed: its source tensors may go before the next one fills
             except BaseException as exc:
-                with anyio.CancelScope(shield=True):
-                    await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+                # A caller that cancels before the first bucket may have abandoned its
+                # receivers' receive() calls too (WeightSync does, when an engine fails):
+                # an abort they never read would be the first thing their next receive()
+                # reads. Nothing of this sync went out, so silence leaves them in step.
+                if began or not isinstance(exc, anyio.get_cancelled_exc_class()):
+                    with anyio.CancelScope(shield=True):
+                        await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
                 raise
         log(
             "sync.send",
@@ -291,6 +305,9 @@ async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncRep
                 "which this receiver already applied"
             )
         state.unpacker.begin(sync.sync_id)
+        if isinstance(first, Abort):
+            # The sync failed before its first bucket: the sink is not touched.
+            raise SenderAbortedError(f"sender aborted sync {sync.sync_id}: {first.reason}")
         await _phase(sync, "prepare", sink.prepare)
         await _load_all(receiver, sink, incoming, sync, timeout)
         result = await _phase(sync, "finalize", sink.finalize)

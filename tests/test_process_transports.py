@@ -231,19 +231,25 @@ class TestCudaIpc(TransportConformance):
 
 # -- torch+gloo / torch+nccl ------------------------------------------------------------
 async def test_torch_gloo_receiver_that_never_joins_times_out_everyone() -> None:
-    # Two receivers expected, one comes: the sender and the receiver that came both end
-    # the sync with SyncTimeoutError within twice the timeout (nobody waits on the group).
+    # Two receivers expected, one comes and waits: the sender's join timeout ends the sync.
+    # The receiver that came would wait far longer on its own (so it cannot give up first
+    # and turn "1 of 2 joined" into "0 of 2, one left"); the sender's abort ends its wait
+    # at once, with the sender's reason, and nobody waits on the group.
     url = f"torch+gloo://127.0.0.1:{free_port()}?receivers=2"
     async with open_sender(url, connect_timeout=1) as tx:
 
         async def rx() -> object:
             async with open_receiver(tx.url, connect_timeout=5) as r:  # type: ignore[attr-defined]
-                return await ss.receive(r, Keep(), timeout=1)
+                return await ss.receive(r, Keep(), timeout=30)
 
         with anyio.fail_after(2 * 1 + 1):
             out = await run_both(rx=rx, tx=lambda: ss.send({"w": torch.ones(8)}, tx, timeout=1))
-    assert isinstance(out["tx"], ss.SyncTimeoutError) and "1 of 2" in str(out["tx"]), out
-    assert isinstance(out["rx"], ss.SyncTimeoutError), out
+    assert isinstance(out["tx"], ss.SyncTimeoutError), out
+    assert "1 of 2 receivers joined within 1 s" in str(out["tx"]), out
+    assert "left" not in str(out["tx"]), out
+    assert isinstance(out["rx"], ss.SenderAbortedError), out
+    assert "1 of 2 receivers joined" in str(out["rx"]), out
+    assert out["rx"].report.loaded == () and out["rx"].report.buckets == 0, out
 
 
 def test_torch_bad_urls_name_what_is_valid() -> None:

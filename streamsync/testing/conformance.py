@@ -16,8 +16,10 @@ plain data, never tensors; the SIGKILL tests are skipped for in-process transpor
 What is checked: bit-exact round trip across processes (every wire dtype, a tensor larger
 than a bucket, two syncs on one channel), order, fan-out to two receivers, backpressure (a
 receiver that does not release stops a two-slot sender at exactly two buckets in flight),
-close versus broken peer, timeouts on a silent peer, SIGKILL of either side mid-sync (the
-survivor raises :class:`~streamsync.PeerBrokenError` within twice the timeout), and no
+close versus broken peer, timeouts on a silent peer, a sync that fails before its first
+bucket ending at once for the receivers there (:class:`~streamsync.SenderAbortedError`),
+SIGKILL of either side mid-sync (the survivor raises :class:`~streamsync.PeerBrokenError`
+within twice the timeout), and no
 resources left behind (file descriptors, ``/dev/shm`` entries, the paths ``resource_paths``
 names; a SIGKILLed sender's rendezvous file is exempt: nothing can remove it), and
 membership: a receiver that left is replaced on the open channel, a late joiner takes part
@@ -43,7 +45,7 @@ import anyio
 import torch
 
 import streamsync as ss
-from streamsync.testing.peers import Peers
+from streamsync.testing.peers import Peers, held_elsewhere
 from streamsync.transports import open_receiver, open_sender
 from streamsync.wire.bucket import BucketBuilder
 from streamsync.wire.frames import Abort
@@ -93,8 +95,10 @@ class _HashingSink:
         self.delay = delay
         self.on_first_load = on_first_load
         self.digests: list[str] = []
+        self.prepared = 0
 
     def prepare(self) -> None:
+        self.prepared += 1
         self.digests = []
 
     async def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -170,6 +174,22 @@ async def _caught(awaitable: Awaitable[Any]) -> BaseException | None:
     except ss.StreamsyncError as exc:
         return exc
     return None
+
+
+async def _both(**sides: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+    """Run each side concurrently: each one's result, or the exception it raised."""
+    out: dict[str, Any] = {}
+
+    async def run(key: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            out[key] = await fn()
+        except Exception as exc:
+            out[key] = exc
+
+    async with anyio.create_task_group() as tg:
+        for key, fn in sides.items():
+            tg.start_soon(run, key, fn)
+    return out
 
 
 def _open_fds() -> int:
@@ -269,6 +289,8 @@ class TransportConformance:
     def _check_gone(self, url: str, shm_before: set[str], *, paths: bool = True) -> None:
         gc.collect()
         leaked = _shm_entries() - shm_before
+        # Another program's segments (a vLLM engine's, on a shared machine) are not ours.
+        leaked -= {os.path.basename(p) for p in held_elsewhere(f"/dev/shm/{n}" for n in leaked)}
         assert not leaked, f"{url}: /dev/shm entries left behind: {sorted(leaked)}"
         left = [p for p in self.resource_paths(url) if paths and os.path.exists(p)]
         assert not left, f"{url}: files left behind: {left}"
@@ -546,6 +568,41 @@ class TransportConformance:
             )
 
         asyncio.run(run())
+
+    def test_a_sync_that_fails_before_its_first_bucket_ends_for_the_receivers_there(
+        self,
+    ) -> None:
+        # The receivers already there wait for the sync's first message. When the sync
+        # fails before it (another receiver never came; the source raised at once), the
+        # sender's abort ends their wait with its reason, long before their own timeout,
+        # and their sinks are not touched.
+        async def broken() -> AsyncIterator[tuple[str, torch.Tensor]]:
+            raise RuntimeError("the source broke")
+            yield  # pragma: no cover - makes this an async generator
+
+        cases = [
+            (2, lambda tx: ss.send({"w": torch.ones(1)}, tx, timeout=0.3), ss.SyncTimeoutError,
+             "1 of 2 receivers joined"),
+            (1, lambda tx: ss.send(broken(), tx, timeout=self.timeout), RuntimeError,
+             "the source broke"),
+        ]  # fmt: skip
+
+        async def run(receivers: int, send: Callable[[Any], Any], raised: type, why: str) -> None:
+            url = self.with_receivers(self.make_url("unbegun"), receivers)
+            sink = _HashingSink()
+            async with self._tx(url) as tx, self._rx(url) as rx:
+                await self._present(tx, 1)
+                with anyio.fail_after(self.timeout):
+                    out = await _both(
+                        tx=lambda: send(tx), rx=lambda: ss.receive(rx, sink, timeout=60)
+                    )
+            assert isinstance(out["tx"], raised) and why in str(out["tx"]), out
+            assert isinstance(out["rx"], ss.SenderAbortedError) and why in str(out["rx"]), out
+            report = out["rx"].report
+            assert report is not None and report.loaded == () and sink.prepared == 0, out
+
+        for case in cases:
+            asyncio.run(run(*case))
 
     def test_resources_released_after_close(self) -> None:
         url = self.make_url("resources")

@@ -1,5 +1,6 @@
 """The multi-process peer harness shared by the conformance suite, the benchmark and the
-fault tests: how children start, how they report, and a free TCP port.
+fault tests: how children start, how they report, a free TCP port, and which files
+another program holds (a shared machine's ``/dev/shm`` is not only the tests').
 
 A child is a fresh interpreter started by a *forkserver* that has torch and streamsync
 preloaded (so each one starts in a fraction of a second), running a plain function that
@@ -9,14 +10,16 @@ messages and digests.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import queue
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["Peers", "context", "free_port"]
+__all__ = ["Peers", "context", "free_port", "held_elsewhere"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,6 +27,45 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def held_elsewhere(paths: Iterable[str], *, ours: Iterable[int] = ()) -> set[str]:
+    """Those of ``paths`` that a live process other than this one and ``ours`` holds: open,
+    mapped, or bound as a unix socket. What a test finds new in ``/dev/shm`` or a runtime
+    directory on a shared machine may be another program's (a vLLM engine's segments, a
+    second test run's sockets); what no one else holds is the test's own. Processes this
+    user may not inspect count as holding nothing."""
+    wanted = set(paths)
+    if not wanted:
+        return set()
+    skip = {os.getpid(), *ours}
+    held: set[str] = set()
+    mine: set[str] = set()  # this process's socket inodes: a socket it still binds is its own
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if int(pid) in skip:
+                        if link.startswith("socket:["):
+                            mine.add(link[8:-1])
+                    elif link in wanted:
+                        held.add(link)
+            if int(pid) not in skip:
+                with open(f"/proc/{pid}/maps") as maps:
+                    for line in maps:
+                        fields = line.rstrip("\n").split(maxsplit=5)
+                        if len(fields) == 6 and fields[5] in wanted:
+                            held.add(fields[5])
+    with contextlib.suppress(OSError), open("/proc/net/unix") as unix:
+        next(unix, None)  # the header
+        for line in unix:
+            fields = line.split()
+            if len(fields) >= 8 and fields[7] in wanted and fields[6] not in mine:
+                held.add(fields[7])
+    return held
 
 
 def context(*preload: str, start_method: str = "forkserver") -> Any:

@@ -341,10 +341,16 @@ class RingSender(Sender):
             return  # that sync never started here (SyncInProgressError): leave the running one
         try:
             if not self._closed and self._broken is None:
+                if not self._members:
+                    # Nothing of it went out (its receivers did not all come, its source
+                    # raised at once): the receivers here wait for its first message, so
+                    # they hear it is off rather than wait out their own timeout.
+                    self._members = self._admit()
                 with anyio.move_on_after(1.0):
                     await self._publish(abort, None)
         finally:
             self._finish_sync(abort.sync_id)
+            self._members = set()
 
     def _finish_sync(self, sync_id: int) -> None:
         # A receiver's failure ends its sync, not the channel: the next sync starts clean.

@@ -116,7 +116,8 @@ class End(msgspec.Struct, frozen=True, tag="end"):
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
-    """The sender gave up on a sync (its source raised); ``reason`` says why."""
+    """The sender gave up on a sync (its source raised, its receivers did not all come);
+    ``reason`` says why."""
 
     sync_id: int
     reason: str
