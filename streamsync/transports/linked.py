@@ -316,6 +316,7 @@ class LinkedReceiver(RingReceiver):
         self.link = link
         self.view = view
         self.connect_timeout = connect_timeout
+        self._sync_timeout = connect_timeout  # the running receive's, once there is one
         self._secret = handshake.resolve_secret(secret)
         self._codec = WireCodec(self._secret)
         self._session: WireCodec | None = None
@@ -404,7 +405,9 @@ class LinkedReceiver(RingReceiver):
                 data = None
                 if isinstance(msg, BucketHeader):
                     try:
-                        data = self.view.data(msg, payload)
+                        data = await self.view.fill(msg, payload, timeout=self._sync_timeout)
+                    except LinkLost:
+                        raise
                     except StreamsyncError as exc:
                         raise type(exc)(f"{self.url}: {exc}") from None
                 self._queue_in.send_nowait((msg, data))
@@ -427,6 +430,7 @@ class LinkedReceiver(RingReceiver):
                 )
 
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
+        self._sync_timeout = timeout  # what the reader's view.fill is bounded by
         try:
             item = self._queue.receive_nowait()
         except anyio.WouldBlock:

@@ -128,6 +128,9 @@ class RingSender(Sender):
     def __init__(self, store: SlotStore, *, receivers: int, require_all: bool = True) -> None:
         self.receivers = receivers
         self.require_all = require_all
+        #: The running sync's timeout (set by :meth:`send`): what waits of a transport's
+        #: own, outside the ring (a broadcast), are bounded by.
+        self.sync_timeout = 60.0
         self.store = store
         self.slot_bytes = store.slot_bytes
         self.ring = SlotRing(store.slots, receivers)
@@ -250,6 +253,7 @@ class RingSender(Sender):
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
     ) -> None:
+        self.sync_timeout = timeout
         if seq == 0:
             await self._begin(sync_id, timeout)
         self._check()

@@ -81,6 +81,13 @@ class SlotView(ABC):
     def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
         """The uint8 bytes of a bucket (``payload``: the link's payload frame, or None)."""
 
+    async def fill(self, header: BucketHeader, payload: Any, *, timeout: float) -> torch.Tensor:
+        """The bucket's bytes, once they are in this side's slot, as the link's reader
+        takes each header in order. A store whose bytes arrive by another path than the
+        link (a broadcast) takes part in it here, within ``timeout`` (the running sync's);
+        by default :meth:`data`."""
+        return self.data(header, payload)
+
     def release(self, header: BucketHeader) -> None:  # noqa: B027 - optional hook
         """The sink is done with the bucket's bytes; its slot is acked next."""
 

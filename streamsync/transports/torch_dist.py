@@ -74,7 +74,7 @@ from streamsync.transports.torch_group import (
     local_address,
 )
 from streamsync.transports.zeromq import ZmqDialer, ZmqLink
-from streamsync.wire.bucket import Bucket, allocate_slot
+from streamsync.wire.bucket import allocate_slot
 from streamsync.wire.frames import Abort, BucketHeader, Bye, End, Welcome
 
 __all__ = [
@@ -245,14 +245,7 @@ class GroupSender(LinkedSender):
             self.member.backend, f"streamsync/{os.urandom(8).hex()}/", self.receivers + 1
         )
         self._marker = torch.zeros(_MARKER.size, dtype=torch.uint8)
-        self._sync_timeout = 60.0
         self._pending: _Broadcast | None = None
-
-    async def send(
-        self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
-    ) -> None:
-        self._sync_timeout = timeout
-        await super().send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
 
     async def _publish(
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
@@ -274,7 +267,7 @@ class GroupSender(LinkedSender):
         await self.link.send(peer, frame, self._marker if payload is not None else None)
 
     def _launch(self, sync_id: int, data: torch.Tensor) -> None:
-        timeout = self._sync_timeout
+        timeout = self.sync_timeout
         # The group forms on the first bucket, within the sync's timeout too: every
         # receiver is on the link by then.
         form = 0.0 if self.member.formed else timeout
@@ -422,15 +415,27 @@ class GroupView(SlotView):
         return self._released.pop(slot, None)
 
     def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
+        raise WireFormatError(f"bucket {header.seq}: its bytes come by broadcast (see fill)")
+
+    async def fill(self, header: BucketHeader, payload: Any, *, timeout: float) -> torch.Tensor:
+        """Take part in the broadcast the header's marker announces, into the slot it
+        names (after the sink's last use of that slot), within the sync's ``timeout``."""
         if not isinstance(payload, tuple):
-            raise WireFormatError(f"bucket {header.seq} arrived without its broadcast")
-        slot, data = payload
-        assert isinstance(data, torch.Tensor)
-        if slot != header.slot or data.numel() != header.nbytes:
+            raise WireFormatError(f"bucket {header.seq} arrived without its broadcast marker")
+        slot, nbytes = payload
+        if slot != header.slot or nbytes != header.nbytes:
             raise WireFormatError(
                 f"bucket {header.seq} is {header.nbytes} bytes in slot {header.slot}; its "
-                f"broadcast was {data.numel()} bytes into slot {slot}"
+                f"broadcast is {nbytes} bytes into slot {slot}"
             )
+        data = self.target(slot, nbytes)
+        released = self.released(slot)
+        try:
+            await _in_thread(
+                lambda: self.member.broadcast(data, timeout, form_timeout=timeout, after=released)
+            )
+        except StreamsyncError as exc:
+            raise LinkLost(str(exc)) from None
         return data
 
     def close(self) -> None:
@@ -439,8 +444,8 @@ class GroupView(SlotView):
 
 
 class GroupDialer(ReceiverLink):
-    """Receiver end: reads the link's port from the store, joins the link, and takes part
-    in each bucket's broadcast as its header arrives."""
+    """Receiver end: reads the link's port from the store and joins the link; each
+    header's marker names the slot its broadcast fills (:meth:`GroupView.fill`)."""
 
     def __init__(
         self,
@@ -505,18 +510,7 @@ class GroupDialer(ReceiverLink):
             return frame, None
         if len(marker) != _MARKER.size:
             raise WireFormatError(f"{self.url}: a bucket marker of {len(marker)} bytes")
-        slot, nbytes = _MARKER.unpack(bytes(marker))
-        data = self.view.target(slot, nbytes)
-        released = self.view.released(slot)
-        try:
-            await _in_thread(
-                lambda: self.member.broadcast(
-                    data, self.timeout, form_timeout=self.timeout, after=released
-                )
-            )
-        except StreamsyncError as exc:
-            raise LinkLost(str(exc)) from None
-        return frame, (slot, data)
+        return frame, _MARKER.unpack(bytes(marker))  # (slot, nbytes): the view's to fill
 
     async def aclose(self) -> None:
         if self.inner is not None:
