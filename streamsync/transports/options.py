@@ -21,6 +21,7 @@ __all__ = [
     "DEVICE",
     "HEARTBEAT",
     "RECEIVER_OPTIONS",
+    "SECRET",
     "SENDER_OPTIONS",
     "Option",
     "resolve",
@@ -146,6 +147,15 @@ def _secret(value: Any) -> str | None:
     return "use a str or bytes (or None for $STREAMSYNC_SECRET)"
 
 
+#: The channel's shared secret (never in a URL: URLs end up in logs).
+SECRET = Option(
+    "secret",
+    object,
+    None,
+    "shared secret (default $STREAMSYNC_SECRET)",
+    in_url=False,
+    check=_secret,
+)
 #: Seconds between heartbeats of the ZeroMQ control link (zmq and torch transports).
 HEARTBEAT = Option("heartbeat", float, 1.0, "seconds between heartbeats", minimum=0.01)
 #: The GPU of a CUDA transport (default: the current device).
@@ -157,26 +167,12 @@ SENDER_OPTIONS: tuple[Option, ...] = (
     Option("slots", int, 2, "buckets in flight (2 or more to pipeline)", minimum=1),
     Option("slot_bytes", int, DEFAULT_BUCKET_BYTES, "bytes per slot", minimum=MIN_BUCKET_BYTES),
     Option("require_all", bool, True, "a sync needs every receiver (False: those there)"),
-    Option(
-        "secret",
-        object,
-        None,
-        "shared secret (default $STREAMSYNC_SECRET)",
-        in_url=False,
-        check=_secret,
-    ),
+    SECRET,
     Option("connect_timeout", float, 60.0, "seconds to wait for receivers", minimum=0),
 )
 
 #: What every receiver takes.
 RECEIVER_OPTIONS: tuple[Option, ...] = (
-    Option(
-        "secret",
-        object,
-        None,
-        "shared secret (default $STREAMSYNC_SECRET)",
-        in_url=False,
-        check=_secret,
-    ),
+    SECRET,
     Option("connect_timeout", float, 60.0, "seconds to reach the sender", minimum=0),
 )
