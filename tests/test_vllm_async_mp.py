@@ -8,35 +8,22 @@ from __future__ import annotations
 
 import gc
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm_harness import (
-    PROMPTS,
     TRAINER,
     Outputs,
     assert_matches,
-    outputs_from,
+    async_outputs,
     reference_outputs,
-    sampling,
 )
 
 import streamsync as ss
 from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-async def generate(llm: Any) -> Outputs:
-    results = []
-    for prompt in PROMPTS:
-        final = None
-        async for out in llm.generate({"prompt_token_ids": prompt}, sampling(), str(uuid.uuid4())):
-            final = out
-        results.append(final)
-    return outputs_from(results)
 
 
 def test_async_llm_multiprocess_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,7 +59,7 @@ def test_async_llm_multiprocess_engine(tmp_path: Path, monkeypatch: pytest.Monke
                 report = await update_weights(
                     llm, ss.named_tensors(trainer), endpoint=endpoint, bucket_bytes=256 << 10
                 )
-                return report, await generate(llm)
+                return report, await async_outputs(llm)
 
             report, got = TRAINER.run(step_sync, timeout=300)
             assert report.complete and report.receivers == 1

@@ -14,7 +14,6 @@ import functools
 import gc
 import os
 import signal
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,15 +21,12 @@ from typing import Any
 import pytest
 import torch
 from vllm_harness import (
-    PROMPTS,
     TRAINER,
-    Outputs,
     assert_matches,
+    async_outputs,
     engine_outputs,
     make_llm,
-    outputs_from,
     reference_outputs,
-    sampling,
     shutdown,
 )
 
@@ -89,16 +85,6 @@ def test_update_weights_in_a_fresh_event_loop_per_step(
     assert llm.collective_rpc("streamsync_close", args=(endpoint,)) == [1]
 
 
-async def generate(llm: Any) -> Outputs:
-    results = []
-    for prompt in PROMPTS:
-        final = None
-        async for out in llm.generate({"prompt_token_ids": prompt}, sampling(), str(uuid.uuid4())):
-            final = out
-        results.append(final)
-    return outputs_from(results)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("form", "kill"),
@@ -143,7 +129,9 @@ def test_two_engines_from_one_trainer(tmp_path: Path, form: str, kill: bool) -> 
     try:
         for name in ("first", "second"):
             TRAINER.run(functools.partial(start, name), timeout=300)
-        before = [TRAINER.run(functools.partial(generate, llm), timeout=120) for llm in engines]
+        before = [
+            TRAINER.run(functools.partial(async_outputs, llm), timeout=120) for llm in engines
+        ]
         assert_matches(before[1], reference_outputs(other))  # each serves its own weights
         assert before[0].tokens != before[1].tokens
         endpoint = form.format(pid=os.getpid(), port=free_port())
@@ -161,7 +149,7 @@ def test_two_engines_from_one_trainer(tmp_path: Path, form: str, kill: bool) -> 
                     assert set(report.instances) == names and not report.absent
                     assert all(r.missing == () for r in report.instances.values())
                     for llm in engines:
-                        assert_matches(await generate(llm), want)
+                        assert_matches(await async_outputs(llm), want)
                 if not kill:
                     return
                 # Engine 1's core process (its worker with it) dies between two steps.
@@ -173,7 +161,7 @@ def test_two_engines_from_one_trainer(tmp_path: Path, form: str, kill: bool) -> 
                 assert report.complete and report.receivers == 1, report
                 assert set(report.instances) == {"engine0.worker0.main"}, report
                 assert any(a.startswith("engine 1: ") for a in report.absent), report
-                assert_matches(await generate(engines[0]), want)
+                assert_matches(await async_outputs(engines[0]), want)
 
         async def closed() -> list[Any]:
             alive = engines[:1] if kill else engines

@@ -31,6 +31,7 @@ __all__ = [
     "TRAINER",
     "Outputs",
     "assert_matches",
+    "async_outputs",
     "cached_greedy",
     "engine_outputs",
     "make_llm",
@@ -80,6 +81,19 @@ def sync(llm: Any, trainer: torch.nn.Module, endpoint: str, **kwargs: Any) -> ss
         )
 
     return TRAINER.run(main, timeout=300)
+
+
+async def async_outputs(llm: Any, prompts: list[list[int]] = PROMPTS) -> Outputs:
+    """What :func:`engine_outputs` gives, from an ``AsyncLLM`` (on its event loop)."""
+    import uuid
+
+    results = []
+    for prompt in prompts:
+        final = None
+        async for out in llm.generate({"prompt_token_ids": prompt}, sampling(), str(uuid.uuid4())):
+            final = out
+        results.append(final)
+    return outputs_from(results)
 
 
 def cached_greedy(llm: Any, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
