@@ -18,6 +18,10 @@ import streamsync as ss
 from streamsync.testing.conformance import TransportConformance
 from streamsync.testing.peers import free_port
 from streamsync.transports import open_receiver, open_sender
+
+# Real channels that wait out refusals and timeouts, a second or two each: in make test,
+# not in the edit loop (make test-fast).
+pytestmark = pytest.mark.slow
 from streamsync.transports.cuda_ipc import local_device
 from streamsync.transports.zeromq import zmq_address
 
