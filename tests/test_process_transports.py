@@ -18,12 +18,12 @@ import streamsync as ss
 from streamsync.testing.conformance import TransportConformance
 from streamsync.testing.peers import free_port
 from streamsync.transports import open_receiver, open_sender
+from streamsync.transports.cuda_ipc import local_device
+from streamsync.transports.zeromq import zmq_address
 
 # Real channels that wait out refusals and timeouts, a second or two each: in make test,
 # not in the edit loop (make test-fast).
 pytestmark = pytest.mark.slow
-from streamsync.transports.cuda_ipc import local_device
-from streamsync.transports.zeromq import zmq_address
 
 _ids = itertools.count()
 URLS = ["shm://{tag}", "zmq+ipc://{tag}", "zmq+tcp://127.0.0.1:0", "torch+gloo://127.0.0.1:0"]
