@@ -293,8 +293,17 @@ def _nccl_devices() -> int:
 )
 @pytest.mark.slow
 def test_torch_nccl_gpu_check() -> None:
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_torch_nccl.py")
-    args = [sys.executable, script, "--gib", "0.25", "--repeat", "1", "--bucket-mib", "32"]
+    args = [
+        sys.executable,
+        "-m",
+        "streamsync.cli.bench.gpu_torch_nccl",
+        "--gib",
+        "0.25",
+        "--repeat",
+        "1",
+        "--bucket-mib",
+        "32",
+    ]
     out = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and '"bit_exact": true' in out.stdout, out.stdout + out.stderr
 

@@ -2,7 +2,7 @@
 # The headline figures of BENCHMARKS.md, in one run, at torch's default settings (no
 # --threads): run it on an otherwise quiet machine from the repository root.
 #
-#   benchmarks/headline.sh [OUT_DIR]       (default out/headline; takes about 10 minutes)
+#   bash streamsync/cli/bench/headline.sh [OUT_DIR](default out/headline; takes about 10 minutes)
 #
 # 1. The transport table, 1 GiB, 7 timed syncs per cell: shm vs two memcpys at once and vs
 #    verl's shared-memory path at its best bucket size (both measured in the same run),

@@ -4,7 +4,8 @@ bit-exact on every receiver, times the sender per sync, and times a raw NCCL bro
 the same bytes in the same bucket sizes, in the same processes; prints one JSON line. For a
 machine with at least two GPUs:
 
-    .venv/bin/python benchmarks/gpu_torch_nccl.py [--gib 1] [--repeat 3] [--bucket-mib 256]
+    .venv/bin/python -m streamsync.cli.bench.gpu_torch_nccl [--gib 1] [--repeat 3]
+        [--bucket-mib 256]
         [--receivers N]   # default: every GPU but the sender's
 
 Exits non-zero if anything is not bit-exact; prints ``skipped`` with fewer than two GPUs.
@@ -54,7 +55,9 @@ def _raw_broadcast(port: int, rank: int, world: int, total: int, bucket: int, re
     from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
     store = TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=120))
-    group = ProcessGroupNCCL(PrefixStore("raw/", store), rank, world, ProcessGroupNCCL.Options())
+    group: Any = ProcessGroupNCCL(
+        PrefixStore("raw/", store), rank, world, ProcessGroupNCCL.Options()
+    )
     buf = torch.ones(bucket, dtype=torch.uint8, device="cuda")
     options = BroadcastOptions()
     options.rootRank, options.rootTensor = 0, 0
