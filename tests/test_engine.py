@@ -478,3 +478,45 @@ def test_without_require_all_a_dead_engine_is_reported_absent() -> None:
     finally:
         for engine in pair:
             engine.shutdown()
+
+
+class SilentEngine(ThreadEngine):
+    """An engine whose receive RPC never returns (a dead engine core whose RPC hangs, as a
+    SIGKILLed ``AsyncLLM``'s does) until it is let go."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        super().__init__(modules)
+        self.silent = False
+        self.let_go = threading.Event()
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        if not self.silent:
+            return await super().start_receive(endpoint, options)
+        await anyio.to_thread.run_sync(self.let_go.wait, abandon_on_cancel=True)
+        return []
+
+
+def test_without_require_all_an_engine_that_never_reports_is_absent_after_the_timeout() -> None:
+    """The sync completes on the engines there; one whose RPC hangs is named absent once the
+    channel's timeout has passed after the sync's end, not after its receive's own limit
+    (five times the timeout)."""
+    pair = [ThreadEngine([model(1)]), SilentEngine([model(2)])]
+    trainer = model(0)
+    try:
+        url = f"shm://engine-silent-{os.getpid()}"
+        with WeightSync(pair, url, timeout=1, require_all=False) as sync:
+            assert sync.update(ss.named_tensors(perturbed(trainer, 0))).receivers == 2
+            pair[1].silent = True  # its workers die (their links close), its RPC hangs
+            for worker in pair[1].workers:
+                worker.close()
+            t0 = time.monotonic()
+            report = sync.update(ss.named_tensors(perturbed(trainer, 1)))
+            took = time.monotonic() - t0
+            assert report.complete and set(report.instances) == {"engine0.worker0.main"}
+            assert any("engine 1" in a and "did not report" in a for a in report.absent), report
+            assert same_weights(trainer, pair[0].modules[0])
+            assert took < 5 * 1, f"waited {took:.1f} s: the receive's own limit, not the timeout"
+    finally:
+        pair[1].let_go.set()
+        for engine in pair:
+            engine.shutdown()

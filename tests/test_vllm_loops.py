@@ -137,8 +137,10 @@ def test_two_engines_from_one_trainer(tmp_path: Path, form: str, kill: bool) -> 
         endpoint = form.format(pid=os.getpid(), port=free_port())
 
         async def train() -> None:
+            # With a kill, the dead engine is named absent after the channel's timeout.
+            timeout = 20 if kill else 60
             async with WeightSync(
-                engines, endpoint, bucket_bytes=BUCKET, require_all=not kill
+                engines, endpoint, bucket_bytes=BUCKET, require_all=not kill, timeout=timeout
             ) as sync:
                 for step in range(3):
                     perturb(trainer, seed=500 + step)

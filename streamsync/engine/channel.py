@@ -165,6 +165,14 @@ class _Round:
     engine_errors: dict[int, StreamsyncError] = field(default_factory=dict)
     report: SyncReport | None = None
     send_error: StreamsyncError | None = None
+    #: Engines whose receive has not returned yet, and the event their last one sets.
+    waiting: set[int] = field(default_factory=set)
+    reported: anyio.Event = field(default_factory=anyio.Event)
+
+    def done(self, e: int) -> None:
+        self.waiting.discard(e)
+        if not self.waiting:
+            self.reported.set()
 
 
 # Keywords of WeightSync itself, beside the transport's options.
@@ -422,6 +430,7 @@ class WeightSync:
     ) -> None:
         """The send beside every engine's receive; a failure that dooms the sync cancels
         the rest (see :meth:`_receive`)."""
+        sync.waiting = set(range(len(self.clients)))
         async with anyio.create_task_group() as tg:
             for e, client in enumerate(self.clients):
                 tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope)
@@ -440,6 +449,27 @@ class WeightSync:
                 sync.send_error = exc
                 if isinstance(exc, ClosedError):
                     await self._close_sender()  # reopened by the next sync
+            if sync.report is not None and not self.require_all:
+                await self._absent_after(sync, tg.cancel_scope)
+
+    async def _absent_after(self, sync: _Round, scope: anyio.CancelScope) -> None:
+        """Without ``require_all``, once the sync completed on the workers there: an engine
+        still not reporting within the timeout took no part (its workers' reports came
+        over the transport with the sync's end), so it is named absent instead of being
+        waited for up to its receive's own, longer limit (a dead engine's RPC may never
+        return)."""
+        with anyio.move_on_after(self.timeout):
+            await sync.reported.wait()
+        for e in sorted(sync.waiting):
+            where = "the engine" if not self.fanout else f"engine {e}"
+            late = SyncTimeoutError(
+                f"{where} did not report within {self.timeout:g} s of the end of the sync "
+                f"from {self.endpoint}, which completed without it"
+            )
+            late.engine = self._engine(e)
+            sync.engine_errors[e] = late
+        if sync.waiting:
+            scope.cancel()
 
     async def _receive(
         self,
@@ -471,6 +501,7 @@ class WeightSync:
                 f"{where} failed to run the receive from {self.endpoint}: "
                 f"{type(exc).__name__}: {exc}"
             )
+        sync.done(e)
         if error is not None:
             error.engine = self._engine(e)
             sync.engine_errors[e] = error
@@ -527,8 +558,9 @@ class WeightSync:
     async def _joined(self, sender: Sender, gone: Mapping[int, StreamsyncError]) -> None:
         """Without ``require_all`` a sync begins with whoever is there: first let each engine
         that is alive join (its receive opens its workers' receivers, a restarted one's
-        included) or fail, within the timeout."""
-        with anyio.move_on_after(self.timeout):
+        included) or fail, within half the timeout: the workers already there wait for the
+        first bucket with the whole timeout, so they must not run out of it meanwhile."""
+        with anyio.move_on_after(self.timeout / 2):
             while sender.present < self.receivers - sum(self.clients[e].receivers for e in gone):
                 await anyio.sleep(0.01)
 
