@@ -149,6 +149,7 @@ _NO_OPENMP_WORKERS = textwrap.dedent(
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+@pytest.mark.slow  # a fresh interpreter: make test, not the edit loop
 def test_library_copies_start_no_openmp_worker_threads(tmp_path: Path) -> None:
     if not copies.openmp_runtime():
         pytest.skip("torch here does not use an OpenMP runtime the copies could avoid")

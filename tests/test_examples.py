@@ -11,6 +11,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.mark.slow  # a fresh interpreter each: make test, not the edit loop
 @pytest.mark.parametrize("script", ["trainer_loop.py", "swap_transport.py", "moe_pipeline.py"])
 def test_example_runs(
     script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -15,6 +15,7 @@ import pathlib
 
 import anyio
 import psutil
+import pytest
 import torch
 from conftest import run_both
 
@@ -142,6 +143,7 @@ class _Keep:
         pass
 
 
+@pytest.mark.slow  # a fresh interpreter: make test, not the edit loop
 def test_the_worker_side_loads_no_trainer_side_and_import_does_no_work() -> None:
     import subprocess
     import sys
