@@ -419,7 +419,9 @@ class GroupView(SlotView):
 
     async def fill(self, header: BucketHeader, payload: Any, *, timeout: float) -> torch.Tensor:
         """Take part in the broadcast the header's marker announces, into the slot it
-        names (after the sink's last use of that slot), within the sync's ``timeout``."""
+        names (after the sink's last use of that slot). It is given twice the sync's
+        ``timeout``: a sender gone silent is then reported by the receive's own timeout
+        (``SyncTimeoutError``), which fires first, not as a broken group."""
         if not isinstance(payload, tuple):
             raise WireFormatError(f"bucket {header.seq} arrived without its broadcast marker")
         slot, nbytes = payload
@@ -430,9 +432,10 @@ class GroupView(SlotView):
             )
         data = self.target(slot, nbytes)
         released = self.released(slot)
+        limit = 2 * timeout
         try:
             await _in_thread(
-                lambda: self.member.broadcast(data, timeout, form_timeout=timeout, after=released)
+                lambda: self.member.broadcast(data, limit, form_timeout=limit, after=released)
             )
         except StreamsyncError as exc:
             raise LinkLost(str(exc)) from None
