@@ -60,16 +60,19 @@ def _url(transport: str) -> str:
 
 
 def _files() -> set[str]:
-    """Entries in the places a transport could leave something behind."""
+    """Entries in the places a transport could leave something behind: ``/dev/shm``, and
+    this soak's own socket files in the per-user runtime directory (other channels' files
+    there, such as a second suite's, are theirs)."""
     runtime = os.path.join(
         os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(), f"streamsync-{os.getuid()}"
     )
     found: set[str] = set()
-    for where in ("/dev/shm", runtime):
-        if os.path.isdir(where):
-            found |= {
-                os.path.join(where, n) for n in os.listdir(where) if not n.startswith("sem.mp-")
-            }
+    if os.path.isdir("/dev/shm"):
+        found |= {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")}
+        found = {f for f in found if not os.path.basename(f).startswith("sem.mp-")}
+    if os.path.isdir(runtime):
+        mine = f"soak-{os.getpid()}"
+        found |= {os.path.join(runtime, n) for n in os.listdir(runtime) if n.startswith(mine)}
     return found
 
 
