@@ -24,6 +24,7 @@ import anyio
 import torch
 
 from streamsync.errors import (
+    CONSEQUENCES,
     ClosedError,
     EndOfStream,
     PeerBrokenError,
@@ -239,11 +240,18 @@ class RingSender(Sender):
             self._broken = exc
         self._signal.notify()
 
+    def _failed_as_consequence(self) -> bool:
+        """Whether the receiver that failed only timed out or saw the channel end: then a
+        receiver lost meanwhile is the cause to raise (:data:`~streamsync.errors.CONSEQUENCES`)."""
+        return self._failed is not None and self._failed.error in _CONSEQUENCE_NAMES
+
     # -- protocol ----------------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
             raise ClosedError(f"{type(self).__name__} is closed")
-        if self._failed is not None:
+        if self._failed is not None and not (
+            self._failed_as_consequence() and (self._lost or self._broken)
+        ):
             raise _receiver_failed(self._failed)
         if self._broken is not None:
             raise self._broken
@@ -398,6 +406,9 @@ class RingReceiver(Receiver):
 
     async def reply(self, report: Done | Failed) -> None:
         await self._post(report)
+
+
+_CONSEQUENCE_NAMES = frozenset(c.__name__ for c in CONSEQUENCES)
 
 
 def _receiver_failed(failed: Failed) -> ReceiverFailedError:

@@ -311,7 +311,11 @@ class GroupSender(LinkedSender):
         # The reason a receiver gave (its failure, its goodbye) may still be in flight.
         with contextlib.suppress(SyncTimeoutError):
             await self._signal.wait_until(
-                lambda: self._failed is not None or self._lost is not None or bool(self._absent),
+                lambda: (
+                    self._lost is not None
+                    or bool(self._absent)
+                    or (self._failed is not None and not self._failed_as_consequence())
+                ),
                 timeout=0.2,
                 what="",
             )
