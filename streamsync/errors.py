@@ -34,6 +34,7 @@ __all__ = [
     "EndOfStream",
     "SenderAbortedError",
     "ReceiverFailedError",
+    "DeltaBaseError",
     "CONSEQUENCES",
     "described",
     "describe",
@@ -99,6 +100,11 @@ class DtypeMismatchError(StreamsyncError):
 
 class DuplicateTensorError(StreamsyncError):
     """The same name arrived twice in one sync."""
+
+
+class DeltaBaseError(StreamsyncError):
+    """A delta sync names a base version this receiver's model does not hold, or its sink
+    cannot be patched: nothing of the sync is applied, and the sender's next sync is full."""
 
 
 class SyncTimeoutError(StreamsyncError, TimeoutError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["LoadResult", "SyncReport"]
+__all__ = ["DeltaReport", "LoadResult", "SyncReport"]
 
 
 class LoadResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -18,6 +18,23 @@ class LoadResult(msgspec.Struct, frozen=True, kw_only=True):
     unexpected: tuple[str, ...] = ()
     #: Per model instance, for sinks that serve several (a main model and a drafter).
     instances: dict[str, LoadResult] = {}
+
+
+class DeltaReport(msgspec.Struct, frozen=True, kw_only=True):
+    """How a delta-tracked sync (``send(..., delta=True)``) travelled."""
+
+    #: The version (sync id) the sync was a delta on; ``None``: it was full.
+    base: int | None = None
+    #: Why the sync was full (``None`` for a delta).
+    full_reason: str | None = None
+    #: Tensors not sent (unchanged), sent as patches, sent whole.
+    unchanged: int = 0
+    sparse: int = 0
+    dense: int = 0
+    #: Seconds spent comparing against the baseline.
+    scan_seconds: float = 0.0
+    #: Host bytes the sender's baseline holds after the sync.
+    baseline_bytes: int = 0
 
 
 class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +69,11 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     #: Sender: peers turned away since the sync before, each with its address and why (a
     #: wrong secret, another protocol version): receivers that should have joined.
     refused: tuple[str, ...] = ()
+    #: Bytes that crossed the transport (``nbytes`` of a delta sync counts the tensors it
+    #: represents, unchanged ones included).
+    wire_bytes: int = 0
+    #: Sender of a delta-tracked sync: how it travelled (see :class:`DeltaReport`).
+    delta: DeltaReport | None = None
 
     @property
     def gbps(self) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, runtime_checkable
 
@@ -25,7 +26,15 @@ from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTen
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 
-__all__ = ["BUFFER_MANIFEST", "AbortableSink", "ModuleSink", "Sink", "TargetSink", "call_phase"]
+__all__ = [
+    "BUFFER_MANIFEST",
+    "AbortableSink",
+    "ModuleSink",
+    "Sink",
+    "TargetSink",
+    "VersionedSink",
+    "call_phase",
+]
 
 #: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
 #: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.
@@ -56,6 +65,35 @@ class TargetSink(Sink, Protocol):
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The sink's own tensor for ``name``, or ``None``."""
+
+
+@runtime_checkable
+class VersionedSink(TargetSink, Protocol):
+    """A sink that can take delta syncs: it says which version (sync id) its model holds,
+    and patches land in the tensors ``target`` gives. :func:`~streamsync.receive` sets
+    ``version`` to ``None`` before it touches the model and to the sync's id once the sync
+    is applied; a delta on another version is refused before anything is applied. Keep the
+    version with the model (not the sink object), so a new sink for the same model knows it.
+    ``None`` also means "send me full syncs"."""
+
+    version: int | None
+
+
+#: The version each model holds (see :class:`VersionedSink`), kept beside the model.
+_versions: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def held_version(module: torch.nn.Module) -> int | None:
+    """The version (sync id) ``module`` was last completely synced to, or ``None``."""
+    return _versions.get(module)
+
+
+def set_held_version(module: torch.nn.Module, version: int | None) -> None:
+    """Record the version ``module`` holds (``None``: unknown, the model is in flux)."""
+    if version is None:
+        _versions.pop(module, None)
+    else:
+        _versions[module] = version
 
 
 @runtime_checkable
@@ -113,6 +151,19 @@ class ModuleSink:
         }
         self._loaded: set[str] = set()
         self._unexpected: list[str] = []
+
+    @property
+    def version(self) -> int | None:
+        """The version the module holds, when a delta can patch it in place (a strict sink
+        whose tensors are all contiguous on the CPU); else ``None``."""
+        patchable = self.strict and all(
+            address is not None for _, _, address, _ in self._meta.values()
+        )
+        return held_version(self.module) if patchable else None
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        set_held_version(self.module, version)
 
     def prepare(self) -> None:
         self._loaded = set()

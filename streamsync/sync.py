@@ -7,15 +7,17 @@ import itertools
 import time
 from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import msgspec
 
+from streamsync._delta import DeltaRun, baseline_of, choose
 from streamsync._log import log
 from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import (
     ConfigError,
+    DeltaBaseError,
     SenderAbortedError,
     StaleSyncError,
     StreamsyncError,
@@ -23,8 +25,8 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.pipeline import AdapterLike, Chain, reading
-from streamsync.report import LoadResult, SyncReport
-from streamsync.sink import Sink, TargetSink, call_phase
+from streamsync.report import DeltaReport, LoadResult, SyncReport
+from streamsync.sink import Sink, TargetSink, VersionedSink, call_phase
 from streamsync.sources import named_tensors
 from streamsync.transports import (
     Incoming,
@@ -46,7 +48,7 @@ DEFAULT_TIMEOUT = 60.0
 # receiver can refuse a sync older than the one it applied last.
 _sync_ids = itertools.count(time.time_ns() // 1000)
 # Keywords of send() and receive() themselves, beside the transport's options.
-_SEND_KEYWORDS = ("pipeline", "bucket_bytes", "timeout", "checksum", "sync_id")
+_SEND_KEYWORDS = ("pipeline", "bucket_bytes", "timeout", "checksum", "sync_id", "delta")
 _RECEIVE_KEYWORDS = ("timeout", "max_tensor_bytes")
 
 
@@ -59,6 +61,7 @@ async def send(
     timeout: float = DEFAULT_TIMEOUT,
     checksum: bool = False,
     sync_id: int | None = None,
+    delta: bool | Literal["full"] = False,
     **transport_options: Any,
 ) -> SyncReport:
     """Stream ``weights`` to every receiver of ``endpoint`` and wait for their reports.
@@ -69,7 +72,20 @@ async def send(
     trailing ``cast`` is fused into the packing copy. ``endpoint`` is a transport URL (opened
     for this sync, with ``transport_options``) or an open :class:`Sender` (whose slots are
     reused across syncs). Every wait is bounded by ``timeout`` seconds.
+
+    ``delta=True`` (an open sender only) sends only what changed since the last sync every
+    receiver confirmed: each tensor whole, as a patch of its changed elements, or not at
+    all, whichever is smallest. The sync is full instead when a receiver holds another
+    version (the report's ``full_reason`` says which); ``delta="full"`` forces a full sync
+    that still records the baseline for the next delta. See the README's delta section.
     """
+    if delta and isinstance(endpoint, str):
+        raise ConfigError(
+            "delta needs an open sender, which keeps the baseline between syncs: "
+            "async with open_sender(url) as tx: await send(weights, tx, delta=True)"
+        )
+    if delta not in (False, True, "full"):
+        raise ConfigError(f"delta={delta!r}: use False, True or 'full'")
     if isinstance(endpoint, str):
         check_options(endpoint, transport_options, caller=("send", _SEND_KEYWORDS))
         if bucket_bytes is not None:
@@ -104,17 +120,104 @@ async def send(
     stream: AsyncIterable[Any] = (
         weights if isinstance(weights, AsyncIterable) else named_tensors(weights)
     )
-    chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
     sid = next(_sync_ids) if sync_id is None else sync_id
+    if delta:
+        return await _send_delta(
+            stream,
+            sender,
+            sid,
+            pipeline,
+            size,
+            full=delta == "full",
+            timeout=timeout,
+            checksum=checksum,
+        )
+    if (kept := baseline_of(sender, create=False)) is not None:
+        kept.drop()  # this sync moves the receivers past it
+    chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
     return await _send(chain(stream), sender, sid, timeout=timeout, checksum=checksum)
 
 
+async def _send_delta(
+    stream: AsyncIterable[Any],
+    sender: Sender,
+    sync_id: int,
+    pipeline: AdapterLike | None,
+    size: int,
+    *,
+    full: bool,
+    timeout: float,
+    checksum: bool,
+) -> SyncReport:
+    """A delta-tracked sync: diffed against the sender's baseline when every member holds
+    its version, else full (and recorded as the next baseline)."""
+    try:
+        await sender.wait_ready(timeout=timeout)
+        held = await sender.begin(sync_id, timeout=timeout)
+    except Exception as exc:
+        with anyio.CancelScope(shield=True):
+            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+        raise
+    baseline = baseline_of(sender)
+    assert baseline is not None
+    why = choose(baseline, held, full=full)
+    base = baseline.version if why is None else None
+    run = DeltaRun(baseline, base, size)
+    items = Chain(pipeline)(stream) if pipeline is not None else stream
+    report = await _send(
+        run.buckets(items),
+        sender,
+        sync_id,
+        timeout=timeout,
+        checksum=checksum,
+        base=base,
+        unchanged=lambda: run.unchanged,
+        begun=True,
+    )
+    run.commit(sync_id)
+    scan = run.scanned_bytes / run.scan_seconds / 1e9 if run.scan_seconds > 0 else 0.0
+    log(
+        "sync.delta",
+        sync_id=sync_id,
+        base=base,
+        full_reason=why,
+        unchanged=run.unchanged,
+        sparse=run.sparse,
+        dense=run.dense,
+        wire_bytes=report.wire_bytes,
+        tensor_bytes=run.tensor_bytes,
+        scan_gbps=round(scan, 3),
+    )
+    return msgspec.structs.replace(
+        report,
+        nbytes=run.tensor_bytes,
+        delta=DeltaReport(
+            base=base,
+            full_reason=why,
+            unchanged=run.unchanged,
+            sparse=run.sparse,
+            dense=run.dense,
+            scan_seconds=run.scan_seconds,
+            baseline_bytes=baseline.nbytes,
+        ),
+    )
+
+
 async def _send(
-    buckets: AsyncIterable[Bucket], sender: Sender, sync_id: int, *, timeout: float, checksum: bool
+    buckets: AsyncIterable[Bucket],
+    sender: Sender,
+    sync_id: int,
+    *,
+    timeout: float,
+    checksum: bool,
+    base: int | None = None,
+    unchanged: Callable[[], int] = lambda: 0,
+    begun: bool = False,
 ) -> SyncReport:
     # The clock starts once every receiver is there: joining is not part of the sync.
     try:
-        await sender.wait_ready(timeout=timeout)
+        if not begun:
+            await sender.wait_ready(timeout=timeout)
     except Exception as exc:
         # The receivers that did come wait for this sync: they hear it is off (unless it
         # was cancelled: see below).
@@ -152,6 +255,8 @@ async def _send(
                 if began or not isinstance(exc, anyio.get_cancelled_exc_class()):
                     with anyio.CancelScope(shield=True):
                         await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+                elif begun:
+                    sender.forget(sync_id)
                 raise
         log(
             "sync.send",
@@ -170,7 +275,8 @@ async def _send(
             phases["pack"] = after.pack_seconds - before.pack_seconds
             phases["publish"] = after.publish_seconds - before.publish_seconds
         t2 = time.perf_counter()
-        dones = await sender.end(End(sync_id, seq, tensors, nbytes), timeout=timeout)
+        end = End(sync_id, seq, tensors, nbytes, base, unchanged())
+        dones = await sender.end(end, timeout=timeout)
     except BaseException as exc:
         # Complete the partial report a receiver's failure carries with what this side sent.
         report = getattr(exc, "report", None)
@@ -200,6 +306,7 @@ async def _send(
             side="send",
             tensors=tensors,
             nbytes=nbytes,
+            wire_bytes=nbytes,
             buckets=seq,
             seconds=time.perf_counter() - start,
             phases={**phases, "end": end_s},
@@ -308,9 +415,22 @@ async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncRep
         if isinstance(first, Abort):
             # The sync failed before its first bucket: the sink is not touched.
             raise SenderAbortedError(f"sender aborted sync {sync.sync_id}: {first.reason}")
+        versioned = sink if isinstance(sink, VersionedSink) else None
+        if first.base is not None:
+            held = versioned.version if versioned is not None else None
+            if held != first.base:
+                holds = f"version {held}" if held is not None else "no known version"
+                raise DeltaBaseError(
+                    f"sync {sync.sync_id} is a delta on version {first.base}; this receiver's "
+                    f"sink holds {holds} (nothing applied; the next sync is full)"
+                )
+        if versioned is not None:
+            versioned.version = None  # in flux until finalize succeeds
         await _phase(sync, "prepare", sink.prepare)
         await _load_all(receiver, sink, incoming, sync, timeout)
         result = await _phase(sync, "finalize", sink.finalize)
+        if versioned is not None:
+            versioned.version = sync.sync_id
     except BaseException as exc:
         await _fail(receiver, sync, exc, timeout)
         raise
@@ -318,7 +438,13 @@ async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncRep
     report = _receive_report(sync, loaded, True)
     await receiver.reply(
         Done(
-            sync.sync_id, receiver.index, report.tensors, sync.nbytes, loaded.loaded, loaded.missing
+            sync.sync_id,
+            receiver.index,
+            report.tensors,
+            sync.nbytes,
+            loaded.loaded,
+            loaded.missing,
+            versioned.version if versioned is not None else None,
         )
     )
     state.last_sync_id = sync.sync_id
@@ -405,6 +531,7 @@ def _receive_report(sync: _Progress, result: LoadResult, complete: bool) -> Sync
         side="receive",
         tensors=len(sync.applied),
         nbytes=sync.nbytes,
+        wire_bytes=sync.nbytes,
         buckets=sync.buckets,
         seconds=time.perf_counter() - sync.start,
         phases={**sync.phases, "load": sync.load_s, "wait": sync.wait_s},

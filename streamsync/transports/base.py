@@ -110,6 +110,15 @@ class Sender(_Resource):
         """Admit no further receivers (a one-shot sender, once its receivers are there):
         later arrivals are told it is closing, and try again for the next sender."""
 
+    async def begin(self, sync_id: int, *, timeout: float) -> dict[int, int | None]:
+        """Start sync ``sync_id`` before its first bucket (counting its members in now) and
+        return the version each member's sink holds (``None``: none a delta can patch).
+        A transport that does not track versions returns ``{}``: every sync is then full."""
+        return {}
+
+    def forget(self, sync_id: int) -> None:
+        """Drop sync ``sync_id``, begun with :meth:`begin` but never sent."""
+
     @abstractmethod
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False

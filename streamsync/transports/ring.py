@@ -147,6 +147,9 @@ class RingSender(Sender):
         #: Members that took no part in the running sync (``require_all=False``).
         self._absent: list[str] = []
         self._attendance = Attendance()
+        #: Per receiver, the version its sink holds (from its last ``Done``): what a delta
+        #: sync may be based on. Forgotten when it fails, leaves or misses a sync's end.
+        self._held: dict[int, int | None] = {}
         self._quorum_met = False
         self._stats = SenderStatistics()
 
@@ -208,6 +211,10 @@ class RingSender(Sender):
         elif isinstance(msg, Done | Failed):
             if msg.sync_id == self._sync_id:
                 self._reports[msg.receiver] = msg
+                if isinstance(msg, Done):
+                    self._held[msg.receiver] = msg.held
+                else:
+                    self._held.pop(msg.receiver, None)
                 if isinstance(msg, Failed) and self._failed is None:
                     self._failed = msg
         elif isinstance(msg, Bye):
@@ -262,7 +269,7 @@ class RingSender(Sender):
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
     ) -> None:
         self.sync_timeout = timeout
-        if seq == 0:
+        if seq == 0 and self._sync_id != sync_id:
             await self._begin(sync_id, timeout)
         self._check()
         if bucket.nbytes > self.slot_bytes:
@@ -286,7 +293,7 @@ class RingSender(Sender):
         slot = taken[0]
         buf = self.slot(slot)
         entries = bucket.pack_into(buf, checksum=checksum)
-        header = BucketHeader(sync_id, seq, slot, bucket.nbytes, tuple(entries))
+        header = BucketHeader(sync_id, seq, slot, bucket.nbytes, tuple(entries), bucket.base)
         self.store.filled(slot)
         t2 = time.perf_counter()
         await self._publish(header, buf[: bucket.nbytes])
@@ -297,6 +304,16 @@ class RingSender(Sender):
             stats.pack_seconds + (t2 - t1),
             stats.publish_seconds + (time.perf_counter() - t2),
         )
+
+    async def begin(self, sync_id: int, *, timeout: float) -> dict[int, int | None]:
+        """Start sync ``sync_id`` now (its members are the receivers counted in) and return
+        the version each member holds, for a delta's choice of base."""
+        await self._begin(sync_id, timeout)
+        return {index: self._held.get(index) for index in sorted(self._members)}
+
+    def forget(self, sync_id: int) -> None:
+        """Drop sync ``sync_id``, begun but never sent (its receivers saw nothing of it)."""
+        self._finish_sync(sync_id)
 
     async def _begin(self, sync_id: int, timeout: float) -> None:
         if self._sync_id is not None:
@@ -320,7 +337,7 @@ class RingSender(Sender):
 
     async def end(self, end: End, *, timeout: float) -> list[Done]:
         try:
-            if end.buckets == 0:
+            if end.buckets == 0 and self._sync_id != end.sync_id:
                 await self._begin(end.sync_id, timeout)
             try:
                 self._check()
@@ -351,6 +368,8 @@ class RingSender(Sender):
     async def abort(self, abort: Abort) -> None:
         if self._sync_id not in (None, abort.sync_id):
             return  # that sync never started here (SyncInProgressError): leave the running one
+        for index in self._members:
+            self._held.pop(index, None)  # it may have applied part of the sync
         try:
             if not self._closed and self._broken is None:
                 if not self._members:

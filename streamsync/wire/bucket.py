@@ -18,7 +18,14 @@ import xxhash
 
 from streamsync._copies import CopyBatch, copy_tensors
 from streamsync._dtypes import dtype_from_name, dtype_name
-from streamsync.errors import ChecksumError, ConfigError, DuplicateTensorError, WireFormatError
+from streamsync.errors import (
+    ChecksumError,
+    ConfigError,
+    DeltaBaseError,
+    DuplicateTensorError,
+    WireFormatError,
+)
+from streamsync.wire import patch as patches
 from streamsync.wire.frames import BucketHeader, End, Entry
 
 __all__ = [
@@ -95,6 +102,8 @@ class Bucket:
     tensors: int = 0
     #: The last chunk of a chunked tensor is in this bucket.
     holds_tail: bool = False
+    #: A delta sync's base version (``BucketHeader.base``).
+    base: int | None = None
 
     def pack_into(self, buf: torch.Tensor, *, checksum: bool = False) -> list[Entry]:
         """Copy every entry into ``buf`` (a uint8 tensor of at least ``nbytes``).
@@ -109,6 +118,9 @@ class Bucket:
         base = buf.data_ptr()
         for entry, part in zip(self.entries, self.parts, strict=True):
             src = part.source if part.whole else part.source[part.start : part.stop]
+            if entry.patch:  # its encoded bytes (uint8)
+                batch.move(base + entry.offset, src.data_ptr(), entry.nbytes)
+                continue
             dtype = dtype_from_name(entry.dtype)
             if src.dtype == dtype and src.is_cpu and src.is_contiguous():
                 # The common case, a plain memmove: no view of the slot to build.
@@ -187,6 +199,27 @@ class BucketBuilder:
         self._place(Entry(name, wire_dtype, shape, offset, nbytes), _Part(tensor, 0, 0, True))
         self._current.tensors += 1
 
+    def add_patch(
+        self,
+        name: str,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        pieces: list[tuple[int, torch.Tensor]],
+    ) -> Iterator[Bucket]:
+        """Add a patch of tensor ``name`` as its encoded pieces (``(changed elements, uint8
+        bytes)``, each at most a bucket): yields each bucket that became full."""
+        wire_dtype = dtype_name(dtype)
+        for index, (k, payload) in enumerate(pieces):
+            offset = align_up(self._current.nbytes)
+            if offset + payload.numel() > self.bucket_bytes:
+                yield self._flush_current()
+                offset = 0
+            entry = Entry(
+                name, wire_dtype, shape, offset, payload.numel(), index, len(pieces), 0, None, k
+            )
+            self._place(entry, _Part(payload, 0, 0, True))
+        self._current.tensors += 1
+
     def _add_chunked(
         self, name: str, flat: torch.Tensor, wire_dtype: str, shape: tuple[int, ...], itemsize: int
     ) -> Iterator[Bucket]:
@@ -253,6 +286,18 @@ class _Pending:
     owner: torch.Tensor | None = None
 
 
+@dataclass(slots=True)
+class _Patching:
+    """A patched tensor whose pieces are still coming."""
+
+    name: str
+    pieces: int
+    next_piece: int
+    #: The last position patched so far (positions ascend across pieces).
+    last: int
+    owner: torch.Tensor
+
+
 #: A sink's ``target(name, dtype, shape)``: the tensor it will keep this tensor in, so the
 #: chunks of a large tensor are written straight into it, or ``None`` for the staging buffer.
 TargetFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
@@ -282,6 +327,7 @@ class Unpacker:
         #: Names whose bytes went straight into a sink's tensor during this sync.
         self.touched: list[str] = []
         self._pending: _Pending | None = None
+        self._patching: _Patching | None = None
         self._names: set[str] = set()
         self._sync_id = sync_id
         self._seq = 0
@@ -317,6 +363,8 @@ class Unpacker:
         # ``data`` as each dtype, made once per bucket: an entry's view is then one slice.
         typed: dict[torch.dtype, torch.Tensor] = {}
         bucket_nbytes = header.nbytes
+        # Patches are applied once the whole bucket is checked: a bad one applies nothing.
+        patching: list[tuple[torch.Tensor, patches.Patch, int, str | None]] = []
         for entry in header.entries:
             kind = checked.get(entry)
             if kind is None:
@@ -328,6 +376,9 @@ class Unpacker:
                     f"tensor {entry.name!r} claims bytes [{offset}, {offset + nbytes}) "
                     f"outside its bucket of {bucket_nbytes} bytes"
                 )
+            if entry.patch or self._patching is not None:
+                patching.append(self._check_patch(header, entry, dtype, itemsize, data, target))
+                continue
             if entry.checksum is None and entry.chunks == 1:
                 if self._pending is not None:
                     # A chunked tensor's chunks come first in each bucket until it is whole.
@@ -366,7 +417,74 @@ class Unpacker:
             done = self._feed_chunk(entry, dtype, itemsize, region, target)
             if done is not None:
                 out.append(done)
+        for owner, patch, itemsize, whole in patching:
+            patches.apply(owner, patch, itemsize)
+            if whole is not None:
+                out.append((whole, owner))
         return out
+
+    def _check_patch(
+        self,
+        header: BucketHeader,
+        entry: Entry,
+        dtype: torch.dtype,
+        itemsize: int,
+        data: torch.Tensor,
+        target: TargetFn | None,
+    ) -> tuple[torch.Tensor, patches.Patch, int, str | None]:
+        """Check one patch piece against the tensor it patches; returns what to apply and,
+        for the last piece, the tensor's name (it is then complete)."""
+        name = entry.name
+        current = self._patching
+        if not entry.patch:
+            assert current is not None
+            raise WireFormatError(
+                f"tensor {name!r} arrived before patched tensor {current.name!r} was complete"
+            )
+        if header.base is None:
+            raise WireFormatError(f"tensor {name!r} is a patch in a sync that is not a delta")
+        if self._pending is not None:
+            raise WireFormatError(
+                f"tensor {name!r} arrived before chunked tensor {self._pending.name!r} was complete"
+            )
+        if entry.chunk == 0:
+            if current is not None:
+                raise WireFormatError(
+                    f"tensor {name!r} started before patched tensor {current.name!r} was complete"
+                )
+            self._claim(name)
+            owner = target(name, dtype, entry.shape) if target is not None else None
+            if owner is None or tuple(owner.shape) != entry.shape or owner.dtype != dtype:
+                raise DeltaBaseError(
+                    f"tensor {name!r} came as a patch of {entry.patch} elements, but the sink "
+                    "offers no tensor of its shape and dtype to patch (target)"
+                )
+            current = self._patching = _Patching(name, entry.chunks, 0, -1, owner)
+        elif current is None or current.name != name or entry.chunk != current.next_piece:
+            raise WireFormatError(
+                f"piece {entry.chunk} of the patch of tensor {name!r} arrived out of order"
+            )
+        if entry.chunks != current.pieces:
+            raise WireFormatError(
+                f"piece {entry.chunk} of the patch of tensor {name!r} says {entry.chunks} "
+                f"pieces, the first said {current.pieces}"
+            )
+        numel = math.prod(entry.shape)
+        region = data[entry.offset : entry.offset + entry.nbytes]
+        if entry.checksum is not None and _digest(region) != entry.checksum:
+            raise ChecksumError(
+                f"the patch of tensor {name!r} (piece {entry.chunk}/{entry.chunks}) in bucket "
+                f"{header.seq} does not match its checksum"
+            )
+        patch = patches.decode(region, entry.patch, numel, itemsize)
+        current.last = patches.check(patch[0], numel, current.last, name)
+        current.next_piece += 1
+        if current.next_piece < current.pieces:
+            return current.owner, patch, itemsize, None
+        self._patching = None
+        self._tensors += 1
+        self.touched.append(name)
+        return current.owner, patch, itemsize, name
 
     def _check_entry(self, entry: Entry) -> tuple[torch.dtype, int]:
         """What can be checked of ``entry`` without its bucket (cached per entry: a model's
@@ -401,6 +519,21 @@ class Unpacker:
             )
         if not 0 <= entry.chunk < entry.chunks:
             raise WireFormatError(f"tensor {name!r}: chunk {entry.chunk} of {entry.chunks}")
+        if entry.patch:
+            numel = math.prod(entry.shape)
+            if entry.patch < 0 or entry.patch > numel:
+                raise WireFormatError(
+                    f"tensor {name!r}: a patch of {entry.patch} elements of a tensor of {numel}"
+                )
+            if entry.nbytes != patches.patch_nbytes(entry.patch, numel, itemsize):
+                raise WireFormatError(
+                    f"the patch of tensor {name!r} has {entry.nbytes} bytes; {entry.patch} "
+                    f"elements of {entry.dtype} need "
+                    f"{patches.patch_nbytes(entry.patch, numel, itemsize)}"
+                )
+            if entry.tensor_offset:
+                raise WireFormatError(f"the patch of tensor {name!r} has a tensor offset")
+            return dtype, itemsize
         if entry.chunks == 1 and (entry.nbytes != total or entry.tensor_offset != 0):
             raise WireFormatError(
                 f"tensor {name!r} has {entry.nbytes} bytes; shape {list(entry.shape)} of "
@@ -520,6 +653,11 @@ class Unpacker:
             raise WireFormatError(
                 f"sync {end.sync_id} ended with tensor {self._pending.name!r} incomplete "
                 f"({self._pending.next_chunk} of {self._pending.chunks} chunks)"
+            )
+        if self._patching is not None:
+            raise WireFormatError(
+                f"sync {end.sync_id} ended with the patch of tensor {self._patching.name!r} "
+                f"incomplete ({self._patching.next_piece} of {self._patching.pieces} pieces)"
             )
         if (end.buckets, end.tensors, end.nbytes) != (self._seq, self._tensors, self._nbytes):
             raise WireFormatError(

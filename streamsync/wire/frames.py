@@ -37,7 +37,8 @@ __all__ = [
 
 #: Bumped whenever a message changes shape; peers with another version are refused.
 #: 2: the receiver confirms its ``Welcome`` with ``Joined``; refusals may say "busy".
-PROTOCOL_VERSION: Final = 2
+#: 3: delta syncs (``Entry.patch``, ``base`` on buckets and ``End``, ``Done.held``).
+PROTOCOL_VERSION: Final = 3
 
 # Upper bounds applied to untrusted metadata before anything is allocated from it.
 MAX_NAME_LEN: Final = 4096
@@ -61,6 +62,9 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     tensor_offset: int = 0
     #: xxh3-64 of this entry's bytes, when the sender computes checksums.
     checksum: int | None = None
+    #: A patch of this many changed elements (:mod:`streamsync.wire.patch`; its pieces are
+    #: ``chunk`` of ``chunks``), or 0: the entry holds the tensor's bytes.
+    patch: int = 0
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -104,6 +108,8 @@ class BucketHeader(msgspec.Struct, frozen=True, tag="bucket"):
     slot: int
     nbytes: int
     entries: tuple[Entry, ...]
+    #: A delta sync: the version (sync id) the receiver must hold, which it patches.
+    base: int | None = None
 
 
 class End(msgspec.Struct, frozen=True, tag="end"):
@@ -113,6 +119,10 @@ class End(msgspec.Struct, frozen=True, tag="end"):
     buckets: int
     tensors: int
     nbytes: int
+    #: A delta sync's base version (see ``BucketHeader.base``).
+    base: int | None = None
+    #: Tensors of a delta sync that did not change, so were not sent.
+    unchanged: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
@@ -141,6 +151,9 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     nbytes: int
     loaded: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
+    #: The version the receiver's sink now holds (this sync's id), or ``None`` when the sink
+    #: cannot take a delta: the sender sends it full syncs.
+    held: int | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):

@@ -1,0 +1,183 @@
+"""Delta syncs, sender side: the baseline an open sender keeps, and the stage that turns a
+sync's named tensors into buckets of whole tensors and patches against it.
+
+The baseline is the wire bytes (after the pipeline: casts, FP8 quantization, MoE expansion
+applied) of the last sync every member confirmed, one host copy per tensor. A sync either
+diffs against it (when every member holds its version) or is full; either way the tensors
+it sends become the next baseline only once every member confirmed the sync
+(:meth:`DeltaRun.commit`): a failed sync leaves the baseline where it was, except that a full
+sync drops the old baseline first (its memory is needed for the new one).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from streamsync._copies import clone
+from streamsync.errors import ConfigError
+from streamsync.wire import patch as patches
+from streamsync.wire.bucket import Bucket, BucketBuilder
+
+__all__ = ["Baseline", "DeltaRun", "baseline_of", "choose"]
+
+
+@dataclass
+class Baseline:
+    """The wire bytes of the version every member of the last delta-tracked sync holds."""
+
+    version: int | None = None
+    #: name -> (dtype, shape, bytes as a flat uint8 tensor)
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the baseline holds."""
+        return sum(raw.numel() for _, _, raw in self.tensors.values())
+
+    def drop(self) -> None:
+        self.version = None
+        self.tensors = {}
+
+
+_baselines: weakref.WeakKeyDictionary[Any, Baseline] = weakref.WeakKeyDictionary()
+
+
+def baseline_of(sender: Any, *, create: bool = True) -> Baseline | None:
+    """The baseline kept for an open sender (created empty on first use)."""
+    found = _baselines.get(sender)
+    if found is None and create:
+        found = _baselines[sender] = Baseline()
+    return found
+
+
+def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> str | None:
+    """Why this sync must be full, or ``None``: it can be a delta on ``baseline``."""
+    if full:
+        return "a full sync was asked for"
+    if baseline.version is None:
+        return "no baseline yet (the first sync on this sender, or the last one failed)"
+    if not held:
+        return "no receiver is there to say what it holds"
+    for index, version in held.items():
+        if version != baseline.version:
+            holds = f"version {version}" if version is not None else "no known version"
+            return f"receiver {index} holds {holds}, not the baseline's {baseline.version}"
+    return None
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor's bytes as a flat uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class DeltaRun:
+    """One sync's encoding against ``baseline`` (``base``: the version it diffs against, or
+    ``None`` for a full sync that records a new baseline)."""
+
+    baseline: Baseline
+    base: int | None
+    bucket_bytes: int
+    unchanged: int = 0
+    sparse: int = 0
+    dense: int = 0
+    #: Bytes of the tensors this sync represents (unchanged ones included).
+    tensor_bytes: int = 0
+    #: Seconds spent comparing against the baseline, and the bytes compared.
+    scan_seconds: float = 0.0
+    scanned_bytes: int = 0
+    _pending: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
+        default_factory=dict
+    )
+    _patches: dict[str, patches.Patch] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.base is None:
+            self.baseline.drop()  # a full sync: its tensors become the whole new baseline
+
+    async def buckets(self, source: AsyncIterable[Any]) -> AsyncIterator[Bucket]:
+        """The buckets of this sync: each tensor whole, as a patch, or not at all."""
+        builder = BucketBuilder(self.bucket_bytes)
+        async for item in source:
+            if isinstance(item, Bucket):
+                raise ConfigError(
+                    "delta syncs diff named tensors; the stream already holds buckets "
+                    "(drop the bucket() stage from the pipeline)"
+                )
+            name, tensor = item
+            for full in self._add(builder, name, tensor):
+                full.base = self.base
+                yield full
+                del full
+            del item, tensor
+        last = builder.flush()
+        if last is not None:
+            last.base = self.base
+            yield last
+
+    def _add(self, builder: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return builder.add(name, tensor)  # raises, naming the tensor
+        tensor = tensor.detach()
+        if not tensor.is_cpu:
+            tensor = tensor.cpu()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        shape = tuple(tensor.shape)
+        itemsize = tensor.element_size()
+        raw = _bytes(tensor)
+        self.tensor_bytes += raw.numel()
+        base = self.baseline.tensors.get(name) if self.base is not None else None
+        if base is not None and base[0] == tensor.dtype and base[1] == shape and raw.numel():
+            t0 = time.perf_counter()
+            found = patches.diff(raw, base[2], itemsize)
+            self.scan_seconds += time.perf_counter() - t0
+            self.scanned_bytes += raw.numel()
+            if found is not None:
+                if found[0].size == 0:
+                    self.unchanged += 1
+                    return ()
+                self.sparse += 1
+                self._patches[name] = found
+                return builder.add_patch(
+                    name,
+                    tensor.dtype,
+                    shape,
+                    self._pieces(found, raw.numel() // itemsize, itemsize),
+                )
+        self.dense += 1
+        self._pending[name] = (tensor.dtype, shape, clone(raw))
+        return builder.add(name, tensor)
+
+    def _pieces(
+        self, found: patches.Patch, numel: int, itemsize: int
+    ) -> list[tuple[int, torch.Tensor]]:
+        """The patch as encoded pieces that each fit a bucket."""
+        pos, vals = found
+        per = max(1, (self.bucket_bytes - 64) // (pos.itemsize + itemsize))
+        out: list[tuple[int, torch.Tensor]] = []
+        for lo in range(0, pos.size, per):
+            piece = (pos[lo : lo + per], vals[lo : lo + per])
+            k = piece[0].size
+            buf = torch.empty(patches.patch_nbytes(k, numel, itemsize), dtype=torch.uint8)
+            patches.encode(piece, numel, itemsize, buf)
+            out.append((k, buf))
+        return out
+
+    def commit(self, version: int) -> None:
+        """Every member confirmed the sync: its tensors are the baseline now."""
+        tensors = self.baseline.tensors
+        for name, found in self._patches.items():
+            dtype, _, raw = tensors[name]
+            patches.apply(raw.view(-1), found, dtype.itemsize)
+        tensors.update(self._pending)
+        self.baseline.version = version
+        self._pending, self._patches = {}, {}
