@@ -256,7 +256,8 @@ async def _send(
                     with anyio.CancelScope(shield=True):
                         await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
                 elif begun:
-                    sender.forget(sync_id)
+                    with anyio.CancelScope(shield=True):
+                        await sender.forget(sync_id)
                 raise
         log(
             "sync.send",

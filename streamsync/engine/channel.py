@@ -177,6 +177,7 @@ class _Round:
 
 # Keywords of WeightSync itself, beside the transport's options.
 _WEIGHT_SYNC_KEYWORDS = (
+    "delta",
     "pipeline",
     "bucket_bytes",
     "timeout",
@@ -221,6 +222,7 @@ class WeightSync:
         checksum: bool = False,
         worker_options: WorkerOptions | Mapping[str, Any] | None = None,
         require_all: bool = True,
+        delta: bool = False,
         **transport_options: Any,
     ) -> None:
         #: Whether the channel was given several engines (its report names ``engine<e>.``).
@@ -238,6 +240,11 @@ class WeightSync:
         self.timeout = timeout
         self.checksum = checksum
         self.worker_options = WorkerOptions.coerce(worker_options)
+        #: Every update is a delta sync (see :func:`~streamsync.send`): only what changed
+        #: moves; the workers keep a copy of the weights to patch.
+        self.delta = delta
+        if delta:
+            self.worker_options = msgspec.structs.replace(self.worker_options, delta=True)
         #: False: a sync completes on the engines that are there; one that is gone (its RPC
         #: fails, its workers' links drop) is named in ``report.absent`` instead of failing
         #: the sync, and takes part again once it is back.
@@ -281,9 +288,11 @@ class WeightSync:
     def __exit__(self, *exc: object) -> None:
         self._close_blocking()
 
-    def _update_blocking(self, weights: Any, pipeline: AdapterLike | None) -> SyncReport:
+    def _update_blocking(
+        self, weights: Any, pipeline: AdapterLike | None, delta: bool | None
+    ) -> SyncReport:
         self._check_blocking("sync.update(weights)", "await sync.update(weights)")
-        return anyio.run(partial(self.update, weights, pipeline=pipeline))
+        return anyio.run(partial(self.update, weights, pipeline=pipeline, delta=delta))
 
     def _close_blocking(self) -> None:
         self._check_blocking("sync.close()", "await sync.aclose()")
@@ -396,11 +405,15 @@ class WeightSync:
     def _engine(self, e: int) -> int | None:
         return e if self.fanout else None
 
-    async def update(self, weights: Any, *, pipeline: AdapterLike | None = None) -> SyncReport:
+    async def update(
+        self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
+    ) -> SyncReport:
         """Stream ``weights`` into every worker of every engine; returns the sender's report
         with one :class:`~streamsync.LoadResult` per worker and model instance in
         ``instances`` (``worker<w>.<instance>``, or ``engine<e>.worker<w>.<instance>`` with
-        several engines). ``pipeline`` overrides the channel's for this sync.
+        several engines). ``pipeline`` overrides the channel's for this sync; on a channel
+        opened with ``delta=True``, ``delta=False`` makes this one sync full (the next is a
+        delta on it again).
 
         A worker's failure is raised as the worker's own exception class, with its partial
         report; with several engines its message and ``exc.engine`` say which engine. The
@@ -410,8 +423,11 @@ class WeightSync:
         options = self.worker_options
         if options.timeout is None:
             options = msgspec.structs.replace(options, timeout=self.timeout)
+        if delta and not self.delta:
+            raise ConfigError("update(delta=True) needs a channel opened with delta=True")
+        mode: bool | str = self.delta and ("full" if delta is False else True)
         sync = _Round(results=[[] for _ in self.clients])
-        await self._run(sync, sender, options, weights, pipeline)
+        await self._run(sync, sender, options, weights, pipeline, mode)
         if sync.report is None and sync.send_error is None and not await sender.settle():
             # Cancelled (an engine failed first), and a call still runs on the channel's
             # loop after the wait: its state is unknown, so it goes. Normally the cancelled
@@ -427,6 +443,7 @@ class WeightSync:
         options: WorkerOptions,
         weights: Any,
         pipeline: AdapterLike | None,
+        delta: bool | str = False,
     ) -> None:
         """The send beside every engine's receive; a failure that dooms the sync cancels
         the rest (see :meth:`_receive`)."""
@@ -444,6 +461,7 @@ class WeightSync:
                     bucket_bytes=self.bucket_bytes,
                     timeout=self.timeout,
                     checksum=self.checksum,
+                    delta=cast("bool", delta),
                 )
             except StreamsyncError as exc:
                 sync.send_error = exc
@@ -602,9 +620,11 @@ class BlockingWeightSync:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def update(self, weights: Any, *, pipeline: AdapterLike | None = None) -> SyncReport:
+    def update(
+        self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
+    ) -> SyncReport:
         """:meth:`WeightSync.update`, blocking."""
-        return self.channel._update_blocking(weights, pipeline)
+        return self.channel._update_blocking(weights, pipeline, delta)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """:meth:`WeightSync.wait_ready`, blocking."""

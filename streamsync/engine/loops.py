@@ -194,6 +194,12 @@ class HostedSender(Sender):
     def seal(self) -> None:
         self.sender.seal()  # a flag its loop reads at the next newcomer
 
+    async def begin(self, sync_id: int, *, timeout: float) -> dict[int, int | None]:
+        return await self._hosted(partial(self.sender.begin, sync_id, timeout=timeout))
+
+    async def forget(self, sync_id: int) -> None:
+        await self._hosted(partial(self.sender.forget, sync_id))
+
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
     ) -> None:

@@ -26,7 +26,7 @@ __all__ = ["WORKER_PROTOCOL", "WorkerOptions", "WorkerResult"]
 
 #: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
 #: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.
-WORKER_PROTOCOL = 1
+WORKER_PROTOCOL = 2
 
 
 def _check_version(kind: str, data: object) -> None:
@@ -53,6 +53,8 @@ class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     quirks: tuple[str, ...] | None = None
     #: Only these model instances (``"main"``, ``"drafter"``); ``None``: all of them.
     instances: tuple[str, ...] | None = None
+    #: Keep the copies a delta sync patches (:class:`WeightSync` with ``delta=True``).
+    delta: bool = False
 
     @classmethod
     def coerce(cls, options: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:

@@ -116,7 +116,7 @@ class Sender(_Resource):
         A transport that does not track versions returns ``{}``: every sync is then full."""
         return {}
 
-    def forget(self, sync_id: int) -> None:
+    async def forget(self, sync_id: int) -> None:
         """Drop sync ``sync_id``, begun with :meth:`begin` but never sent."""
 
     @abstractmethod

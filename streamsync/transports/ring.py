@@ -311,7 +311,7 @@ class RingSender(Sender):
         await self._begin(sync_id, timeout)
         return {index: self._held.get(index) for index in sorted(self._members)}
 
-    def forget(self, sync_id: int) -> None:
+    async def forget(self, sync_id: int) -> None:
         """Drop sync ``sync_id``, begun but never sent (its receivers saw nothing of it)."""
         self._finish_sync(sync_id)
 

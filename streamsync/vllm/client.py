@@ -155,6 +155,7 @@ class WeightSync(_EngineWeightSync):
         timeout: float = DEFAULT_TIMEOUT,
         checksum: bool = False,
         worker_options: WorkerOptions | Mapping[str, Any] | None = None,
+        delta: bool = False,
         **transport_options: Any,
     ) -> None:
         super().__init__(
@@ -165,6 +166,7 @@ class WeightSync(_EngineWeightSync):
             timeout=timeout,
             checksum=checksum,
             worker_options=worker_options,
+            delta=delta,
             **transport_options,
         )
         self.llm = llm

@@ -40,7 +40,11 @@ class WorkerExtension:
 
         def sink(opts: WorkerOptions) -> VllmSink:
             return VllmSink.from_worker(
-                self, lifecycle=opts.lifecycle, quirks=opts.quirks, instances=opts.instances
+                self,
+                lifecycle=opts.lifecycle,
+                quirks=opts.quirks,
+                instances=opts.instances,
+                delta=opts.delta,
             )
 
         return _receivers(self).handle(endpoint, options, sink).to_wire()

@@ -17,11 +17,18 @@ A parameter an instance holds under several names (tied embeddings: ``lm_head.we
 carries first, since each name belongs to a layer that re-processes its own copy (the CPU
 build packs ``lm_head`` for its GEMM). A later tensor under another of those names must hold
 the same bytes. After the lifecycle, no parameter or buffer may be left on the meta device:
-such a sync fails by name."""
+such a sync fails by name.
+
+With ``delta=True`` the sink keeps a copy of every tensor it received, in checkpoint
+coordinates (the wire's names, dtypes and shapes), beside the main model: a delta sync
+patches those copies (``target``) and then loads every copy through the ordinary lifecycle,
+so fused, sharded, quantized and repacked layers are rebuilt from whole checkpoint tensors
+as in a full sync. That costs one host copy of the synced weights per worker."""
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,13 +36,19 @@ from typing import Any
 import torch
 import xxhash
 
-from streamsync._copies import clone
+from streamsync._copies import clone, copy_tensors
 from streamsync._log import log
 from streamsync.adapters.split_buffers import MANIFEST_NAME, BufferRouter
 from streamsync.errors import ConfigError, ReceiverFailedError, StreamsyncError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
+from streamsync.sink import held_version, set_held_version
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
+
+#: Per main model, the checkpoint-coordinate copies a delta-tracking sink keeps.
+_kept_copies: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 __all__ = ["ModelInstance", "VllmSink", "model_instances", "tied_names"]
 
@@ -160,6 +173,7 @@ class VllmSink:
         lifecycle: Lifecycle | None = None,
         vllm_config: Any = None,
         quirks: Sequence[Any] | None = None,
+        delta: bool = False,
     ) -> None:
         if not instances:
             raise ConfigError("VllmSink needs at least one model instance")
@@ -172,6 +186,36 @@ class VllmSink:
         self._router = BufferRouter({inst.name: inst.model for inst in self.instances})
         self._buffers: list[NamedTensor] = []
         self._prepared = False  # between prepare and finalize: what abort undoes
+        main = self.instances[0].model
+        if delta:
+            self._copies: dict[str, torch.Tensor] | None = _kept_copies.setdefault(main, {})
+        else:
+            self._copies = None
+            _kept_copies.pop(main, None)  # a full sync without tracking: the copies go stale
+        self._received: set[str] = set()
+
+    @property
+    def version(self) -> int | None:
+        """The version every instance holds, when this sink keeps copies to patch."""
+        if self._copies is None:
+            return None
+        held = {held_version(inst.model) for inst in self.instances}
+        return held.pop() if len(held) == 1 else None
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        for inst in self.instances:
+            set_held_version(inst.model, version)
+
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The kept copy of ``name`` (allocated at its first sync) when the sink keeps
+        copies: chunks and patches land in it."""
+        if self._copies is None:
+            return None
+        copy = self._copies.get(name)
+        if copy is None or copy.dtype != dtype or tuple(copy.shape) != shape:
+            copy = self._copies[name] = torch.empty(shape, dtype=dtype)
+        return copy
 
     @classmethod
     def from_worker(
@@ -181,6 +225,7 @@ class VllmSink:
         lifecycle: str | None = None,
         quirks: Sequence[str] | None = None,
         instances: Sequence[str] | None = None,
+        delta: bool = False,
     ) -> VllmSink:
         """The sink for a vLLM worker (what ``WorkerExtension`` uses)."""
         from streamsync.vllm.quirks import quirks_by_name
@@ -193,6 +238,7 @@ class VllmSink:
             lifecycle=choose_lifecycle(lifecycle),
             vllm_config=worker.vllm_config,
             quirks=quirks_by_name(quirks) if quirks is not None else None,
+            delta=delta,
         )
 
     @contextlib.contextmanager
@@ -207,6 +253,7 @@ class VllmSink:
 
     def prepare(self) -> None:
         self._prepared = True
+        self._received = set()
         with self._context():
             self._router.begin()
             self._buffers = []
@@ -221,6 +268,8 @@ class VllmSink:
                 self.lifecycle.prepare(inst)
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
+        if self._copies is not None:
+            tensors = self._keep(tensors)
         with self._context():
             params: list[NamedTensor] = []
             for name, tensor in tensors:
@@ -248,6 +297,24 @@ class VllmSink:
                             f"{type(exc).__name__}: {exc}"
                         ) from exc
 
+    def _keep(self, tensors: Sequence[NamedTensor]) -> list[NamedTensor]:
+        """Each tensor as its kept copy (copied there unless it landed there already)."""
+        assert self._copies is not None
+        out: list[NamedTensor] = []
+        moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, tensor in tensors:
+            if name == MANIFEST_NAME:
+                out.append((name, tensor))
+                continue
+            copy = self.target(name, tensor.dtype, tuple(tensor.shape))
+            assert copy is not None
+            if copy is not tensor:
+                moves.append((copy, tensor))
+            out.append((name, copy))
+            self._received.add(name)
+        copy_tensors(moves)
+        return out
+
     def abort(self) -> None:
         """After a sync that failed between :meth:`prepare` and :meth:`finalize`: leave every
         instance able to serve (the lifecycle's ``abort``: the layers that completed keep
@@ -268,6 +335,12 @@ class VllmSink:
 
     def finalize(self) -> LoadResult:
         per_instance: dict[str, LoadResult] = {}
+        if self._copies is not None:
+            # What a delta left out did not change: every layer is rebuilt from whole
+            # checkpoint tensors, as a full sync rebuilds it.
+            rest = [(n, t) for n, t in self._copies.items() if n not in self._received]
+            if rest:
+                self.load(rest)
         with self._context():
             for inst in self.instances:
                 self.lifecycle.finalize(inst)

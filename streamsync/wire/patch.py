@@ -7,26 +7,36 @@ boundary the ``k`` new elements' bytes. Elements are compared as bit patterns, n
 floats: a NaN that stays NaN is unchanged, ``-0.0`` against ``0.0`` is a change, FP8 bytes
 are bytes.
 
-:func:`diff` finds the changed elements in one pass over both tensors (8-byte words first,
-then the elements of a word that differs) with a compiled kernel when numba is installed
-(the ``delta`` extra), else with torch's ``!=`` and ``nonzero``. A patch is only made when
-it is smaller than the tensor; otherwise the tensor travels whole.
+:func:`diff` finds the changed elements in one pass over both tensors (32 bytes at a time,
+then the elements of a block that differs) with a small C kernel (``_patch_kernel.c``, built
+on first use with the system's C compiler into the user's cache directory, called through
+ctypes), else with torch's ``!=`` and ``nonzero``. A patch is only made when it is smaller
+than the tensor; otherwise the tensor travels whole.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import torch
 
 from streamsync._copies import POOL_THREADS, _pool, _wait
+from streamsync._log import warn
 from streamsync.errors import WireFormatError
 
 __all__ = [
-    "KERNEL",
+    "kernel",
     "Patch",
     "apply",
     "check",
@@ -38,8 +48,6 @@ __all__ = [
     "positions_nbytes",
 ]
 
-#: Which implementation :func:`diff` uses: ``"numba"`` (compiled, one pass) or ``"torch"``.
-KERNEL: Final = "numba" if importlib.util.find_spec("numba") is not None else "torch"
 #: A tensor at least this large is compared in parallel pieces, one per pool thread.
 _PARALLEL_BYTES: Final = 4 << 20
 _ALIGN: Final = 64
@@ -80,81 +88,83 @@ def _elements(flat: torch.Tensor, itemsize: int) -> np.ndarray:
     return flat.numpy().view(_UINT[itemsize])
 
 
-if KERNEL == "numba":
-    from numba import njit
-
-    @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
-    def _diff_kernel(
-        new_w: Any,
-        base_w: Any,
-        new_e: Any,
-        base_e: Any,
-        lanes: int,
-        lo: int,
-        hi: int,
-        pos: Any,
-        vals: Any,
-        limit: int,
-    ) -> int:
-        # Words [lo, hi) of 8 bytes; then, in the last piece, the elements after the words.
-        k = 0
-        for w in range(lo, hi):
-            if new_w[w] != base_w[w]:
-                first = w * lanes
-                for i in range(first, first + lanes):
-                    if new_e[i] != base_e[i]:
-                        if k == limit:
-                            return -1
-                        pos[k] = i
-                        vals[k] = new_e[i]
-                        k += 1
-        if hi == new_w.size:
-            for i in range(hi * lanes, new_e.size):
-                if new_e[i] != base_e[i]:
-                    if k == limit:
-                        return -1
-                    pos[k] = i
-                    vals[k] = new_e[i]
-                    k += 1
-        return k
-
-    @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
-    def _check_kernel(pos: Any, numel: int, after: int) -> int:
-        # The index of the first position that is not ascending or not inside the tensor.
-        prev = after
-        for j in range(pos.size):
-            p = pos[j]
-            if p <= prev or p >= numel:
-                return j
-            prev = p
-        return -1
-
-    @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
-    def _apply_kernel(dst: Any, pos: Any, vals: Any) -> None:
-        for j in range(pos.size):
-            dst[pos[j]] = vals[j]
+@functools.cache
+def _library() -> Any:
+    """The compiled kernel (built once per source version and machine), or ``None``."""
+    source = Path(__file__).with_name("_patch_kernel.c")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    name = f"patch-{digest}-{platform.machine()}.so"
+    for root in (
+        os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"),
+        tempfile.gettempdir(),
+    ):
+        built = Path(root) / "streamsync" / name
+        try:
+            if not built.exists():
+                compiler = shutil.which(os.environ.get("CC", "cc"))
+                if compiler is None:
+                    warn("delta.kernel", using="torch", why="no C compiler (cc) found")
+                    return None
+                built.parent.mkdir(parents=True, exist_ok=True)
+                partial = built.with_name(f"{name}.{os.getpid()}.tmp")
+                subprocess.run(
+                    [compiler, "-O3", "-shared", "-fPIC", "-o", str(partial), str(source)],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
+                os.replace(partial, built)  # atomic: a concurrent build loses nothing
+            lib = ctypes.CDLL(str(built))
+        except (OSError, subprocess.SubprocessError) as exc:
+            warn("delta.kernel", using="torch", why=f"{type(exc).__name__}: {exc}", at=str(built))
+            continue
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for size in (1, 2, 4, 8):
+            diff_fn = getattr(lib, f"ss_diff_{size}")
+            diff_fn.argtypes = [p, p, i64, i64, p, p, p, i64]
+            diff_fn.restype = i64
+            apply_fn = getattr(lib, f"ss_apply_{size}")
+            apply_fn.argtypes = [p, p, p, p, i64]
+            apply_fn.restype = None
+        lib.ss_check.argtypes = [p, p, i64, i64, i64]
+        lib.ss_check.restype = i64
+        return lib
+    return None
 
 
-def _diff_numba(new: np.ndarray, base: np.ndarray, itemsize: int, limit: int) -> Patch | None:
+def kernel() -> str:
+    """Which implementation patches use here: ``"c"`` (the compiled kernel) or ``"torch"``."""
+    return "c" if _library() is not None else "torch"
+
+
+def _addr(array: np.ndarray) -> int:
+    return int(array.ctypes.data)
+
+
+def _pos_args(pos: np.ndarray) -> tuple[int | None, int | None]:
+    return (_addr(pos), None) if pos.dtype == np.int32 else (None, _addr(pos))
+
+
+def _diff_c(new: np.ndarray, base: np.ndarray, itemsize: int, limit: int) -> Patch | None:
+    lib = _library()
+    fn = getattr(lib, f"ss_diff_{itemsize}")
     numel = new.size
     pdt = position_dtype(numel)
-    lanes = 8 // itemsize
-    words = numel // lanes
-    new_w = new[: words * lanes].view(np.uint64)
-    base_w = base[: words * lanes].view(np.uint64)
-    pieces = POOL_THREADS if numel * itemsize >= _PARALLEL_BYTES and words >= POOL_THREADS else 1
-    step = -(-words // pieces) if words else 0
-    spans = [(lo, min(words, lo + step)) for lo in range(0, max(words, 1), max(step, 1))]
-    outs: list[tuple[np.ndarray, np.ndarray, int]] = []
+    per = 32 // itemsize
+    pieces = POOL_THREADS if numel * itemsize >= _PARALLEL_BYTES else 1
+    step = -(-numel // pieces)
+    step = -(-step // per) * per
+    spans = [(lo, min(numel, lo + step)) for lo in range(0, numel, step)] or [(0, 0)]
 
     def run(span: tuple[int, int], share: int) -> tuple[np.ndarray, np.ndarray, int]:
         pos = np.empty(share, pdt)
         vals = np.empty(share, new.dtype)
-        k = _diff_kernel(new_w, base_w, new, base, lanes, span[0], span[1], pos, vals, share)
+        p32, p64 = _pos_args(pos)
+        k = fn(_addr(new), _addr(base), span[0], span[1], p32, p64, _addr(vals), share)
         return pos, vals, int(k)
 
     if len(spans) == 1:
-        outs.append(run((0, words), limit))
+        outs = [run(spans[0], limit)]
     else:
         share = max(1, limit // len(spans))
         futures: list[Future[Any]] = [_pool.get().submit(run, span, share) for span in spans]
@@ -164,7 +174,7 @@ def _diff_numba(new: np.ndarray, base: np.ndarray, itemsize: int, limit: int) ->
         return None
     if len(outs) == 1:
         pos, vals, k = outs[0]
-        return pos[:k], vals[:k]
+        return pos[:k].copy(), vals[:k].copy()
     return (
         np.concatenate([p[:k] for p, _, k in outs]),
         np.concatenate([v[:k] for _, v, k in outs]),
@@ -181,7 +191,7 @@ def _diff_torch(new: np.ndarray, base: np.ndarray, itemsize: int, limit: int) ->
 
 
 def diff(
-    new: torch.Tensor, base: torch.Tensor, itemsize: int, *, kernel: str = KERNEL
+    new: torch.Tensor, base: torch.Tensor, itemsize: int, *, use: str | None = None
 ) -> Patch | None:
     """The elements of ``new`` whose bits differ from ``base`` (both contiguous CPU uint8
     tensors of the same size, ``itemsize`` bytes per element), or ``None`` when a patch
@@ -190,8 +200,8 @@ def diff(
         raise ValueError("diff needs two byte tensors of the same whole number of elements")
     a, b = _elements(new, itemsize), _elements(base, itemsize)
     limit = _limit(a.size, itemsize)
-    if kernel == "numba":
-        return _diff_numba(a, b, itemsize, limit)
+    if (use or kernel()) == "c":
+        return _diff_c(a, b, itemsize, limit)
     return _diff_torch(a, b, itemsize, limit)
 
 
@@ -217,14 +227,15 @@ def decode(data: torch.Tensor, k: int, numel: int, itemsize: int) -> Patch:
     return pos, vals
 
 
-def check(pos: np.ndarray, numel: int, after: int, name: str, *, kernel: str = KERNEL) -> int:
+def check(pos: np.ndarray, numel: int, after: int, name: str, *, use: str | None = None) -> int:
     """Raise :class:`WireFormatError` unless every position is inside the tensor and the
     positions ascend strictly from above ``after`` (the last position of the tensor's
     previous patch piece, or -1); returns the last position."""
     if pos.size == 0:
         return after
-    if kernel == "numba":
-        bad = int(_check_kernel(pos, numel, after))
+    if (use or kernel()) == "c":
+        p32, p64 = _pos_args(pos)
+        bad = int(_library().ss_check(p32, p64, pos.size, numel, after))
     else:
         t = torch.from_numpy(pos).to(torch.int64)
         before = torch.cat([torch.tensor([after], dtype=torch.int64), t[:-1]])
@@ -243,14 +254,16 @@ def check(pos: np.ndarray, numel: int, after: int, name: str, *, kernel: str = K
     return int(pos[-1])
 
 
-def apply(dst: torch.Tensor, patch: Patch, itemsize: int, *, kernel: str = KERNEL) -> None:
+def apply(dst: torch.Tensor, patch: Patch, itemsize: int, *, use: str | None = None) -> None:
     """Write a checked patch's values into ``dst`` (any device, any dtype of that element
     size: bit patterns are written as they are)."""
     pos, vals = patch
     if dst.is_cpu and dst.is_contiguous():
         target = dst.reshape(-1).view(torch.uint8).numpy().view(_UINT[itemsize])
-        if kernel == "numba":
-            _apply_kernel(target, pos, vals)
+        if (use or kernel()) == "c":
+            p32, p64 = _pos_args(pos)
+            fn = getattr(_library(), f"ss_apply_{itemsize}")
+            fn(_addr(target), p32, p64, _addr(vals), pos.size)
         else:
             target[pos] = vals
         return

@@ -97,6 +97,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
                 lifecycle=choose_lifecycle(opts.lifecycle),
                 vllm_config=self.vllm_config,
                 quirks=quirks_by_name(opts.quirks) if opts.quirks is not None else None,
+                delta=opts.delta,
             )
 
         result = receivers.handle(init.endpoint, options, sink)
