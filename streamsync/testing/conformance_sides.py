@@ -19,7 +19,10 @@ import torch
 import streamsync as ss
 from streamsync.transports import open_receiver, open_sender
 
-__all__ = ["conformance_weights", "digest"]
+__all__ = ["DELTA_STEPS", "conformance_weights", "delta_weights", "digest"]
+
+#: Syncs of the suite's delta case: one full, then deltas.
+DELTA_STEPS = 20
 
 _BUCKET_BYTES = 16 << 10
 _CONNECT_S = 60.0
@@ -43,6 +46,27 @@ def conformance_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     out["empty"] = torch.empty(0, 4)
     out["embed_tokens.weight"] = torch.randn(100, 200, generator=gen).to(torch.bfloat16)  # 40 KB
     return out
+
+
+def delta_weights(step: int) -> dict[str, torch.Tensor]:
+    """:func:`conformance_weights` ``(0)`` after ``step`` training-like steps: each flips a
+    bit in about 3 % of every tensor's elements (20 % of the largest, whose patch then
+    needs two buckets), so floats become NaN, -0.0, anything: compared as bits."""
+    out = conformance_weights(0)
+    for s in range(1, step + 1):
+        gen = torch.Generator().manual_seed(1000 + s)
+        for name, tensor in out.items():
+            if tensor.numel() == 0:
+                continue
+            rows = tensor.reshape(-1).view(torch.uint8).view(tensor.numel(), -1)
+            share = 0.2 if name == "embed_tokens.weight" else 0.03
+            chosen = (torch.rand(tensor.numel(), generator=gen) < share).nonzero().squeeze(1)
+            rows[chosen, 0] ^= 1
+    return out
+
+
+def _delta_expected(step: int) -> list[str]:
+    return [digest(n, t) for n, t in delta_weights(step).items()]
 
 
 def digest(name: str, tensor: torch.Tensor) -> str:
@@ -88,6 +112,36 @@ async def _slow_source(seed: int, delay: float) -> AsyncIterator[tuple[str, torc
         await anyio.sleep(delay)
 
 
+class _HeldSink:
+    """A sink that holds the model itself (name -> tensor) across syncs and takes deltas:
+    patches land in its tensors (``target``); it says which version it holds."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+
+    def prepare(self) -> None:
+        pass
+
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        held = self.held.get(name)
+        if held is None or held.dtype != dtype or tuple(held.shape) != shape:
+            held = self.held[name] = torch.empty(shape, dtype=dtype)
+        return held
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            own = self.target(name, tensor.dtype, tuple(tensor.shape))
+            if own is not tensor:
+                own.copy_(tensor)
+
+    def finalize(self) -> None:
+        pass
+
+    def digests(self) -> list[str]:
+        return [digest(n, self.held[n]) for n in conformance_weights(0) if n in self.held]
+
+
 # -- child processes -----------------------------------------------------------------
 def _child(role: str, setup: str, args: dict[str, Any], results: Any) -> None:
     """Entry point of a spawned side: run it and put a plain dict on ``results``."""
@@ -103,25 +157,46 @@ def _child(role: str, setup: str, args: dict[str, Any], results: Any) -> None:
 
 async def _receiver_side(args: dict[str, Any], results: Any) -> dict[str, Any]:
     sink = _HashingSink(args.get("delay", 0.0), lambda: results.put({"event": "loading"}))
+    held = _HeldSink()
     syncs: list[list[str]] = []
     async with open_receiver(args["url"], connect_timeout=_CONNECT_S, **args["options"]) as rx:
         results.put({"event": "joined"})
         for _ in range(args["syncs"]):
             # The first bucket may wait for other children to start; later waits are short.
-            await ss.receive(rx, sink, timeout=max(args["timeout"], _CONNECT_S))
+            timeout = max(args["timeout"], _CONNECT_S)
+            if args.get("delta"):
+                await ss.receive(rx, held, timeout=timeout)
+                syncs.append(held.digests())
+                continue
+            await ss.receive(rx, sink, timeout=timeout)
             syncs.append(list(sink.digests))
     return {"syncs": syncs}
 
 
 async def _sender_side(args: dict[str, Any], results: Any) -> dict[str, Any]:
+    reports: list[tuple[int | None, str | None, int, int]] = []  # base, why full, wire, sparse
     async with open_sender(args["url"], connect_timeout=_CONNECT_S, **args["options"]) as tx:
         for seed in range(args["syncs"]):
             weights: Any = conformance_weights(seed)
             if args.get("delay"):
                 weights = _slow_source(seed, args["delay"])
             size = args.get("bucket_bytes", _BUCKET_BYTES)
+            if args.get("delta"):
+                report = await ss.send(
+                    delta_weights(seed), tx, bucket_bytes=size, timeout=args["timeout"], delta=True
+                )
+                assert report.delta is not None
+                reports.append(
+                    (
+                        report.delta.base,
+                        report.delta.full_reason,
+                        report.wire_bytes,
+                        report.delta.sparse,
+                    )
+                )
+                continue
             await ss.send(weights, tx, bucket_bytes=size, timeout=args["timeout"])
-    return {}
+    return {"reports": reports}
 
 
 async def _raises(
