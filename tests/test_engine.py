@@ -169,7 +169,7 @@ def test_worker_options_are_typed_and_versioned() -> None:
     assert WorkerOptions.from_wire(None) == WorkerOptions()
     with pytest.raises(ss.ConfigError, match="valid options: timeout, transport, lifecycle"):
         WorkerOptions.coerce({"quirk": []})
-    with pytest.raises(ss.ProtocolVersionError, match="version 2"):
+    with pytest.raises(ss.ProtocolVersionError, match=f"version {WORKER_PROTOCOL + 1}"):
         WorkerOptions.from_wire({"version": WORKER_PROTOCOL + 1})
     with pytest.raises(ss.ProtocolVersionError, match="worker 3's result"):
         WorkerResult.from_wire({"version": WORKER_PROTOCOL + 1, "pid": 1}, rank=3)

@@ -205,6 +205,7 @@ class LinkedSender(RingSender):
         if joining:
             del self._joining[peer.index]
             self.peers[peer.index] = peer
+            self.on_joined(peer.index)
             log("channel.joined", url=self.url, receiver=peer.index, peer=peer.describe)
             self._signal.notify()
             return True

@@ -181,6 +181,8 @@ class MemoryReceiver(RingReceiver):
             chan.inboxes.append(send)
         self._chan = chan
         self._inbox = recv
+        if chan.sender is not None:
+            chan.sender.on_joined(self._index)
         if chan.joined is not None:
             chan.joined.set()
 

@@ -228,6 +228,11 @@ class RingSender(Sender):
             self.on_broken(WireFormatError(f"receiver sent an unexpected {type(msg).__name__}"))
         self._signal.notify()
 
+    def on_joined(self, index: int) -> None:
+        """A receiver joined as ``index`` (transports call this): whatever the index's
+        previous receiver held, this one is at no version the sender knows."""
+        self._held.pop(index, None)
+
     def on_left(self, index: int, why: StreamsyncError) -> None:
         """Receiver ``index`` left or went away (transports call this): it owes nothing; a
         running sync it had not reported on fails (``require_all``) or goes on without it."""

@@ -1,0 +1,325 @@
+"""Delta syncs (``send(..., delta=True)``): the choice between delta and full, the
+self-healing cases (a restarted receiver, a failed delta, a receiver absent from a sync, a
+sink that holds another version), the report, and the patch decoder's refusals.
+
+Over ``memory://`` in one process, with a :class:`ModuleSink` into a bf16 module that is
+compared bit for bit with the trainer's weights after every sync. The same syncs across
+processes on every transport are in the conformance suite (``test_delta_syncs_are_bit_exact``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any
+
+import hypothesis.strategies as st
+import msgspec
+import numpy as np
+import pytest
+import torch
+from conftest import run_both
+from hypothesis import given, settings
+
+import streamsync as ss
+from streamsync.adapters import cast
+from streamsync.wire import patch as patches
+from streamsync.wire.bucket import BucketBuilder, Unpacker
+from streamsync.wire.frames import BucketHeader
+
+_names = itertools.count()
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 300))
+
+
+def step(trainer: torch.nn.Module, seed: int, fraction: float = 0.03) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            chosen = torch.rand(p.shape, generator=gen) < fraction
+            p.add_(torch.where(chosen, torch.randn(p.shape, generator=gen), 0.0))
+
+
+def same(trainer: torch.nn.Module, engine: torch.nn.Module) -> bool:
+    return all(
+        torch.equal(a.to(torch.bfloat16).view(torch.int16), b.view(torch.int16))
+        for a, b in zip(trainer.state_dict().values(), engine.state_dict().values(), strict=True)
+    )
+
+
+async def sync(tx: Any, rx: Any, trainer: torch.nn.Module, sink: Any, **kw: Any) -> Any:
+    out = await run_both(
+        receive=lambda: ss.receive(rx, sink, timeout=10),
+        send=lambda: ss.send(trainer, tx, pipeline=cast(torch.bfloat16), timeout=10, **kw),
+    )
+    return out["send"], out["receive"]
+
+
+async def test_a_delta_moves_only_what_changed_and_is_bit_exact() -> None:
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        reports = []
+        for s in range(6):
+            step(trainer, s)
+            sent, got = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+            assert isinstance(got, ss.SyncReport), got
+            assert same(trainer, engine)
+            reports.append(sent)
+        # Nothing changed: no tensor moves, and the model still holds it all.
+        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+    first, *deltas = reports
+    assert first.delta.base is None and "no baseline" in first.delta.full_reason
+    assert first.wire_bytes == first.nbytes or first.wire_bytes >= first.nbytes
+    for report, before in zip(deltas, reports, strict=False):
+        assert report.delta.base == before.sync_id and report.delta.full_reason is None
+        assert report.delta.sparse == 4 and report.delta.dense == 0
+        assert report.wire_bytes < first.wire_bytes / 5
+        assert report.nbytes == first.nbytes  # the tensors it represents
+        assert report.delta.baseline_bytes == first.nbytes
+    assert sent.delta.unchanged == 4 and sent.wire_bytes == 0 and same(trainer, engine)
+
+
+async def test_full_on_request_then_deltas_again() -> None:
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        for s, mode in enumerate([True, True, "full", True]):
+            step(trainer, s)
+            sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=mode)
+            assert same(trainer, engine)
+            if mode == "full":
+                assert sent.delta.full_reason == "a full sync was asked for"
+            elif s:
+                assert sent.delta.full_reason is None
+        # A plain sync drops the baseline (the receivers move past it): the next is full.
+        step(trainer, 9)
+        await sync(tx, rx, trainer, ss.ModuleSink(engine))
+        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+        assert "no baseline" in sent.delta.full_reason and same(trainer, engine)
+
+
+async def test_a_restarted_receiver_gets_a_full_sync() -> None:
+    trainer = model()
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx:
+        async with ss.open_receiver(url) as rx:
+            engine = model().to(torch.bfloat16)
+            for s in range(2):
+                step(trainer, s)
+                await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+        # The engine restarts: a fresh model on a fresh channel, at another version.
+        fresh = model().to(torch.bfloat16)
+        async with ss.open_receiver(url) as rx:
+            step(trainer, 5)
+            sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(fresh), delta=True)
+            assert "receiver 0 holds no known version" in sent.delta.full_reason
+            assert same(trainer, fresh)
+            step(trainer, 6)
+            sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(fresh), delta=True)
+            assert sent.delta.full_reason is None and same(trainer, fresh)
+
+
+class FailingSink(ss.ModuleSink):
+    """Fails on its second bucket, once."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.loads = 0
+
+    def load(self, tensors: Any) -> None:
+        self.loads += 1
+        if self.loads == 2:
+            raise RuntimeError("disk full")
+        super().load(tensors)
+
+
+async def test_a_failed_delta_leaves_the_baseline_and_the_next_sync_is_full() -> None:
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}?slot_bytes=4096"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        step(trainer, 0)
+        await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True, bucket_bytes=4096)
+        step(trainer, 1, fraction=0.2)
+        sent, got = await sync(tx, rx, trainer, FailingSink(engine), delta=True, bucket_bytes=4096)
+        assert isinstance(sent, ss.ReceiverFailedError) and isinstance(got, RuntimeError)
+        assert ss.ModuleSink(engine).version is None  # part of a delta: no known version
+        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True, bucket_bytes=4096)
+        assert "receiver 0 holds no known version" in sent.delta.full_reason
+        assert same(trainer, engine)
+
+
+async def test_a_receiver_absent_from_a_sync_gets_a_full_one_when_back() -> None:
+    trainer = model()
+    engines = [model().to(torch.bfloat16) for _ in range(2)]
+    url = f"memory://delta-{next(_names)}?receivers=2&require_all=false"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx0:
+        async with ss.open_receiver(url) as rx1:
+            for s in range(2):
+                step(trainer, s)
+                out = await run_both(
+                    a=lambda: ss.receive(rx0, ss.ModuleSink(engines[0]), timeout=10),
+                    b=lambda: ss.receive(rx1, ss.ModuleSink(engines[1]), timeout=10),
+                    send=lambda: ss.send(trainer, tx, pipeline=cast(torch.bfloat16), delta=True),
+                )
+                assert all(isinstance(v, ss.SyncReport) for v in out.values()), out
+        # Receiver 1 is away for one sync (a delta for receiver 0 alone)...
+        step(trainer, 2)
+        sent, _ = await sync(tx, rx0, trainer, ss.ModuleSink(engines[0]), delta=True)
+        assert sent.delta.full_reason is None and sent.absent
+        # ...and comes back holding the version before: that sync is full, for both.
+        async with ss.open_receiver(url) as rx1:
+            step(trainer, 3)
+            out = await run_both(
+                a=lambda: ss.receive(rx0, ss.ModuleSink(engines[0]), timeout=10),
+                b=lambda: ss.receive(rx1, ss.ModuleSink(engines[1]), timeout=10),
+                send=lambda: ss.send(trainer, tx, pipeline=cast(torch.bfloat16), delta=True),
+            )
+    assert "no known version" in out["send"].delta.full_reason
+    assert same(trainer, engines[0]) and same(trainer, engines[1])
+
+
+async def test_a_sink_on_another_version_refuses_the_delta_and_nothing_is_applied() -> None:
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        for s in range(2):
+            step(trainer, s)
+            await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+        # The receiver hands the channel another model (at no known version).
+        other = model().to(torch.bfloat16)
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        step(trainer, 2)
+        sent, got = await sync(tx, rx, trainer, ss.ModuleSink(other), delta=True)
+        assert isinstance(got, ss.DeltaBaseError) and "no known version" in str(got)
+        assert got.report.loaded == ()
+        assert isinstance(sent, ss.ReceiverFailedError) and "DeltaBaseError" in str(sent)
+        assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(other), delta=True)
+        assert sent.delta.full_reason is not None and same(trainer, other)
+
+
+async def test_delta_needs_an_open_sender() -> None:
+    with pytest.raises(ss.ConfigError, match="delta needs an open sender"):
+        await ss.send({"w": torch.ones(2)}, "memory://nowhere", delta=True)
+    async with ss.open_sender("memory://nowhere") as tx:
+        with pytest.raises(ss.ConfigError, match="delta='sometimes'"):
+            await ss.send({"w": torch.ones(2)}, tx, delta="sometimes")  # type: ignore[arg-type]
+
+
+# -- the patch format ------------------------------------------------------------------
+@pytest.mark.parametrize("use", ["c", "torch"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.bool]
+)
+def test_diff_finds_exactly_the_changed_bits(use: str, dtype: torch.dtype) -> None:
+    if use == "c" and patches.kernel() != "c":
+        pytest.fail("the C kernel did not build on this machine (a C compiler is expected)")
+    gen = torch.Generator().manual_seed(1)
+    for numel in (1, 5, 33, 4099, 3 << 20):
+        base = torch.randint(0, 256, (numel * dtype.itemsize,), generator=gen, dtype=torch.uint8)
+        new = base.clone()
+        hits = torch.randint(0, new.numel(), (max(1, new.numel() // 100),), generator=gen)
+        new[hits] ^= torch.randint(1, 256, hits.shape, generator=gen, dtype=torch.uint8)
+        found = patches.diff(new, base, dtype.itemsize, use=use)
+        width = dtype.itemsize
+        changed = (new.view(-1, width) != base.view(-1, width)).any(1).nonzero().squeeze(1)
+        if found is None:  # only where a patch would not be smaller
+            k = changed.numel()
+            assert patches.patch_nbytes(k, numel, width) >= numel * width, (numel, k)
+            continue
+        pos, vals = found
+        assert pos.tolist() == changed.tolist()
+        patched = base.clone()
+        patches.apply(patched, (pos, vals), width, use=use)
+        assert torch.equal(patched, new)
+
+
+def test_nan_and_negative_zero_are_bits() -> None:
+    base = torch.tensor([float("nan"), 0.0, 1.0] * 40, dtype=torch.float32)
+    new = base.clone()
+    new[1] = -0.0  # equal as floats, not as bits
+    found = patches.diff(new.view(torch.uint8), base.view(torch.uint8), 4)
+    assert found is not None and found[0].tolist() == [1]  # the NaNs did not "change"
+
+
+def _patch_bucket(name: str, numel: int, positions: list[int]) -> tuple[BucketHeader, torch.Tensor]:
+    pos = np.array(positions, dtype=np.int32)
+    vals = np.arange(len(positions), dtype=np.uint16) + 7
+    buf = torch.empty(patches.patch_nbytes(len(positions), numel, 2), dtype=torch.uint8)
+    patches.encode((pos, vals), numel, 2, buf)
+    builder = BucketBuilder(1 << 20)
+    assert not list(builder.add_patch(name, torch.bfloat16, (numel,), [(len(positions), buf)]))
+    bucket = builder.flush()
+    assert bucket is not None
+    packed = bucket.pack()
+    return BucketHeader(1, 0, 0, packed.data.numel(), packed.entries, base=5), packed.data
+
+
+@pytest.mark.parametrize(
+    ("positions", "why"),
+    [
+        ([3, 9, 400], "position 400 is outside its 300 elements"),
+        ([3, 9, 9, 20], "position 9 is given twice"),
+        ([3, 20, 9], "position 9 follows position 20"),
+        ([-1, 4], "position -1 is outside"),
+    ],
+)
+def test_bad_positions_are_named_and_nothing_is_applied(positions: list[int], why: str) -> None:
+    held = {
+        "a": torch.zeros(300, dtype=torch.bfloat16),
+        "b": torch.zeros(300, dtype=torch.bfloat16),
+    }
+    good_header, good_data = _patch_bucket("a", 300, [1, 2])
+    bad_header, bad_data = _patch_bucket("b", 300, positions)
+    # One bucket: a good patch of "a", then the bad one of "b".
+    entries = (good_header.entries[0], bad_header.entries[0])
+    offset = good_data.numel() + (-good_data.numel()) % 64
+    data = torch.zeros(offset + bad_data.numel(), dtype=torch.uint8)
+    data[: good_data.numel()] = good_data
+    data[offset:] = bad_data
+    entries = (entries[0], msgspec.structs.replace(entries[1], offset=offset))
+    header = BucketHeader(1, 0, 0, data.numel(), entries, base=5)
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    with pytest.raises(ss.WireFormatError, match=f"patch of tensor 'b': {why}"):
+        unpacker.feed(header, data, target=lambda n, d, s: held[n])
+    assert not held["a"].any() and not held["b"].any()  # neither patch was applied
+
+
+def test_a_patch_outside_a_delta_sync_is_refused() -> None:
+    header, data = _patch_bucket("a", 300, [1, 2])
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    with pytest.raises(ss.WireFormatError, match="not a delta"):
+        unpacker.feed(msgspec.structs.replace(header, base=None), data, target=lambda *a: None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    raw=st.binary(min_size=0, max_size=512),
+    k=st.integers(-3, 200),
+    numel=st.integers(0, 300),
+    nbytes=st.integers(-8, 600),
+)
+def test_fuzzed_patch_entries_fail_only_as_wire_errors(
+    raw: bytes, k: int, numel: int, nbytes: int
+) -> None:
+    """Random bytes and counts under a patch entry: a WireFormatError (or DeltaBaseError)
+    or a patch applied within the tensor; never another exception, a write outside the
+    tensor's own bytes, or an allocation (every view is of the received buffer)."""
+    from streamsync.wire.frames import Entry
+
+    guard = torch.zeros(numel + 64, dtype=torch.bfloat16)  # the tensor, then a fence
+    tensor = guard[:numel]
+    data = torch.frombuffer(bytearray(raw.ljust(640, b"\0")), dtype=torch.uint8)
+    entry = Entry("t", "bfloat16", (numel,), 0, nbytes, 0, 1, 0, None, k)
+    header = BucketHeader(1, 0, 0, len(raw), (entry,), base=5)
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    with contextlib.suppress(ss.WireFormatError, ss.DeltaBaseError):
+        unpacker.feed(header, data, target=lambda n, d, s: tensor)
+    assert not guard[numel:].view(torch.int16).any()  # nothing written past the tensor
