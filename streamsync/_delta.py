@@ -32,6 +32,9 @@ class Baseline:
     """The wire bytes of the version every member of the last delta-tracked sync holds."""
 
     version: int | None = None
+    #: Why deltas do not pay on this channel (see :func:`decline`): syncs go dense, with
+    #: no baseline kept, until a full sync is asked for.
+    declined: str | None = None
     #: name -> (dtype, shape, bytes as a flat uint8 tensor)
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
         default_factory=dict
@@ -71,6 +74,33 @@ def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> st
             holds = f"version {version}" if version is not None else "no known version"
             return f"receiver {index} holds {holds}, not the baseline's {baseline.version}"
     return None
+
+
+#: Below this many bytes a sync is too short to time: deltas are never declined for it.
+DECLINE_MIN_BYTES = 16 << 20
+#: Deltas pay when comparing runs this much faster than the transport moves bytes (a delta
+#: compares every byte, then sends a tenth or so of them; the rest is its margin).
+DECLINE_FACTOR = 1.25
+
+
+def decline(report: Any, tensor_bytes: int) -> str | None:
+    """After a full sync that recorded a baseline: why deltas would not beat dense syncs on
+    this channel, or ``None``. Compares the transport's rate in that sync (wire bytes over
+    the send and end phases, the receivers' copies included) with the comparison kernel's
+    measured scan rate."""
+    phases = report.phases
+    moving = phases.get("send", 0.0) + phases.get("end", 0.0)
+    if tensor_bytes < DECLINE_MIN_BYTES or moving <= 0:
+        return None
+    transport = report.wire_bytes / moving / 1e9
+    scan = patches.scan_rate()
+    if scan >= DECLINE_FACTOR * transport:
+        return None
+    return (
+        f"deltas do not pay on this channel: it moves {transport:.2f} GB/s and comparing "
+        f"runs at {scan:.2f} GB/s ({patches.kernel()} kernel); syncs go dense until a full "
+        "sync is asked for"
+    )
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from streamsync._delta import DeltaRun, baseline_of, choose
+from streamsync._delta import DeltaRun, baseline_of, choose, decline
 from streamsync._log import log
 from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import (
@@ -160,6 +160,18 @@ async def _send_delta(
         raise
     baseline = baseline_of(sender)
     assert baseline is not None
+    if full:
+        baseline.declined = None  # asked for: measure again
+    if baseline.declined is not None:
+        # A delta costs more than it saves on this channel: plain dense syncs.
+        chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
+        report = await _send(
+            chain(stream), sender, sync_id, timeout=timeout, checksum=checksum, begun=True
+        )
+        return msgspec.structs.replace(
+            report,
+            delta=DeltaReport(full_reason=baseline.declined, dense=report.tensors),
+        )
     why = choose(baseline, held, full=full)
     base = baseline.version if why is None else None
     run = DeltaRun(baseline, base, size)
@@ -174,7 +186,12 @@ async def _send_delta(
         unchanged=lambda: run.unchanged,
         begun=True,
     )
-    run.commit(sync_id)
+    if base is None:
+        baseline.declined = decline(report, run.tensor_bytes)
+    if baseline.declined is None:
+        run.commit(sync_id)
+    else:
+        baseline.drop()  # the recorded copy would never be used
     scan = run.scanned_bytes / run.scan_seconds / 1e9 if run.scan_seconds > 0 else 0.0
     log(
         "sync.delta",
@@ -193,7 +210,7 @@ async def _send_delta(
         nbytes=run.tensor_bytes,
         delta=DeltaReport(
             base=base,
-            full_reason=why,
+            full_reason=baseline.declined or why,
             unchanged=run.unchanged,
             sparse=run.sparse,
             dense=run.dense,

@@ -12,7 +12,7 @@
     }                                                                                        \
     /* Elements [lo, hi) of two arrays: the positions and new values of those that differ;  \
      * -1 once more than `limit` differ. Compares 32 bytes at a time, then the elements of  \
-     * a block that differs. */                                                              \
+     * a block that differs. `pos` and `vals` have room for `limit` + 32 elements. */       \
     int64_t ss_diff_##SUFFIX(const unsigned char *a, const unsigned char *b, int64_t lo,    \
                              int64_t hi, int32_t *pos32, int64_t *pos64,                    \
                              unsigned char *vals, int64_t limit) {                           \
@@ -26,15 +26,14 @@
             memcpy(&y0, pb, 8); memcpy(&y1, pb + 8, 8);                                     \
             memcpy(&y2, pb + 16, 8); memcpy(&y3, pb + 24, 8);                               \
             if (((x0 ^ y0) | (x1 ^ y1) | (x2 ^ y2) | (x3 ^ y3)) == 0) continue;             \
+            /* Branchless: every element is written, only a changed one is kept. */     \
             for (int64_t j = i; j < i + per; j++) {                                          \
                 T va = load_##SUFFIX(a + j * sizeof(T)), vb = load_##SUFFIX(b + j * sizeof(T)); \
-                if (va != vb) {                                                              \
-                    if (k == limit) return -1;                                               \
-                    if (pos32) pos32[k] = (int32_t)j; else pos64[k] = j;                     \
-                    memcpy(vals + k * sizeof(T), &va, sizeof(T));                            \
-                    k++;                                                                     \
-                }                                                                            \
+                if (pos32) pos32[k] = (int32_t)j; else pos64[k] = j;                         \
+                memcpy(vals + k * sizeof(T), &va, sizeof(T));                                \
+                k += va != vb;                                                               \
             }                                                                                \
+            if (k > limit) return -1;                                                        \
         }                                                                                    \
         for (; i < hi; i++) {                                                                \
             T va = load_##SUFFIX(a + i * sizeof(T)), vb = load_##SUFFIX(b + i * sizeof(T));  \

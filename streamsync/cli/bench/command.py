@@ -96,6 +96,16 @@ def add_parser(subparsers: Any) -> None:
         "zmq+tcp and torch+gloo, next to a raw gloo broadcast (e.g. 1,2,4)",
     )
     parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="delta against dense syncs instead: the model trained --steps AdamW steps at "
+        "lr 1e-6 and 1e-5 (fp32 master weights, bf16 on the wire) over shm, zmq+tcp and "
+        "torch+gloo to 1 and 3 receivers, side by side per step (--size is the bf16 size)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="training steps of --delta (default 5)"
+    )
+    parser.add_argument(
         "--vllm",
         action="store_true",
         help="also sync a ~400 MiB Qwen3 into a real vLLM engine (update_weights over shm) "
@@ -134,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     2 for options that cannot run here."""
     from tqdm import tqdm
 
+    if args.delta:
+        return _run_delta(args)
     if args.receivers:
         return _run_fanout(args)
     for name in args.transport or ():
@@ -238,10 +250,43 @@ def _run_fanout(args: argparse.Namespace) -> int:
     return 0 if all(r["ok"] and r["verified"] for r in data["rows"]) else 1
 
 
+def _run_delta(args: argparse.Namespace) -> int:
+    from streamsync.cli.bench.delta import DELTA_TRANSPORTS, DeltaConfig, format_delta, run_delta
+
+    transports = tuple(dict.fromkeys(args.transport or DELTA_TRANSPORTS))
+    if any(t not in DELTA_TRANSPORTS for t in transports) or args.steps < 1:
+        sys.stderr.write(
+            f"streamsync bench --delta: runs over {', '.join(DELTA_TRANSPORTS)} "
+            "with --steps 1 or more\n"
+        )
+        return 2
+    config = DeltaConfig(
+        size=args.size,
+        steps=args.steps,
+        transports=transports,
+        receivers=args.receivers or (1, 3),
+        bucket_bytes=args.bucket_bytes,
+        timeout=args.timeout,
+    )
+
+    def progress(label: str) -> None:
+        sys.stderr.write(f"{label}\n")
+
+    data = run_delta(config, progress)
+    data["command"] = _command_line(args)
+    sys.stdout.write(format_delta(data) + "\n")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=2)
+    return 0 if all(r["verified"] for r in data["rows"]) else 1
+
+
 def _command_line(args: argparse.Namespace) -> str:
     parts = ["streamsync bench", f"--size {human(args.size).replace(' ', '')}"]
     parts += [f"--transport {t}" for t in args.transport or ()]
     parts += [f"--scenario {s}" for s in args.scenario or ()]
+    parts += [f"--delta --steps {args.steps}"] if args.delta else []
     parts += [f"--receivers {','.join(map(str, args.receivers))}"] if args.receivers else []
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}", f"--slots {args.slots}"]
     parts += [f"--threads {args.threads}"] if args.threads is not None else []
