@@ -315,6 +315,8 @@ def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
         slots=2,
         threads=None,
         receivers=None,
+        delta=False,
+        steps=5,
         vllm=True,
         vllm_only=False,
         vllm_bucket_bytes=[16 << 20],
@@ -323,3 +325,29 @@ def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
     )
     line = _command_line(args)
     assert "--vllm --vllm-bucket-bytes 16777216" in line and "--threads" not in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_delta_against_dense(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--delta``: a trained model, every receiver verified bit-exact, and deltas that
+    move a fraction of the dense wire bytes."""
+    out = tmp_path / "delta.json"
+    args = ["bench", "--delta", "--size", "8MiB", "--steps", "2", "--receivers", "1"]
+    assert (
+        main([*args, "--bucket-bytes", "1MiB", "--transport", "zmq+tcp", "--json", str(out)]) == 0
+    )
+    assert "scan GB/s" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["schema"] == "streamsync.cli.bench.delta/1"
+    assert {(r["lr"], r["transport"]) for r in data["rows"]} == {
+        (1e-6, "zmq+tcp"),
+        (1e-5, "zmq+tcp"),
+    }
+    for row in data["rows"]:
+        assert row["verified"], row
+        first, *steady = row["steps"]
+        assert first["full_reason"] is not None
+        for step in steady:
+            assert step["full_reason"] is None and 0 < step["changed_fraction"] < 0.5
+            assert step["delta_wire_bytes"] < step["dense_wire_bytes"]

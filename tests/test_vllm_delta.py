@@ -116,3 +116,22 @@ def test_deltas_reach_the_drafter(tmp_path: Path) -> None:
         deltas_then_full(llm, trainer, f"shm://delta-draft-{os.getpid()}", cast(torch.bfloat16))
     finally:
         shutdown(llm)
+
+
+def test_deltas_into_a_tensor_parallel_engine(
+    tmp_path: Path, free_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=2 (``mp`` executor, a core per worker): each worker keeps its own copies of the
+    whole checkpoint tensors, patches them and loads its shard from them."""
+    from streamsync.adapters import cast
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    trainer = build_tiny_model(tmp_path, "dense", seed=0)
+    llm = make_llm(
+        str(tmp_path), dtype="bfloat16", tensor_parallel_size=2, distributed_executor_backend="mp"
+    )
+    try:
+        url = f"zmq+tcp://127.0.0.1:{free_port}"
+        deltas_then_full(llm, trainer, url, cast(torch.bfloat16))
+    finally:
+        shutdown(llm)

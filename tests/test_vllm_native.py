@@ -11,6 +11,7 @@ importing :mod:`streamsync.vllm.native`.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -204,6 +205,37 @@ def test_dense_server_three_updates(dense: tuple[Server, torch.nn.Module]) -> No
     engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10)
     try:
         three_steps(server, trainer, engine, seed=10)
+    finally:
+        engine.shutdown()
+
+
+def test_dense_server_delta_syncs(dense: tuple[Server, torch.nn.Module]) -> None:
+    """``StreamsyncInitInfo(delta=True)``: after the first (full) sync, each send_weights
+    moves patches of what changed, and the server serves the trainer's weights."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    server, trainer = dense
+    engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, delta=True)
+    try:
+        wires, seen = [], [server.greedy_tokens()]
+        for step in range(4):
+            gen = torch.Generator().manual_seed(70 + step)
+            with torch.no_grad():
+                for param in trainer.parameters():
+                    chosen = torch.rand(param.shape, generator=gen) < 0.03
+                    param.add_(torch.where(chosen, torch.randn(param.shape, generator=gen), 0.0))
+            want = reference_outputs(trainer).tokens
+            server.post("pause", params={"mode": "keep"})
+            engine.send_weights()
+            server.post("resume")
+            assert server.greedy_tokens() == want, f"step {step}"
+            seen.append(want)
+            report = engine.last_report
+            assert report is not None and report.delta is not None
+            assert (report.delta.base is None) == (step == 0), report.delta
+            wires.append(report.wire_bytes)
+        assert max(wires[1:]) < wires[0] / 4, wires
+        assert all(a != b for a, b in itertools.pairwise(seen)), "a step changed no tokens"
     finally:
         engine.shutdown()
 

@@ -62,6 +62,9 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: :class:`~streamsync.engine.channel.WorkerOptions` fields for every sync (``lifecycle``,
     #: ``quirks``, ``transport``).
     worker_options: Mapping[str, Any] | None = None
+    #: Delta syncs (see :func:`streamsync.send`): each ``send_weights`` moves only what
+    #: changed since the last; the workers keep a copy of the weights to patch.
+    delta: bool = False
 
 
 class _VllmClient:
@@ -214,6 +217,7 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             bucket_bytes=init_info.bucket_bytes,
             timeout=init_info.timeout,
             worker_options=init_info.worker_options,
+            delta=init_info.delta,
             **transport,
         )
         self._sync: BlockingWeightSync | None = None
