@@ -23,3 +23,12 @@ async def test_the_pipeline_test_example_passes() -> None:
     scope: dict[str, object] = {}
     exec(compile(block("async def test_my_renames"), "README.md", "exec"), scope)
     await scope["test_my_renames_match_the_model"]()  # type: ignore[operator]
+
+
+def test_the_delta_example_runs(capsys) -> None:  # type: ignore[no-untyped-def]
+    exec(compile(block("async def delta_steps"), "README.md", "exec"), {})
+    first, *deltas = capsys.readouterr().out.splitlines()
+    assert "no baseline yet" in first
+    assert len(deltas) == 2 and all("delta on" in line for line in deltas)
+    full = int(first.split()[0])
+    assert all(int(line.split()[0]) < full / 20 for line in deltas)
