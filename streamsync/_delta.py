@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from streamsync._copies import clone
 from streamsync.errors import ConfigError
 from streamsync.wire import patch as patches
-from streamsync.wire.bucket import Bucket, BucketBuilder
+from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule
 
 __all__ = ["Baseline", "DeltaRun", "baseline_of", "choose"]
 
@@ -103,6 +103,19 @@ def decline(report: Any, tensor_bytes: int) -> str | None:
     )
 
 
+def trailing_cast(stages: Sequence[Any]) -> CastRule | None:
+    """The rule of a pipeline's last stage when it is a ``cast``: a delta applies it while
+    comparing (fused for fp32 to bf16), as the bucketer does while packing."""
+    from streamsync.adapters.cast import cast
+    from streamsync.pipeline import Stage
+
+    last = stages[-1] if stages else None
+    if isinstance(last, Stage) and last.op is cast:
+        rule: CastRule = last.rule
+        return rule
+    return None
+
+
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor's bytes as a flat uint8 view."""
     return tensor.reshape(-1).view(torch.uint8)
@@ -116,6 +129,8 @@ class DeltaRun:
     baseline: Baseline
     base: int | None
     bucket_bytes: int
+    #: The pipeline's trailing ``cast`` (fused into the comparison where it can be).
+    cast: CastRule | None = None
     unchanged: int = 0
     sparse: int = 0
     dense: int = 0
@@ -161,30 +176,37 @@ class DeltaRun:
             tensor = tensor.cpu()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
+        to = self.cast(name, tensor.dtype) if self.cast is not None else None
+        wire_dtype = to or tensor.dtype
         shape = tuple(tensor.shape)
-        itemsize = tensor.element_size()
-        raw = _bytes(tensor)
-        self.tensor_bytes += raw.numel()
+        itemsize = wire_dtype.itemsize
+        nbytes = tensor.numel() * itemsize
+        self.tensor_bytes += nbytes
         base = self.baseline.tensors.get(name) if self.base is not None else None
-        if base is not None and base[0] == tensor.dtype and base[1] == shape and raw.numel():
+        found: patches.Patch | str | None = patches.UNCAST
+        if base is not None and base[0] == wire_dtype and base[1] == shape and nbytes:
             t0 = time.perf_counter()
-            found = patches.diff(raw, base[2], itemsize)
+            if to == torch.bfloat16 and tensor.dtype == torch.float32:
+                found = patches.diff_cast(tensor, base[2])
+            if isinstance(found, str):  # not fused: convert, then compare
+                if to is not None:
+                    tensor = tensor.to(to)
+                    to = None
+                found = patches.diff(_bytes(tensor), base[2], itemsize)
             self.scan_seconds += time.perf_counter() - t0
-            self.scanned_bytes += raw.numel()
-            if found is not None:
+            self.scanned_bytes += nbytes
+            if isinstance(found, tuple):
                 if found[0].size == 0:
                     self.unchanged += 1
                     return ()
                 self.sparse += 1
                 self._patches[name] = found
-                return builder.add_patch(
-                    name,
-                    tensor.dtype,
-                    shape,
-                    self._pieces(found, raw.numel() // itemsize, itemsize),
-                )
+                pieces = self._pieces(found, tensor.numel(), itemsize)
+                return builder.add_patch(name, wire_dtype, shape, pieces)
+        if to is not None:
+            tensor = tensor.to(to)
         self.dense += 1
-        self._pending[name] = (tensor.dtype, shape, clone(raw))
+        self._pending[name] = (wire_dtype, shape, clone(_bytes(tensor)))
         return builder.add(name, tensor)
 
     def _pieces(

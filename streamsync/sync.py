@@ -12,7 +12,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from streamsync._delta import DeltaRun, baseline_of, choose, decline
+from streamsync._delta import DeltaRun, baseline_of, choose, decline, trailing_cast
 from streamsync._log import log
 from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import (
@@ -174,8 +174,12 @@ async def _send_delta(
         )
     why = choose(baseline, held, full=full)
     base = baseline.version if why is None else None
-    run = DeltaRun(baseline, base, size)
-    items = Chain(pipeline)(stream) if pipeline is not None else stream
+    stages = Chain(pipeline).parts if pipeline is not None else ()
+    rule = trailing_cast(stages)
+    if rule is not None:
+        stages = stages[:-1]  # fused into the comparison (or applied there)
+    run = DeltaRun(baseline, base, size, cast=rule)
+    items = Chain(*stages)(stream) if stages else stream
     report = await _send(
         run.buckets(items),
         sender,

@@ -323,3 +323,34 @@ def test_fuzzed_patch_entries_fail_only_as_wire_errors(
     with contextlib.suppress(ss.WireFormatError, ss.DeltaBaseError):
         unpacker.feed(header, data, target=lambda n, d, s: tensor)
     assert not guard[numel:].view(torch.int16).any()  # nothing written past the tensor
+
+
+def test_the_fused_cast_gives_torchs_bf16_bits() -> None:
+    """fp32 -> bf16 inside the comparison: the same bits as ``tensor.to(torch.bfloat16)``
+    for every number (ties to even, subnormals, infinities, signed zeros, the largest
+    finite values that round to infinity); a NaN leaves the tensor to torch."""
+    if patches.kernel() != "c":
+        pytest.fail("the C kernel did not build on this machine (a C compiler is expected)")
+    special = torch.tensor(
+        [0.0, -0.0, 1.0, -1.0, 1e-40, -1e-42, 1.17e-38, float("inf"), float("-inf"), 3.4e38]
+        + [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 2.0**-130],
+        dtype=torch.float32,
+    )
+    gen = torch.Generator().manual_seed(3)
+    source = torch.cat([special, torch.randn(100_000, generator=gen) * 0.02, special])
+    bits = torch.randint(0, 1 << 32, (5000,), generator=gen, dtype=torch.int64)
+    source = torch.cat([source, bits.to(torch.int32).view(torch.float32)])
+    source = source[~source.isnan()]
+    want = source.to(torch.bfloat16)
+    # The baseline is torch's conversion with every 50th element stale: a conversion that
+    # differed anywhere from torch's would show as a change, and patch in its own bits.
+    base = want.clone()
+    base[::50] = 7.0
+    found = patches.diff_cast(source, base.view(torch.uint8))
+    assert isinstance(found, tuple)
+    patched = base.clone()
+    patches.apply(patched, found, 2)
+    assert torch.equal(patched.view(torch.int16), want.view(torch.int16))
+    with_nan = source.clone()
+    with_nan[7] = float("nan")
+    assert patches.diff_cast(with_nan, base.view(torch.uint8)) == patches.UNCAST

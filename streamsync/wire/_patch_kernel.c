@@ -59,6 +59,51 @@ KERNELS(2, uint16_t)
 KERNELS(4, uint32_t)
 KERNELS(8, uint64_t)
 
+/* fp32 -> bf16, rounding to nearest even (what torch's conversion does for numbers). */
+static inline uint16_t bf16_of(uint32_t x) { return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16); }
+
+/* The cast fused into the comparison: elements [lo, hi) of fp32 `a` as bf16 against bf16
+ * `b`; as ss_diff_2 otherwise. -2 at the first NaN (torch's own conversion gives NaNs
+ * different bits on different paths, so such a tensor is cast by torch). */
+int64_t ss_diff_f32_bf16(const unsigned char *a, const unsigned char *b, int64_t lo, int64_t hi,
+                         int32_t *pos32, int64_t *pos64, unsigned char *vals, int64_t limit) {
+    int64_t k = 0, i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        uint32_t x[16], nan = 0, diff = 0;
+        uint16_t c[16], old[16];
+        memcpy(x, a + i * 4, 64);
+        memcpy(old, b + i * 2, 32);
+        for (int j = 0; j < 16; j++) {
+            nan |= (x[j] & 0x7fffffffu) > 0x7f800000u;
+            c[j] = bf16_of(x[j]);
+            diff |= (uint32_t)(c[j] ^ old[j]);
+        }
+        if (nan) return -2;
+        if (!diff) continue;
+        for (int j = 0; j < 16; j++) {
+            if (pos32) pos32[k] = (int32_t)(i + j); else pos64[k] = i + j;
+            memcpy(vals + k * 2, &c[j], 2);
+            k += c[j] != old[j];
+        }
+        if (k > limit) return -1;
+    }
+    for (; i < hi; i++) {
+        uint32_t x;
+        uint16_t old;
+        memcpy(&x, a + i * 4, 4);
+        memcpy(&old, b + i * 2, 2);
+        if ((x & 0x7fffffffu) > 0x7f800000u) return -2;
+        uint16_t c = bf16_of(x);
+        if (c != old) {
+            if (k == limit) return -1;
+            if (pos32) pos32[k] = (int32_t)i; else pos64[k] = i;
+            memcpy(vals + k * 2, &c, 2);
+            k++;
+        }
+    }
+    return k;
+}
+
 /* The index of the first position not strictly above the one before it (`after` before
  * the first) or not below `numel`; -1 when all are fine. */
 int64_t ss_check(const int32_t *pos32, const int64_t *pos64, int64_t k, int64_t numel,

@@ -40,8 +40,10 @@ __all__ = [
     "Patch",
     "apply",
     "check",
+    "UNCAST",
     "decode",
     "diff",
+    "diff_cast",
     "encode",
     "patch_nbytes",
     "position_dtype",
@@ -127,6 +129,8 @@ def _library() -> Any:
             apply_fn = getattr(lib, f"ss_apply_{size}")
             apply_fn.argtypes = [p, p, p, p, i64]
             apply_fn.restype = None
+        lib.ss_diff_f32_bf16.argtypes = [p, p, i64, i64, p, p, p, i64]
+        lib.ss_diff_f32_bf16.restype = i64
         lib.ss_check.argtypes = [p, p, i64, i64, i64]
         lib.ss_check.restype = i64
         return lib
@@ -146,22 +150,27 @@ def _pos_args(pos: np.ndarray) -> tuple[int | None, int | None]:
     return (_addr(pos), None) if pos.dtype == np.int32 else (None, _addr(pos))
 
 
-def _diff_c(new: np.ndarray, base: np.ndarray, itemsize: int, limit: int) -> Patch | None:
-    lib = _library()
-    fn = getattr(lib, f"ss_diff_{itemsize}")
-    numel = new.size
+class _HasNaN(Exception):
+    """The fused cast met a NaN (see ``ss_diff_f32_bf16``)."""
+
+
+def _diff_c(
+    fn: Any, new: int, base: int, numel: int, itemsize: int, limit: int, in_bytes: int
+) -> Patch | None:
+    """Run a compiled diff over elements ``[0, numel)`` of the arrays at addresses ``new``
+    (``in_bytes`` per element) and ``base`` (``itemsize``), in pieces on the pool."""
     pdt = position_dtype(numel)
     per = 32 // itemsize
-    pieces = POOL_THREADS if numel * itemsize >= _PARALLEL_BYTES else 1
-    step = -(-numel // pieces)
-    step = -(-step // per) * per
+    pieces = POOL_THREADS if numel * in_bytes >= _PARALLEL_BYTES else 1
+    share_of = -(-numel // pieces)  # ceil
+    step = max(per, -(-share_of // per) * per)
     spans = [(lo, min(numel, lo + step)) for lo in range(0, numel, step)] or [(0, 0)]
 
     def run(span: tuple[int, int], share: int) -> tuple[np.ndarray, np.ndarray, int]:
         pos = np.empty(share + per, pdt)  # the kernel's slack (see _patch_kernel.c)
-        vals = np.empty(share + per, new.dtype)
+        vals = np.empty(share + per, _UINT[itemsize])
         p32, p64 = _pos_args(pos)
-        k = fn(_addr(new), _addr(base), span[0], span[1], p32, p64, _addr(vals), share)
+        k = fn(new, base, span[0], span[1], p32, p64, _addr(vals), share)
         return pos, vals, int(k)
 
     if len(spans) == 1:
@@ -171,6 +180,8 @@ def _diff_c(new: np.ndarray, base: np.ndarray, itemsize: int, limit: int) -> Pat
         futures: list[Future[Any]] = [_pool.get().submit(run, span, share) for span in spans]
         _wait(futures)
         outs = [f.result() for f in futures]
+    if any(k == -2 for _, _, k in outs):
+        raise _HasNaN
     if any(k < 0 for _, _, k in outs):
         return None
     if len(outs) == 1:
@@ -202,7 +213,8 @@ def diff(
     a, b = _elements(new, itemsize), _elements(base, itemsize)
     limit = _limit(a.size, itemsize)
     if (use or kernel()) == "c":
-        return _diff_c(a, b, itemsize, limit)
+        fn = getattr(_library(), f"ss_diff_{itemsize}")
+        return _diff_c(fn, _addr(a), _addr(b), a.size, itemsize, limit, itemsize)
     return _diff_torch(a, b, itemsize, limit)
 
 
@@ -223,6 +235,27 @@ def scan_rate() -> float:
         diff(a, b, 2)
         best = min(best, time.perf_counter() - t0)
     return a.numel() / best / 1e9
+
+
+#: What :func:`diff_cast` returns for a tensor it cannot convert as torch would (a NaN).
+UNCAST: Final = "uncast"
+
+
+def diff_cast(source: torch.Tensor, base: torch.Tensor) -> Patch | str | None:
+    """:func:`diff` of ``source.to(torch.bfloat16)`` (``source``: contiguous CPU float32)
+    against the bf16 bytes ``base``, without converting it first: the cast is fused into
+    the comparison. :data:`UNCAST` when the compiled kernel is missing or the tensor holds a
+    NaN (convert it with torch, then :func:`diff`)."""
+    if kernel() != "c" or source.dtype != torch.float32 or not source.is_contiguous():
+        return UNCAST
+    numel = source.numel()
+    if base.numel() != 2 * numel:
+        raise ValueError("diff_cast: the baseline is not the bf16 bytes of the source")
+    fn = _library().ss_diff_f32_bf16
+    try:
+        return _diff_c(fn, source.data_ptr(), base.data_ptr(), numel, 2, _limit(numel, 2), 4)
+    except _HasNaN:
+        return UNCAST
 
 
 def encode(patch: Patch, numel: int, itemsize: int, out: torch.Tensor) -> None:
