@@ -332,8 +332,10 @@ def test_the_fused_cast_gives_torchs_bf16_bits() -> None:
     if patches.kernel() != "c":
         pytest.fail("the C kernel did not build on this machine (a C compiler is expected)")
     special = torch.tensor(
-        [0.0, -0.0, 1.0, -1.0, 1e-40, -1e-42, 1.17e-38, float("inf"), float("-inf"), 3.4e38]
-        + [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 2.0**-130],
+        [
+            *(0.0, -0.0, 1.0, -1.0, 1e-40, -1e-42, 1.17e-38, float("inf"), float("-inf")),
+            *(3.4e38, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 2.0**-130),
+        ],
         dtype=torch.float32,
     )
     gen = torch.Generator().manual_seed(3)
