@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-import anyio
 import pytest
 import torch
+
+# Run each side concurrently; each one's result, or the exception it raised (the
+# conformance suite's helper, shared with the tests that import it from here).
+from streamsync.testing.conformance_sides import _both as run_both  # noqa: F401
 
 # Every dtype vLLM uses on the wire, including the fp8 formats and bool.
 WIRE_DTYPES = [
@@ -73,22 +74,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-async def run_both(**sides: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
-    """Run each side concurrently; returns each one's result or the exception it raised."""
-    out: dict[str, Any] = {}
-
-    async def run(key: str, fn: Callable[[], Awaitable[Any]]) -> None:
-        try:
-            out[key] = await fn()
-        except Exception as exc:
-            out[key] = exc
-
-    async with anyio.create_task_group() as tg:
-        for key, fn in sides.items():
-            tg.start_soon(run, key, fn)
-    return out
 
 
 @pytest.fixture
