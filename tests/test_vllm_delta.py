@@ -43,7 +43,13 @@ def sparse_step(
             param.add_(torch.where(chosen, noise, torch.zeros_like(noise)).to(param.dtype))
 
 
-def deltas_then_full(llm: Any, trainer: torch.nn.Module, endpoint: str, pipeline: Any) -> None:
+def deltas_then_full(
+    llm: Any, trainer: torch.nn.Module, endpoint: str, pipeline: Any, *, reference: bool = True
+) -> None:
+    """``STEPS`` delta syncs, then one full sync of the same weights: the engine's outputs
+    after both are identical; with ``reference``, close to the trainer's, and each delta
+    patched and moved under a quarter of the full sync's bytes (block-FP8 requantizes whole
+    blocks, so there only the identity is asserted)."""
     from streamsync.vllm import WeightSync
 
     async def main() -> tuple[list[ss.SyncReport], Any, Any]:
@@ -66,15 +72,19 @@ def deltas_then_full(llm: Any, trainer: torch.nn.Module, endpoint: str, pipeline
     assert first.delta is not None and first.delta.base is None
     for report in deltas:
         assert report.delta is not None and report.delta.full_reason is None, report.delta
-        assert report.delta.sparse > 0
-        assert report.wire_bytes < first.wire_bytes / 4, (report.wire_bytes, first.wire_bytes)
-    assert deltas[1].delta is not None and deltas[1].delta.unchanged > deltas[1].delta.sparse
+        if reference:
+            assert report.delta.sparse > 0
+            assert report.wire_bytes < first.wire_bytes / 4, (report.wire_bytes, first.wire_bytes)
+    if reference:
+        assert deltas[1].delta is not None
+        assert deltas[1].delta.unchanged > deltas[1].delta.sparse
     assert full.delta is not None and full.delta.full_reason == "a full sync was asked for"
     assert after_deltas.tokens == after_full.tokens
     assert after_deltas.max_logprob_diff(after_full) == 0.0
     # And that full sync serves the trainer's weights: bf16 compute in the engine against
     # the fp32 reference moves logprobs by a few hundredths (greedy near-ties may flip).
-    assert after_full.max_logprob_diff(reference_outputs(trainer)) < BF16_TOL
+    if reference:
+        assert after_full.max_logprob_diff(reference_outputs(trainer)) < BF16_TOL
 
 
 @pytest.mark.parametrize("shape", ["dense", "tied", "moe"])

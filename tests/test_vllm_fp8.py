@@ -103,3 +103,18 @@ def test_fp8_three_syncs_match_fresh_and_online_engines(tmp_path: Path) -> None:
         shutdown(online)
     assert synced.tokens == independent.tokens
     assert synced.max_logprob_diff(independent) <= 1e-3
+
+
+def test_fp8_deltas_give_exactly_what_a_full_sync_gives(tmp_path: Path) -> None:
+    """Delta syncs of the quantized wire (FP8 bytes and fp32 block scales diffed as bits)
+    into the block-FP8 engine: after three deltas, the outputs one full sync gives."""
+    from test_vllm_delta import deltas_then_full
+
+    bf16 = tmp_path / "bf16"
+    trainer = build_tiny_model(bf16, "dense-fp8", seed=0, dtype=torch.bfloat16)
+    save_quantized(trainer, bf16, tmp_path / "fp8")
+    llm = make_llm(str(tmp_path / "fp8"), dtype="bfloat16")
+    try:
+        deltas_then_full(llm, trainer, "shm://fp8-delta", quantize_fp8(), reference=False)
+    finally:
+        shutdown(llm)
