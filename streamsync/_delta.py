@@ -171,6 +171,7 @@ class DeltaRun:
     def _add(self, builder: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
         if not isinstance(tensor, torch.Tensor):
             return builder.add(name, tensor)  # raises, naming the tensor
+        given = tensor.data_ptr()
         tensor = tensor.detach()
         if not tensor.is_cpu:
             tensor = tensor.cpu()
@@ -206,7 +207,9 @@ class DeltaRun:
         if to is not None:
             tensor = tensor.to(to)
         self.dense += 1
-        self._pending[name] = (wire_dtype, shape, clone(_bytes(tensor)))
+        # The baseline keeps its own copy, unless this tensor is already one (a cast's).
+        raw = _bytes(tensor) if tensor.data_ptr() != given else clone(_bytes(tensor))
+        self._pending[name] = (wire_dtype, shape, raw)
         return builder.add(name, tensor)
 
     def _pieces(
