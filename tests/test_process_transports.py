@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from typing import Any
 
 import anyio
 import pytest
@@ -332,3 +333,56 @@ async def test_torch_gloo_store_listens_on_host_only() -> None:
     async with open_sender("torch+gloo://127.0.0.1:0") as tx:
         port = int(tx.url.rpartition(":")[2])  # type: ignore[attr-defined]
         assert _listening(port) == {"0100007F"}  # 127.0.0.1, not every interface
+
+
+class _Events:
+    """A stand-in for a dialer's monitor socket: the events it will read, in order."""
+
+    def __init__(self) -> None:
+        self.queue: list[list[bytes]] = []
+
+    def add(self, event: int, fd: int) -> None:
+        import struct
+
+        self.queue.append([struct.pack("=hi", event, fd), b"tcp://127.0.0.1:1"])
+
+    def try_recv(self) -> list[bytes] | None:
+        return self.queue.pop(0) if self.queue else None
+
+
+def _dialer() -> tuple[Any, _Events]:
+    from streamsync.transports.zeromq import ZmqDialer
+
+    dialer = ZmqDialer("zmq+tcp", "127.0.0.1:1", heartbeat=1.0)
+    events = _Events()
+    dialer._monitor = events  # type: ignore[assignment]
+    return dialer, events
+
+
+async def test_a_zmq_receiver_ignores_the_drop_of_a_connection_before_its_session() -> None:
+    """A receiver's DEALER reached a sender that was closing (connected, dropped), then
+    reconnected by itself to the next sender on the address, whose Welcome it got: that
+    earlier drop is not the session's (one-shot loops failed on it under load, 'the sender
+    went away without closing the channel'). The session's own drop still ends the link,
+    and so does a Welcome whose connection then dropped."""
+    import zmq
+
+    up, down = zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED
+    for first, second in [(5, 6), (5, 5)]:  # a new descriptor, or the same one reused
+        dialer, events = _dialer()
+        for event, fd in [(up, first), (down, first), (up, second)]:
+            events.add(event, fd)
+        dialer._watch()  # seen while waiting for the Welcome
+        dialer._welcomed()
+        assert dialer._dropped_at is None and dialer._session == second
+        events.add(down, 99)  # some other descriptor's: not this channel's
+        dialer._watch()
+        assert dialer._dropped_at is None
+        events.add(down, second)
+        dialer._watch()
+        assert dialer._dropped_at is not None
+    dialer, events = _dialer()
+    events.add(up, 7)
+    events.add(down, 7)  # the connection the Welcome came over dropped after it
+    dialer._welcomed()
+    assert dialer._dropped_at is not None

@@ -86,7 +86,9 @@ def zmq_address(scheme: str, target: str, *, bind: bool) -> str:
     raise ConfigError(f"{scheme}://{target}: not a ZeroMQ scheme; use zmq+tcp or zmq+ipc")
 
 
-def _open(kind: int, *, hwm: int, heartbeat: float, pings: bool) -> tuple[Any, _Socket, _Socket]:
+def _open(
+    kind: int, *, hwm: int, heartbeat: float, pings: bool, events: int | None = None
+) -> tuple[Any, _Socket, _Socket]:
     """A ZeroMQ context, a tuned socket of ``kind`` in it, and its disconnect monitor.
 
     Only receivers ping (``pings``): each PING tells the sender to drop the connection
@@ -116,7 +118,8 @@ def _open(kind: int, *, hwm: int, heartbeat: float, pings: bool) -> tuple[Any, _
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ms)
     sock.setsockopt(zmq.LINGER, 1000)
-    return ctx, _Socket(sock), _Socket(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+    watched = zmq.EVENT_DISCONNECTED if events is None else events
+    return ctx, _Socket(sock), _Socket(sock.get_monitor_socket(watched))
 
 
 class _Socket:
@@ -364,7 +367,14 @@ class ZmqLink(SenderLink):
 
 
 class ZmqDialer(ReceiverLink):
-    """Receiver end: a DEALER socket and its disconnect monitor."""
+    """Receiver end: a DEALER socket and a monitor of its connections.
+
+    A DEALER reconnects by itself, so one socket may see several connections: to a
+    sender that was closing as it arrived, then to the next sender on the same address.
+    The monitor tracks which connection is live (``CONNECTED`` events carry its
+    descriptor); the session belongs to the connection its ``Welcome`` came over, and only
+    that connection's ``DISCONNECTED`` ends the link: a drop reported for an earlier one is
+    not this channel's."""
 
     def __init__(self, scheme: str, target: str, *, heartbeat: float) -> None:
         self.url = f"{scheme}://{target}"
@@ -374,20 +384,60 @@ class ZmqDialer(ReceiverLink):
         self._sock: _Socket | None = None
         self._monitor: _Socket | None = None
         self._dropped_at: float | None = None
+        #: The descriptor of the live connection, and of the session's (once joined).
+        self._live: int | None = None
+        self._session: int | None = None
+        #: A connection came up after the drop ``_dropped_at`` records.
+        self._reconnected = False
 
     async def connect(self) -> None:
         import zmq
 
         self._dropped_at = None
+        self._live = self._session = None
+        self._reconnected = False
         self._ctx, self._sock, self._monitor = _open(
-            zmq.DEALER, hwm=64, heartbeat=self.heartbeat, pings=True
+            zmq.DEALER,
+            hwm=64,
+            heartbeat=self.heartbeat,
+            pings=True,
+            events=zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
         )
         self._sock.sock.connect(self.address)  # queued until the sender binds
 
     async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
         await self.send(hello)
         frame, _ = await self.receive()
+        self._welcomed()
         return frame, []
+
+    def _welcomed(self) -> None:
+        """The Welcome came over the live connection: the session is that one's. A drop
+        seen while waiting for it, followed by a new connection, was of an earlier one (the
+        monitor reports a connection before anything arrives over it)."""
+        self._watch()
+        if self._dropped_at is not None and self._reconnected:
+            self._dropped_at = None
+        self._session = self._live
+
+    def _watch(self) -> None:
+        """Read the monitor's events: a drop of the connection that matters (the session's
+        once joined, else the live one) starts the link's last word."""
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        assert self._monitor is not None
+        while (event := self._monitor.try_recv()) is not None:
+            info = parse_monitor_message([bytes(part) for part in event])
+            fd = int(info["value"])
+            if info["event"] == zmq.EVENT_CONNECTED:
+                self._live = fd
+                self._reconnected = self._dropped_at is not None
+            elif info["event"] == zmq.EVENT_DISCONNECTED and self._dropped_at is None:
+                mine = self._session if self._session is not None else self._live
+                if fd == mine or mine is None:
+                    self._dropped_at = anyio.current_time()
+                    self._reconnected = False
 
     async def send(self, frame: bytes) -> None:
         assert self._sock is not None
@@ -397,12 +447,10 @@ class ZmqDialer(ReceiverLink):
     async def receive(self) -> tuple[bytes, Any]:
         assert self._sock is not None and self._monitor is not None
         while (parts := self._sock.try_recv()) is None:
-            now = anyio.current_time()
-            if self._dropped_at is not None:
-                if now - self._dropped_at > LAST_WORD_S:
-                    raise LinkLost("connection dropped")
-            elif self._monitor.try_recv() is not None:
-                self._dropped_at = now  # drain what is already here, then report
+            if self._dropped_at is None:
+                self._watch()  # a drop: drain what is already here, then report
+            elif anyio.current_time() - self._dropped_at > LAST_WORD_S:
+                raise LinkLost("connection dropped")
             await self._sock.wait()
         if len(parts) not in (1, 2):
             raise WireFormatError(f"{self.url}: sender sent {len(parts)} frames")
