@@ -35,6 +35,10 @@ class Baseline:
     #: Why deltas do not pay on this channel (see :func:`decline`): syncs go dense, with
     #: no baseline kept, until a full sync is asked for.
     declined: str | None = None
+    #: What moving the whole model cost per byte in the last full sync, and whether a
+    #: delta has been judged against it.
+    dense_seconds_per_byte: float | None = None
+    judged: bool = False
     #: name -> (dtype, shape, bytes as a flat uint8 tensor)
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
         default_factory=dict
@@ -78,28 +82,40 @@ def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> st
 
 #: Below this many bytes a sync is too short to time: deltas are never declined for it.
 DECLINE_MIN_BYTES = 16 << 20
-#: Deltas pay when comparing runs this much faster than the transport moves bytes (a delta
-#: compares every byte, then sends a tenth or so of them; the rest is its margin).
-DECLINE_FACTOR = 1.25
+#: A delta sync must take at most this share of what the transport took for the whole
+#: model, or the channel declines deltas.
+DECLINE_SHARE = 0.9
 
 
-def decline(report: Any, tensor_bytes: int) -> str | None:
-    """After a full sync that recorded a baseline: why deltas would not beat dense syncs on
-    this channel, or ``None``. Compares the transport's rate in that sync (wire bytes over
-    the send and end phases, the receivers' copies included) with the comparison kernel's
-    measured scan rate."""
+def transport_seconds(report: Any) -> float:
+    """Seconds a sync spent moving its bytes: its send and end phases (the receivers'
+    copies and reports included; the source, the pipeline and any comparison excluded)."""
     phases = report.phases
-    moving = phases.get("send", 0.0) + phases.get("end", 0.0)
-    if tensor_bytes < DECLINE_MIN_BYTES or moving <= 0:
+    return float(phases.get("send", 0.0) + phases.get("end", 0.0))
+
+
+def decline(baseline: Baseline, report: Any, tensor_bytes: int, *, delta: bool) -> str | None:
+    """Whether deltas pay on this channel, measured: a full sync records what moving the
+    whole model costs here (per byte); the first delta sync after it is timed whole
+    (comparing, encoding, sending, the receivers' patching). If the delta took more than
+    :data:`DECLINE_SHARE` of the full transfer, deltas do not pay: the reason, else
+    ``None``. Syncs under :data:`DECLINE_MIN_BYTES` are not judged."""
+    if tensor_bytes < DECLINE_MIN_BYTES:
         return None
-    transport = report.wire_bytes / moving / 1e9
-    scan = patches.scan_rate()
-    if scan >= DECLINE_FACTOR * transport:
+    if not delta:
+        moving = transport_seconds(report)
+        baseline.dense_seconds_per_byte = moving / tensor_bytes if moving > 0 else None
+        return None
+    if baseline.dense_seconds_per_byte is None or baseline.judged:
+        return None
+    baseline.judged = True
+    full = baseline.dense_seconds_per_byte * tensor_bytes
+    if report.seconds <= DECLINE_SHARE * full:
         return None
     return (
-        f"deltas do not pay on this channel: it moves {transport:.2f} GB/s and comparing "
-        f"runs at {scan:.2f} GB/s ({patches.kernel()} kernel); syncs go dense until a full "
-        "sync is asked for"
+        f"deltas do not pay on this channel: a delta sync took {report.seconds:.3f} s where "
+        f"moving the whole model takes {full:.3f} s; syncs go dense until a full sync is "
+        "asked for"
     )
 
 

@@ -161,7 +161,7 @@ async def _send_delta(
     baseline = baseline_of(sender)
     assert baseline is not None
     if full:
-        baseline.declined = None  # asked for: measure again
+        baseline.declined, baseline.judged = None, False  # asked for: measure again
     if baseline.declined is not None:
         # A delta costs more than it saves on this channel: plain dense syncs.
         chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
@@ -190,8 +190,7 @@ async def _send_delta(
         unchanged=lambda: run.unchanged,
         begun=True,
     )
-    if base is None:
-        baseline.declined = decline(report, run.tensor_bytes)
+    baseline.declined = decline(baseline, report, run.tensor_bytes, delta=base is not None)
     if baseline.declined is None:
         run.commit(sync_id)
     else:

@@ -356,3 +356,60 @@ def test_the_fused_cast_gives_torchs_bf16_bits() -> None:
     with_nan = source.clone()
     with_nan[7] = float("nan")
     assert patches.diff_cast(with_nan, base.view(torch.uint8)) == patches.UNCAST
+
+
+def test_a_channel_declines_deltas_that_take_longer_than_moving_everything() -> None:
+    """The first full sync records what moving the model costs; the first delta after it
+    is timed whole: slower than 0.9 of that, and the channel declines deltas (with both
+    times in the reason); faster, and it keeps them. Small syncs are not judged."""
+    from streamsync._delta import DECLINE_MIN_BYTES, Baseline, decline
+
+    size = 2 * DECLINE_MIN_BYTES
+
+    def report(seconds: float, send: float = 0.0, end: float = 0.0) -> Any:
+        return ss.SyncReport(
+            sync_id=1,
+            side="send",
+            tensors=1,
+            nbytes=size,
+            buckets=1,
+            seconds=seconds,
+            phases={"send": send, "end": end},
+        )
+
+    for delta_s, declined in [(0.5, True), (0.2, False)]:
+        baseline = Baseline()
+        assert decline(baseline, report(0.4, send=0.25, end=0.05), size, delta=False) is None
+        why = decline(baseline, report(delta_s), size, delta=True)
+        assert (why is not None) == declined, why
+        if why:
+            assert "0.500 s" in why and "0.300 s" in why
+        # Judged once: a later, slower delta does not change the verdict.
+        assert decline(baseline, report(9.0), size, delta=True) is None
+    small = Baseline()
+    assert decline(small, report(0.4, send=0.3), DECLINE_MIN_BYTES - 1, delta=False) is None
+    assert decline(small, report(9.0), DECLINE_MIN_BYTES - 1, delta=True) is None
+
+
+async def test_a_declined_channel_sends_dense_syncs_until_a_full_one_is_asked_for() -> None:
+    from streamsync._delta import baseline_of
+
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+        kept = baseline_of(tx)
+        assert kept is not None and kept.version is not None
+        kept.declined = "deltas do not pay on this channel (as measured)"
+        kept.drop()
+        for s in range(2):
+            step(trainer, s)
+            sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+            assert sent.delta.full_reason == kept.declined and sent.delta.dense == 4
+            assert sent.wire_bytes >= sent.nbytes and same(trainer, engine)
+        step(trainer, 5)
+        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
+        assert sent.delta.full_reason == "a full sync was asked for"
+        step(trainer, 6)
+        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+        assert sent.delta.full_reason is None and same(trainer, engine)

@@ -47,7 +47,6 @@ __all__ = [
     "encode",
     "patch_nbytes",
     "position_dtype",
-    "scan_rate",
     "positions_nbytes",
 ]
 
@@ -216,25 +215,6 @@ def diff(
         fn = getattr(_library(), f"ss_diff_{itemsize}")
         return _diff_c(fn, _addr(a), _addr(b), a.size, itemsize, limit, itemsize)
     return _diff_torch(a, b, itemsize, limit)
-
-
-@functools.cache
-def scan_rate() -> float:
-    """GB of model per second :func:`diff` compares here (once per process: the best of
-    three scans of 32 MiB of bf16 with 3 % of the elements changed)."""
-    import time
-
-    gen = torch.Generator().manual_seed(0)
-    base = torch.randint(0, 1 << 15, (16 << 20,), generator=gen, dtype=torch.int16)
-    new = base.clone()
-    new[torch.randint(0, new.numel(), (new.numel() // 33,), generator=gen)] += 1
-    a, b = new.view(torch.uint8), base.view(torch.uint8)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        diff(a, b, 2)
-        best = min(best, time.perf_counter() - t0)
-    return a.numel() / best / 1e9
 
 
 #: What :func:`diff_cast` returns for a tensor it cannot convert as torch would (a NaN).
