@@ -230,24 +230,34 @@ def _median(values: list[float]) -> float:
 
 
 def format_delta(data: dict[str, Any]) -> str:
-    """The table: per trajectory, the steady state (every step after the first)."""
+    """The table, per trajectory: the steps that went as deltas (wire and time against the
+    dense sync of the same step) and what a user gets from step 2 on, after the channel
+    judged the first delta (declined: dense syncs)."""
     lines = [
-        f"delta against dense, {human(data['size'])} bf16 on the wire (medians over steps 1..N)",
-        f"{'lr':>7} {'transport':<11}{'rx':>3} {'changed':>9} {'wire':>8} {'time':>7} "
-        f"{'dense s':>8} {'delta s':>8} {'scan GB/s':>10}  ok",
+        f"delta against dense, {human(data['size'])} bf16 on the wire (medians; ratios are "
+        "delta / dense of the same step, measured side by side)",
+        f"{'lr':>7} {'transport':<11}{'rx':>3} {'changed':>8} {'wire':>7} {'delta':>7} "
+        f"{'as used':>8} {'dense s':>8} {'delta s':>8} {'scan GB/s':>10} {'declined':>9}  ok",
     ]
     for row in data["rows"]:
         steady = [s for s in row["steps"] if s["step"]]
-        ratio_wire = _median([s["delta_wire_bytes"] / s["dense_wire_bytes"] for s in steady])
-        ratio_time = _median([s["delta_seconds"] / s["dense_seconds"] for s in steady])
-        changed = _median([s["changed_fraction"] for s in steady])
-        scans = [s["scan_gbps"] for s in steady if s["scan_gbps"]]
+        patched = [s for s in steady if s["sparse"]]
+        later = [s for s in steady if s["step"] >= 2]
+        declined = any(s["full_reason"] and "do not pay" in s["full_reason"] for s in steady)
+        scans = [s["scan_gbps"] for s in patched if s["scan_gbps"]]
         lines.append(
-            f"{row['lr']:>7g} {row['transport']:<11}{row['receivers']:>3} {changed:>8.2%} "
-            f"{ratio_wire:>8.3f} {ratio_time:>7.3f} "
+            f"{row['lr']:>7g} {row['transport']:<11}{row['receivers']:>3} "
+            f"{_median([s['changed_fraction'] for s in steady]):>7.2%} "
+            f"{_median([s['delta_wire_bytes'] / s['dense_wire_bytes'] for s in patched]):>7.3f} "
+            f"{_median([s['delta_seconds'] / s['dense_seconds'] for s in patched]):>7.3f} "
+            f"{_median([s['delta_seconds'] / s['dense_seconds'] for s in later]):>8.3f} "
             f"{_median([s['dense_seconds'] for s in steady]):>8.3f} "
-            f"{_median([s['delta_seconds'] for s in steady]):>8.3f} {_median(scans):>10.2f}  "
+            f"{_median([s['delta_seconds'] for s in patched]):>8.3f} {_median(scans):>10.2f} "
+            f"{'yes' if declined else 'no':>9}  "
             f"{'yes' if row['verified'] else 'NO ' + '; '.join(row['errors'])}"
         )
-    lines.append("wire, time: delta / dense of the same step (ratios measured side by side)")
+    lines.append(
+        "wire, delta: the steps sent as deltas; as used: steps 2.. (after the first delta "
+        "was judged; a declined channel sends dense syncs)"
+    )
     return "\n".join(lines)
