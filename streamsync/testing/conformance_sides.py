@@ -130,10 +130,14 @@ class _HeldSink:
         return held
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        from streamsync._copies import copy_tensors
+
+        pairs = []
         for name, tensor in tensors:
             own = self.target(name, tensor.dtype, tuple(tensor.shape))
             if own is not tensor:
-                own.copy_(tensor)
+                pairs.append((own, tensor))
+        copy_tensors(pairs)
 
     def finalize(self) -> None:
         pass

@@ -17,13 +17,14 @@ import asyncio
 import hashlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from streamsync.cli.bench.models import human, synthetic_model
+from streamsync.testing.conformance_sides import _HeldSink
 from streamsync.testing.peers import Peers, free_port
 
 __all__ = ["DeltaConfig", "format_delta", "run_delta"]
@@ -58,34 +59,9 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-class _Held:
-    """A receiver's model: bf16 tensors held across syncs, patched in place."""
-
-    def __init__(self) -> None:
-        self.held: dict[str, torch.Tensor] = {}
-        self.version: int | None = None
-
-    def prepare(self) -> None:
-        pass
-
-    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        held = self.held.get(name)
-        if held is None or held.dtype != dtype or tuple(held.shape) != shape:
-            held = self.held[name] = torch.empty(shape, dtype=dtype)
-        return held
-
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        from streamsync._copies import copy_tensors
-
-        pairs = []
-        for name, tensor in tensors:
-            own = self.target(name, tensor.dtype, tuple(tensor.shape))
-            if own is not tensor:
-                pairs.append((own, tensor))
-        copy_tensors(pairs)
-
-    def finalize(self) -> None:
-        pass
+# A receiver's model: tensors held across syncs, patched in place (the conformance
+# suite's delta sink).
+_Held = _HeldSink
 
 
 def child(job: dict[str, Any], results: Any) -> None:
