@@ -68,7 +68,10 @@ def _find_openmp() -> Callable[[int], Any] | None:
             paths = {line.split()[-1] for line in fh if ".so" in line}
     except OSError:
         return None
-    for path in sorted(paths):
+    # Other wheels vendor their own runtime (sentencepiece's libgomp, loaded by tokenizers
+    # and peft): the one in torch's own directory is torch's, so it comes first.
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    for path in sorted(paths, key=lambda p: (not p.startswith(torch_dir + os.sep), p)):
         base = os.path.basename(path)
         if base.startswith(("libgomp", "libiomp5", "libomp")) and ".so" in base:
             try:

@@ -96,6 +96,31 @@ def test_the_process_torch_thread_count_is_never_changed() -> None:
     assert seen == (1 if copies.openmp_runtime() else before)
 
 
+_VENDORED_OPENMP = textwrap.dedent(
+    """
+    import torch
+    import sentencepiece  # vendors its own libgomp, loaded beside torch's (tokenizers, peft)
+    from streamsync import _copies as copies
+
+    maps = open("/proc/self/maps").read()
+    assert "sentencepiece.libs/libgomp" in maps and "torch/lib/libgomp" in maps
+    src = torch.ones(1 << 20)
+    copies.copy_tensors([(torch.empty(src.numel(), dtype=torch.bfloat16), src)])
+    print(copies._pool.get().submit(torch.get_num_threads).result())
+    """
+)
+
+
+def test_the_pool_pins_torchs_openmp_runtime_when_another_wheel_vendors_one() -> None:
+    # Another wheel's libgomp sorts before torch's; pinning that one leaves torch's pool
+    # threads at the process's count, spinning beside the trainer.
+    out = subprocess.run(
+        [sys.executable, "-c", _VENDORED_OPENMP], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"]
+
+
 _NO_OPENMP_WORKERS = textwrap.dedent(
     """
     import os, sys, torch
