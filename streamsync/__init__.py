@@ -14,6 +14,7 @@ from streamsync.errors import (
     DtypeMismatchError,
     DuplicateTensorError,
     EndOfStream,
+    LoraError,
     PeerBrokenError,
     ProtocolVersionError,
     ReceiverFailedError,
@@ -27,7 +28,7 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.pipeline import Adapter, Chain, NamedTensor, NamedTensors, adapter, reading
-from streamsync.report import LoadResult, SyncReport
+from streamsync.report import LoadResult, LoraReport, SyncReport
 from streamsync.sink import AbortableSink, ModuleSink, Sink, TargetSink
 from streamsync.sources import named_tensors
 from streamsync.sync import DEFAULT_TIMEOUT, receive, send
@@ -49,6 +50,8 @@ __all__ = [
     "DuplicateTensorError",
     "EndOfStream",
     "LoadResult",
+    "LoraError",
+    "LoraReport",
     "ModuleSink",
     "NamedTensor",
     "NamedTensors",

@@ -28,6 +28,7 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeMismatchError",
     "DuplicateTensorError",
+    "LoraError",
     "SyncTimeoutError",
     "ClosedError",
     "PeerBrokenError",
@@ -105,6 +106,12 @@ class DuplicateTensorError(StreamsyncError):
 class DeltaBaseError(StreamsyncError):
     """A delta sync names a base version this receiver's model does not hold, or its sink
     cannot be patched: nothing of the sync is applied, and the sender's next sync is full."""
+
+
+class LoraError(StreamsyncError, ValueError):
+    """A LoRA adapter the engine cannot serve (an engine without LoRA, a rank above its
+    ``max_lora_rank``, target modules or shapes its model lacks, more adapters than it
+    holds): raised before anything is installed, so the previous version keeps serving."""
 
 
 class SyncTimeoutError(StreamsyncError, TimeoutError):

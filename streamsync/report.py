@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["DeltaReport", "LoadResult", "SyncReport"]
+__all__ = ["DeltaReport", "LoadResult", "LoraReport", "SyncReport"]
 
 
 class LoadResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +35,21 @@ class DeltaReport(msgspec.Struct, frozen=True, kw_only=True):
     scan_seconds: float = 0.0
     #: Host bytes the sender's baseline holds after the sync.
     baseline_bytes: int = 0
+
+
+class LoraReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a LoRA adapter sync (``WeightSync.update_lora``) installed."""
+
+    #: The adapter's name (what generation asks for).
+    name: str
+    #: The version's path: the engine's key for this version (its prefix-cache blocks).
+    path: str
+    #: The adapter's rank (``r`` of its config).
+    rank: int
+    #: Requests generating with this adapter when the new version was installed: they go
+    #: on with the new version from the engine's next step (``None``: the engine cannot
+    #: say, as over the server).
+    in_flight: int | None = None
 
 
 class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +89,8 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     wire_bytes: int = 0
     #: Sender of a delta-tracked sync: how it travelled (see :class:`DeltaReport`).
     delta: DeltaReport | None = None
+    #: Sender of a LoRA adapter sync: what was installed (see :class:`LoraReport`).
+    lora: LoraReport | None = None
 
     @property
     def gbps(self) -> float:

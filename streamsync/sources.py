@@ -11,11 +11,12 @@ import torch
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, reading
 
-__all__ = ["named_tensors"]
+__all__ = ["full_tensor", "named_tensors"]
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    # A DTensor (FSDP2, tensor parallel) is gathered here, one parameter at a time.
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole and detached: a DTensor (FSDP2, tensor parallel) is gathered here,
+    one parameter at a time."""
     full_tensor = getattr(tensor, "full_tensor", None)
     if full_tensor is not None:
         tensor = full_tensor()
@@ -26,7 +27,43 @@ async def _from_module(module: torch.nn.Module) -> AsyncIterator[NamedTensor]:
     # state_dict(keep_vars=True) only collects references: parameters and persistent
     # buffers by their state-dict names, nothing is copied until a tensor is consumed.
     for name, tensor in module.state_dict(keep_vars=True).items():
-        yield name, _full(tensor)
+        yield name, full_tensor(tensor)
+
+
+async def _from_peft(model: Any, merged: bool) -> AsyncIterator[NamedTensor]:
+    # The base model's tensors under the base checkpoint's names; merged: each LoRA layer's
+    # weight plus its active adapter's delta (computed one layer at a time, the model
+    # untouched).
+    from streamsync.lora import base_name
+
+    active = model.active_adapter
+    layers = {
+        prefix: module
+        for prefix, module in model.named_modules()
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+    }
+    for prefix, module in layers.items():
+        if getattr(module, "merged", False) and not merged:
+            raise ConfigError(
+                f"peft layer {prefix!r} has its adapter merged into the base weights: "
+                "unmerge_adapter() first, or pass merged=True"
+            )
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        name = base_name(key)
+        if name is None:
+            continue
+        tensor = full_tensor(tensor)
+        if merged and key.endswith(".base_layer.weight"):
+            layer = layers.get(key.removesuffix(".base_layer.weight"))
+            if (
+                layer is not None
+                and not getattr(layer, "merged", False)
+                and active in getattr(layer, "lora_A", {})
+            ):
+                with torch.no_grad():
+                    delta = full_tensor(layer.get_delta_weight(active))
+                    tensor = (tensor + delta.to(tensor.dtype)).to(tensor.dtype)
+        yield name, tensor
 
 
 async def _from_iterable(pairs: Iterable[Any]) -> AsyncIterator[NamedTensor]:
@@ -49,7 +86,7 @@ def _check(item: Any) -> NamedTensor:
         raise TypeError(f"tensor name {name!r} is a {type(name).__name__}, not a str")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-    return name, _full(tensor)
+    return name, full_tensor(tensor)
 
 
 async def _on_rank(stream: AsyncIterator[NamedTensor], rank: int) -> AsyncIterator[NamedTensor]:
@@ -64,11 +101,17 @@ async def _on_rank(stream: AsyncIterator[NamedTensor], rank: int) -> AsyncIterat
             del tensor
 
 
-def named_tensors(obj: Any, *, rank: int | None = None) -> AsyncIterator[NamedTensor]:
+def named_tensors(
+    obj: Any, *, rank: int | None = None, merged: bool = False
+) -> AsyncIterator[NamedTensor]:
     """An async stream of ``(name, tensor)`` from:
 
     - an ``nn.Module``: parameters and persistent buffers, by state-dict name
       (DTensor parameters are gathered one at a time);
+    - a ``peft.PeftModel``: its base model's weights under the base checkpoint's names (no
+      ``base_model.model.``, no ``.base_layer``, no adapter tensors), so the base syncs as
+      the plain model would; with ``merged=True``, each adapted weight with its active
+      adapter merged in (for an engine without LoRA), the model itself left as it is;
     - a mapping of names to tensors;
     - a sync or async iterable of ``(name, tensor)`` pairs.
 
@@ -89,7 +132,16 @@ def named_tensors(obj: Any, *, rank: int | None = None) -> AsyncIterator[NamedTe
         world = dist.get_world_size()
         if not (isinstance(rank, int) and 0 <= rank < world):
             raise ConfigError(f"named_tensors(rank={rank!r}): use a rank in 0..{world - 1}")
-        return _on_rank(named_tensors(obj), rank)
+        return _on_rank(named_tensors(obj, merged=merged), rank)
+    from streamsync.lora import is_peft_model
+
+    if is_peft_model(obj):
+        return _from_peft(obj, merged)
+    if merged:
+        raise ConfigError(
+            f"named_tensors(merged=True) merges a peft model's adapter; "
+            f"{type(obj).__name__} is not a peft model"
+        )
     if isinstance(obj, torch.nn.Module):
         return _from_module(obj)
     if isinstance(obj, Mapping):

@@ -39,7 +39,7 @@ from streamsync.transports import (
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_TENSOR_BYTES, Bucket
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
-__all__ = ["DEFAULT_TIMEOUT", "receive", "send"]
+__all__ = ["DEFAULT_TIMEOUT", "next_sync_id", "receive", "send", "send_aside"]
 
 #: Seconds any single wait may take unless told otherwise.
 DEFAULT_TIMEOUT = 60.0
@@ -109,17 +109,8 @@ async def send(
             f"transport options {sorted(transport_options)} only apply when endpoint is a URL"
         )
     sender = endpoint
-    size = (
-        bucket_bytes if bucket_bytes is not None else min(sender.slot_bytes, DEFAULT_BUCKET_BYTES)
-    )
-    if size > sender.slot_bytes:
-        raise ConfigError(
-            f"bucket_bytes={size} exceeds the transport's slot of {sender.slot_bytes} bytes; "
-            f"use bucket_bytes <= {sender.slot_bytes} or open the transport with larger slots"
-        )
-    stream: AsyncIterable[Any] = (
-        weights if isinstance(weights, AsyncIterable) else named_tensors(weights)
-    )
+    size = _bucket_size(sender, bucket_bytes)
+    stream = _stream(weights)
     sid = next(_sync_ids) if sync_id is None else sync_id
     if delta:
         return await _send_delta(
@@ -136,6 +127,46 @@ async def send(
         kept.drop()  # this sync moves the receivers past it
     chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
     return await _send(chain(stream), sender, sid, timeout=timeout, checksum=checksum)
+
+
+def next_sync_id() -> int:
+    """A fresh sync id (increasing across the process and its restarts)."""
+    return next(_sync_ids)
+
+
+def _bucket_size(sender: Sender, bucket_bytes: int | None) -> int:
+    size = (
+        bucket_bytes if bucket_bytes is not None else min(sender.slot_bytes, DEFAULT_BUCKET_BYTES)
+    )
+    if size > sender.slot_bytes:
+        raise ConfigError(
+            f"bucket_bytes={size} exceeds the transport's slot of {sender.slot_bytes} bytes; "
+            f"use bucket_bytes <= {sender.slot_bytes} or open the transport with larger slots"
+        )
+    return size
+
+
+def _stream(weights: Any) -> AsyncIterable[Any]:
+    return weights if isinstance(weights, AsyncIterable) else named_tensors(weights)
+
+
+async def send_aside(
+    weights: Any,
+    sender: Sender,
+    *,
+    pipeline: AdapterLike | None = None,
+    bucket_bytes: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    checksum: bool = False,
+    sync_id: int | None = None,
+) -> SyncReport:
+    """A sync of tensors that go beside the model's weights (a LoRA adapter) on an open
+    sender: like :func:`send`, but the receivers' weights, and so the sender's delta
+    baseline, stay as they are (a receiver's sink reports the version it still holds)."""
+    size = _bucket_size(sender, bucket_bytes)
+    chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
+    sid = next(_sync_ids) if sync_id is None else sync_id
+    return await _send(chain(_stream(weights)), sender, sid, timeout=timeout, checksum=checksum)
 
 
 async def _send_delta(

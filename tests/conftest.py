@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +58,14 @@ def vllm_required() -> bool:
     """``make test`` and CI need vLLM: there a test that cannot import it fails. Only a
     run without the ``vllm`` extra installed, outside both, skips the engine tests."""
     return os.environ.get("STREAMSYNC_REQUIRE_VLLM") == "1" or os.environ.get("CI") == "true"
+
+
+def extra(module: str, name: str) -> Any:
+    """``module`` of the optional extra ``name`` (peft for ``lora``): imported, and under
+    ``make test`` and CI a failure if it does not import; elsewhere its tests skip."""
+    if vllm_required():
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"the {name} extra ({module}) is not installed")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

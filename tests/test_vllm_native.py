@@ -16,156 +16,19 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 import torch
+from server_harness import ROOT, Server, plugin_dir, start_server, stop_server, trainer_engine
 from vllm_harness import LONG_PROMPT, PROMPTS, reference_outputs
 
 from streamsync.testing.models import build_tiny_model, perturb
-from streamsync.testing.peers import free_port
 
 pytestmark = pytest.mark.vllm
-
-ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT = 900.0  # two shared cores: the server takes minutes to come up
-
-
-def plugin_dir(tmp: Path) -> Path:
-    """A directory whose ``.dist-info`` declares the entry point pyproject.toml declares."""
-    info = tmp / "streamsync_native_plugin-0.0.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: streamsync-native-plugin\nVersion: 0.0.0\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nstreamsync = streamsync.vllm.native:register\n"
-    )
-    return tmp
-
-
-@dataclass
-class Server:
-    url: str
-    model: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def post(self, path: str, **kwargs: Any) -> Any:
-        response = requests.post(f"{self.url}/{path}", timeout=300, **kwargs)
-        assert response.status_code == 200, (path, response.status_code, response.text)
-        return response.json()
-
-    def get(self, path: str) -> Any:
-        response = requests.get(f"{self.url}/{path}", timeout=60)
-        assert response.status_code == 200, (path, response.status_code, response.text)
-        return response.json()
-
-    def greedy_tokens(self, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-        """Greedy tokens for token-id prompts (the fixed ones by default), through
-        /v1/completions (which goes through the prefix cache where it is on)."""
-        out = []
-        for prompt in prompts:
-            body = self.post(
-                "v1/completions",
-                json={
-                    "model": self.model,
-                    "prompt": prompt,
-                    "max_tokens": 8,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                },
-            )
-            out.append(list(body["choices"][0]["token_ids"]))
-        return out
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-
-def start_server(
-    model: Path, tmp: Path, *extra: str, env_extra: dict[str, str] | None = None
-) -> Server:
-    port = free_port()
-    log = tmp / "server.log"
-    env = {
-        **os.environ,
-        **(env_extra or {}),
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), str(plugin_dir(tmp / "plugin")), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default: an engine process
-    # `vllm serve` of vllm-cpu fails (it looks up a distribution named "vllm"): run the module.
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--max-num-seqs",
-        "4",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--weight-transfer-config",
-        json.dumps({"backend": "streamsync"}),
-        *extra,
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", str(model), proc, log)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the vLLM server exited with {proc.returncode}:\n{server.tail()}")
-        try:
-            if requests.get(f"{server.url}/health", timeout=5).status_code == 200:
-                return server
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    stop_server(server)
-    pytest.fail(f"the vLLM server did not come up within {START_TIMEOUT:g} s:\n{server.tail()}")
-
-
-def stop_server(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait(timeout=30)
-
-
-def trainer_engine(server: Server, source: Any, **options: Any) -> Any:
-    """Exactly vLLM's usage, with the streamsync init info."""
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from streamsync.vllm.native import StreamsyncInitInfo
-
-    return WeightTransferTrainerFactory.trainer_init(
-        StreamsyncInitInfo(endpoint="zmq+tcp://127.0.0.1:0", rank=0, **options),
-        client=HTTPVLLMWeightSyncClient(server.url),
-        source=source,
-    )
 
 
 def three_steps(

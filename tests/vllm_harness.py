@@ -96,13 +96,16 @@ async def async_outputs(llm: Any, prompts: list[list[int]] = PROMPTS) -> Outputs
     return outputs_from(results)
 
 
-def cached_greedy(llm: Any, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+def cached_greedy(
+    llm: Any, prompts: list[list[int]], *, lora_request: Any = None
+) -> tuple[list[list[int]], int]:
     """Greedy tokens of ``prompts`` through the prefix cache (no ``prompt_logprobs``, which
     would bypass it), and how many prompt tokens came from cached blocks."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(requests, params, use_tqdm=False, lora_request=lora_request)
     return [list(o.outputs[0].token_ids) for o in outs], sum(o.num_cached_tokens or 0 for o in outs)
 
 

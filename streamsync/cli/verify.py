@@ -79,10 +79,15 @@ def outputs_from(results: list[Any]) -> Outputs:
     return Outputs(tokens, logprobs)
 
 
-def engine_outputs(llm: Any, prompts: list[list[int]] = PROMPTS) -> Outputs:
-    """Greedy generation of ``prompts`` (the fixed ones by default) on an ``LLM``."""
+def engine_outputs(
+    llm: Any, prompts: list[list[int]] = PROMPTS, *, lora_request: Any = None
+) -> Outputs:
+    """Greedy generation of ``prompts`` (the fixed ones by default) on an ``LLM``, with a
+    LoRA adapter if ``lora_request`` names one."""
     requests = [{"prompt_token_ids": p} for p in prompts]
-    return outputs_from(llm.generate(requests, sampling(), use_tqdm=False))
+    return outputs_from(
+        llm.generate(requests, sampling(), use_tqdm=False, lora_request=lora_request)
+    )
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, cast, runtime_checkable
@@ -32,18 +32,20 @@ import msgspec
 
 from streamsync._log import log, warn
 from streamsync.engine.loops import EventLoopThread, HostedSender, caller_cuda
-from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.messages import LoraTarget, WorkerOptions, WorkerResult
 from streamsync.errors import (
     ClosedError,
     ConfigError,
+    LoraError,
     ReceiverFailedError,
     StreamsyncError,
     SyncTimeoutError,
     root_cause,
 )
+from streamsync.lora import check_lora_name, lora_adapter, lora_id, version_path
 from streamsync.pipeline import AdapterLike
-from streamsync.report import LoadResult, SyncReport
-from streamsync.sync import DEFAULT_TIMEOUT, send
+from streamsync.report import LoadResult, LoraReport, SyncReport
+from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
 from streamsync.transports import Sender, check_options, open_sender
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
@@ -51,6 +53,7 @@ __all__ = [
     "BlockingWeightSync",
     "EngineClient",
     "LoopBoundClient",
+    "LoraClient",
     "WeightSync",
     "merge_engine_reports",
     "merge_worker_reports",
@@ -87,6 +90,30 @@ class LoopBoundClient(EngineClient, Protocol):
 
     #: Always true; declares the client loop-bound.
     loop_bound: bool
+
+
+@runtime_checkable
+class LoraClient(EngineClient, Protocol):
+    """A client whose engine serves LoRA adapters: :meth:`WeightSync.update_lora` streams an
+    adapter to every worker (which checks and stages it), then asks the engine to install
+    the staged version."""
+
+    async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
+        """Install the version every worker staged under ``path`` as adapter ``name``
+        (``lora_id``: the engine's id for it, stable across versions), replacing the one
+        serving; returns how many requests were generating with ``name`` (they go on with
+        the new version), or ``None`` if the engine cannot say."""
+
+    async def remove_lora(self, name: str, lora_id: int) -> None:
+        """Stop serving adapter ``name`` (its staged versions are dropped separately)."""
+
+
+@dataclass(frozen=True)
+class _Lora:
+    """An adapter a channel installed: its serving version's path, its rank."""
+
+    path: str
+    rank: int
 
 
 def several(engines: Any) -> bool:
@@ -256,6 +283,7 @@ class WeightSync:
         self._loop: EventLoopThread | None = None
         self._sender: HostedSender | None = None
         self._open: list[Sender] = []  # the transport behind _sender, for the finalizer
+        self._loras: dict[str, _Lora] = {}
 
     @property
     def client(self) -> EngineClient:
@@ -293,6 +321,10 @@ class WeightSync:
     ) -> SyncReport:
         self._check_blocking("sync.update(weights)", "await sync.update(weights)")
         return anyio.run(partial(self.update, weights, pipeline=pipeline, delta=delta))
+
+    def _blocking(self, form: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        self._check_blocking(form, f"await {form}")
+        return anyio.run(call)
 
     def _close_blocking(self) -> None:
         self._check_blocking("sync.close()", "await sync.aclose()")
@@ -335,12 +367,13 @@ class WeightSync:
                     await anyio.to_thread.run_sync(self._stop_loop)
 
     async def _close_both(self) -> None:
+        url = self.url  # what the workers connected to (a port 0 resolved)
         await self._close_sender()
 
         async def close(e: int, client: EngineClient) -> None:
             try:
                 with anyio.fail_after(self.timeout):
-                    closed = await client.close_receivers(self.endpoint)
+                    closed = await client.close_receivers(url)
             except Exception as exc:  # the engine shut down first, or its RPC failed
                 warn(
                     "engine.close_receivers_failed",
@@ -419,22 +452,142 @@ class WeightSync:
         report; with several engines its message and ``exc.engine`` say which engine. The
         engines whose every worker applied the sync still drop their caches.
         """
-        sender = await self._ensure_sender()
-        options = self.worker_options
-        if options.timeout is None:
-            options = msgspec.structs.replace(options, timeout=self.timeout)
         if delta and not self.delta:
             raise ConfigError("update(delta=True) needs a channel opened with delta=True")
         mode: bool | str = self.delta and ("full" if delta is False else True)
+        return await self._round(weights, self.worker_options, pipeline, mode)
+
+    async def _round(
+        self,
+        weights: Any,
+        options: WorkerOptions,
+        pipeline: AdapterLike | None,
+        mode: bool | str,
+        *,
+        sync_id: int | None = None,
+    ) -> SyncReport:
+        """One sync into every engine (``options.lora``: of an adapter, sent aside)."""
+        sender = await self._ensure_sender()
+        if options.timeout is None:
+            options = msgspec.structs.replace(options, timeout=self.timeout)
         sync = _Round(results=[[] for _ in self.clients])
-        await self._run(sync, sender, options, weights, pipeline, mode)
+        await self._run(sync, sender, options, weights, pipeline, mode, sync_id)
         if sync.report is None and sync.send_error is None and not await sender.settle():
             # Cancelled (an engine failed first), and a call still runs on the channel's
             # loop after the wait: its state is unknown, so it goes. Normally the cancelled
             # call unwinds at once (the sync it was in is aborted or never began), and the
             # channel, with every engine's receivers, stays open.
             await self._close_sender()
-        return await self._conclude(sync)
+        return await self._conclude(sync, after=options.lora is None)
+
+    def _lora_clients(self) -> list[LoraClient]:
+        clients = [c for c in self.clients if isinstance(c, LoraClient)]
+        if len(clients) != len(self.clients):
+            other = next(c for c in self.clients if not isinstance(c, LoraClient))
+            raise ConfigError(f"{type(other).__name__} cannot install LoRA adapters")
+        return clients
+
+    async def update_lora(
+        self,
+        name: str,
+        adapter: Any,
+        *,
+        config: Any = None,
+        pipeline: AdapterLike | None = None,
+    ) -> SyncReport:
+        """Stream LoRA adapter ``adapter`` into every worker of every engine and install it
+        as ``name``, replacing the version serving under that name; the base weights do not
+        move. ``adapter``: a ``peft.PeftModel`` (its active adapter), or named LoRA tensors
+        with ``config`` (peft's ``LoraConfig`` or its dict). ``pipeline``: applied to the
+        adapter's tensors (default: the channel's).
+
+        Every worker checks the adapter against its engine (LoRA enabled, the rank, the
+        modules and shapes, how many adapters it holds) before any engine installs it: a
+        :class:`~streamsync.LoraError` names what is wrong, and the previous version keeps
+        serving. The report's ``lora`` says what was installed."""
+        clients = self._lora_clients()
+        check_lora_name(name)
+        lora = lora_adapter(adapter, config)
+        current = self._loras.get(name)
+        sync_id = next_sync_id()
+        target = LoraTarget(
+            name=name,
+            path=version_path(name, sync_id),
+            config=lora.config,
+            keep=(current.path,) if current is not None else (),
+        )
+        options = msgspec.structs.replace(self.worker_options, lora=target)
+        report = await self._round(
+            lora.tensors,
+            options,
+            pipeline if pipeline is not None else self.pipeline,
+            False,
+            sync_id=sync_id,
+        )
+        engine_id = lora_id(name)
+        in_flight: list[int | None] = [None] * len(clients)
+
+        async def install(e: int, client: LoraClient) -> None:
+            try:
+                in_flight[e] = await client.install_lora(name, engine_id, target.path)
+            except StreamsyncError as exc:
+                exc.engine = self._engine(e)
+                raise
+            except Exception as exc:
+                where = "the engine" if not self.fanout else f"engine {e}"
+                error = LoraError(
+                    f"{where} did not install LoRA adapter {name!r} ({target.path}): "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                error.engine = self._engine(e)
+                raise error from exc
+
+        with anyio.fail_after(self.timeout):
+            if len(clients) == 1:
+                await install(0, clients[0])
+            else:
+                async with anyio.create_task_group() as tg:
+                    for e, client in enumerate(clients):
+                        tg.start_soon(install, e, client)
+        self._loras[name] = _Lora(target.path, lora.rank)
+        counts = [n for n in in_flight if n is not None]
+        running = sum(counts) if len(counts) == len(in_flight) else None
+        if running:
+            warn("lora.in_flight", name=name, path=target.path, requests=running)
+        log("lora.installed", name=name, path=target.path, lora_id=engine_id, rank=lora.rank)
+        return msgspec.structs.replace(
+            report, lora=LoraReport(name=name, path=target.path, rank=lora.rank, in_flight=running)
+        )
+
+    def lora(self, name: str) -> tuple[int, str]:
+        """The engine's id for adapter ``name`` and the path of the version this channel
+        installed last."""
+        state = self._loras.get(name)
+        if state is None:
+            known = ", ".join(map(repr, sorted(self._loras))) or "none"
+            raise ConfigError(
+                f"no LoRA adapter {name!r} on this channel (it installed: {known}); "
+                "update_lora(name, adapter) first"
+            )
+        return lora_id(name), state.path
+
+    @property
+    def loras(self) -> tuple[str, ...]:
+        """The adapters this channel installed and serves."""
+        return tuple(self._loras)
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` on every engine and drop its tensors on every worker
+        (an adapter another channel installed too: adapters outlive their channel)."""
+        clients = self._lora_clients()
+        check_lora_name(name)
+        for client in clients:
+            await client.remove_lora(name, lora_id(name))
+        self._loras.pop(name, None)
+        target = LoraTarget(name=name, path=version_path(name, 0), remove=True)
+        options = msgspec.structs.replace(self.worker_options, lora=target)
+        await self._round((), options, None, False)
+        log("lora.removed", name=name)
 
     async def _run(
         self,
@@ -444,9 +597,11 @@ class WeightSync:
         weights: Any,
         pipeline: AdapterLike | None,
         delta: bool | str = False,
+        sync_id: int | None = None,
     ) -> None:
         """The send beside every engine's receive; a failure that dooms the sync cancels
-        the rest (see :meth:`_receive`)."""
+        the rest (see :meth:`_receive`). An adapter sync (``options.lora``) is sent aside
+        (:func:`~streamsync.sync.send_aside`)."""
         sync.waiting = set(range(len(self.clients)))
         async with anyio.create_task_group() as tg:
             for e, client in enumerate(self.clients):
@@ -454,15 +609,26 @@ class WeightSync:
             if not self.require_all:
                 await self._joined(sender, sync.engine_errors)
             try:
-                sync.report = await send(
-                    weights,
-                    sender,
-                    pipeline=pipeline if pipeline is not None else self.pipeline,
-                    bucket_bytes=self.bucket_bytes,
-                    timeout=self.timeout,
-                    checksum=self.checksum,
-                    delta=cast("bool", delta),
-                )
+                if options.lora is not None:
+                    sync.report = await send_aside(
+                        weights,
+                        sender,
+                        pipeline=pipeline,
+                        bucket_bytes=self.bucket_bytes,
+                        timeout=self.timeout,
+                        checksum=self.checksum,
+                        sync_id=sync_id,
+                    )
+                else:
+                    sync.report = await send(
+                        weights,
+                        sender,
+                        pipeline=pipeline if pipeline is not None else self.pipeline,
+                        bucket_bytes=self.bucket_bytes,
+                        timeout=self.timeout,
+                        checksum=self.checksum,
+                        delta=cast("bool", delta),
+                    )
             except StreamsyncError as exc:
                 sync.send_error = exc
                 if isinstance(exc, ClosedError):
@@ -506,7 +672,7 @@ class WeightSync:
         error: StreamsyncError | None = None
         try:
             with anyio.fail_after(limit):
-                sync.results[e] = list(await client.start_receive(self.endpoint, options))
+                sync.results[e] = list(await client.start_receive(self.url, options))
         except TimeoutError:
             error = SyncTimeoutError(
                 f"{where}'s workers did not report on the sync from {self.endpoint} "
@@ -527,9 +693,10 @@ class WeightSync:
         if doomed and self.require_all:
             scope.cancel()
 
-    async def _conclude(self, sync: _Round) -> SyncReport:
+    async def _conclude(self, sync: _Round, *, after: bool = True) -> SyncReport:
         """Raise the sync's root cause, or merge the workers' reports into the sender's;
-        either way the engines whose every worker applied it drop their caches."""
+        either way the engines whose every worker applied it drop their caches (unless
+        ``after`` is false: an adapter sync, whose versions the caches tell apart)."""
         applied = [
             e
             for e, client in enumerate(self.clients)
@@ -549,6 +716,8 @@ class WeightSync:
                 sync.send_error,
             ]
         )
+        if not after:
+            applied = []
         if failure is not None:
             if applied:
                 with anyio.CancelScope(shield=True):
@@ -563,7 +732,8 @@ class WeightSync:
             gone = tuple(f"engine {e}: {type(err).__name__}: {err}" for e, err in absent.items())
             merged = msgspec.structs.replace(merged, absent=(*merged.absent, *gone))
             warn("engine.absent", endpoint=self.endpoint, engines=sorted(absent))
-        await self._after_sync(applied, merged)
+        if applied:
+            await self._after_sync(applied, merged)
         log(
             "engine.sync",
             endpoint=self.endpoint,
@@ -625,6 +795,25 @@ class BlockingWeightSync:
     ) -> SyncReport:
         """:meth:`WeightSync.update`, blocking."""
         return self.channel._update_blocking(weights, pipeline, delta)
+
+    def update_lora(
+        self,
+        name: str,
+        adapter: Any,
+        *,
+        config: Any = None,
+        pipeline: AdapterLike | None = None,
+    ) -> SyncReport:
+        """:meth:`WeightSync.update_lora`, blocking."""
+        report: SyncReport = self.channel._blocking(
+            "sync.update_lora(...)",
+            partial(self.channel.update_lora, name, adapter, config=config, pipeline=pipeline),
+        )
+        return report
+
+    def remove_lora(self, name: str) -> None:
+        """:meth:`WeightSync.remove_lora`, blocking."""
+        self.channel._blocking("sync.remove_lora(name)", partial(self.channel.remove_lora, name))
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """:meth:`WeightSync.wait_ready`, blocking."""

@@ -22,11 +22,11 @@ from streamsync.errors import (
 )
 from streamsync.report import SyncReport
 
-__all__ = ["WORKER_PROTOCOL", "WorkerOptions", "WorkerResult"]
+__all__ = ["WORKER_PROTOCOL", "LoraTarget", "WorkerOptions", "WorkerResult"]
 
 #: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
 #: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.
-WORKER_PROTOCOL = 2
+WORKER_PROTOCOL = 3
 
 
 def _check_version(kind: str, data: object) -> None:
@@ -36,6 +36,24 @@ def _check_version(kind: str, data: object) -> None:
             f"{kind} of protocol version {version!r}; this streamsync speaks "
             f"{WORKER_PROTOCOL}: install the same streamsync on the trainer and the engine"
         )
+
+
+class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a LoRA adapter sync is for: the sync's tensors are the adapter's, built into one
+    version of adapter ``name`` on every worker (``WeightSync.update_lora``)."""
+
+    #: The adapter's name.
+    name: str
+    #: This version's path (a reserved absolute path, never read from disk): the engine's
+    #: key for the version.
+    path: str
+    #: The adapter's LoRA config as JSON values (peft's ``LoraConfig.to_dict()``: ``r``,
+    #: ``lora_alpha``, ``target_modules``, ...).
+    config: dict[str, Any] = {}
+    #: Other versions of ``name`` the workers keep (the one serving until this one is in).
+    keep: tuple[str, ...] = ()
+    #: Drop every version of ``name`` instead (the sync carries no tensors).
+    remove: bool = False
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -55,6 +73,8 @@ class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     instances: tuple[str, ...] | None = None
     #: Keep the copies a delta sync patches (:class:`WeightSync` with ``delta=True``).
     delta: bool = False
+    #: A LoRA adapter sync: what it builds (set by ``WeightSync.update_lora``).
+    lora: LoraTarget | None = None
 
     @classmethod
     def coerce(cls, options: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:

@@ -17,11 +17,11 @@ from typing import Any
 
 import anyio.to_thread
 
-from streamsync.engine.channel import EngineClient, several
+from streamsync.engine.channel import BlockingWeightSync, EngineClient, several
 from streamsync.engine.channel import WeightSync as _EngineWeightSync
 from streamsync.engine.kept import update_engine
 from streamsync.engine.messages import WorkerOptions, WorkerResult
-from streamsync.errors import ConfigError
+from streamsync.errors import ConfigError, LoraError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
@@ -29,6 +29,7 @@ from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = [
     "AsyncLLMClient",
+    "BlockingVllmSync",
     "LLMClient",
     "WeightSync",
     "update_weights",
@@ -38,6 +39,31 @@ __all__ = [
 
 _RECEIVE = "streamsync_receive"
 _CLOSE = "streamsync_close"
+
+
+def _lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, lora_id, path, load_inplace=load_inplace)
+
+
+def _in_flight(engine: Any, name: str) -> int | None:
+    """Requests of ``engine`` (an ``LLMEngine`` or ``AsyncLLM``) generating with adapter
+    ``name``, or ``None`` where the engine does not say."""
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    if not isinstance(states, Mapping):
+        return None
+    return sum(1 for state in states.values() if getattr(state, "lora_name", None) == name)
+
+
+def _check_lora_enabled(llm: Any) -> None:
+    engine = getattr(llm, "llm_engine", llm)
+    config = getattr(engine, "vllm_config", None)
+    if config is not None and getattr(config, "lora_config", None) is None:
+        raise LoraError(
+            "the engine was started without LoRA: start it with enable_lora=True "
+            "(the server: --enable-lora), with max_lora_rank at least the adapter's rank"
+        )
 
 
 def world_size(llm: Any) -> int:
@@ -73,6 +99,15 @@ class LLMClient:
     async def close_receivers(self, endpoint: str) -> int:
         return sum(await self._call(lambda: self.llm.collective_rpc(_CLOSE, args=(endpoint,))))
 
+    async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
+        engine = self.llm.llm_engine
+        request = _lora_request(name, lora_id, path, load_inplace=True)
+        await self._call(lambda: engine.add_lora(request))
+        return _in_flight(engine, name)
+
+    async def remove_lora(self, name: str, lora_id: int) -> None:
+        await self._call(lambda: self.llm.llm_engine.remove_lora(lora_id))
+
 
 class AsyncLLMClient:
     """A vLLM ``AsyncLLM`` (in-process or multi-process engine core): RPCs are awaited, on
@@ -95,6 +130,13 @@ class AsyncLLMClient:
 
     async def close_receivers(self, endpoint: str) -> int:
         return sum(await self.llm.collective_rpc(_CLOSE, args=(endpoint,)))
+
+    async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
+        await self.llm.add_lora(_lora_request(name, lora_id, path, load_inplace=True))
+        return _in_flight(self.llm, name)
+
+    async def remove_lora(self, name: str, lora_id: int) -> None:
+        await self.llm.remove_lora(lora_id)
 
 
 def vllm_client(llm: Any) -> EngineClient:
@@ -170,6 +212,38 @@ class WeightSync(_EngineWeightSync):
             **transport_options,
         )
         self.llm = llm
+
+    def __enter__(self) -> BlockingVllmSync:
+        return BlockingVllmSync(super().__enter__().channel)
+
+    def lora_request(self, name: str) -> Any:
+        """The vLLM ``LoRARequest`` that generates with adapter ``name``'s installed version
+        (``llm.generate(..., lora_request=sync.lora_request(name))``)."""
+        lora_id, path = self.lora(name)
+        return _lora_request(name, lora_id, path)
+
+    async def update_lora(
+        self,
+        name: str,
+        adapter: Any,
+        *,
+        config: Any = None,
+        pipeline: AdapterLike | None = None,
+    ) -> SyncReport:
+        for llm in self.llm if several(self.llm) else [self.llm]:
+            _check_lora_enabled(llm)
+        return await super().update_lora(name, adapter, config=config, pipeline=pipeline)
+
+
+class BlockingVllmSync(BlockingWeightSync):
+    """What ``with WeightSync(llm, ...)`` gives: :class:`BlockingWeightSync` with
+    :meth:`lora_request`."""
+
+    channel: WeightSync
+
+    def lora_request(self, name: str) -> Any:
+        """:meth:`WeightSync.lora_request`."""
+        return self.channel.lora_request(name)
 
 
 async def update_weights(

@@ -36,9 +36,13 @@ class WorkerExtension:
         it (by class name, with the partial report), so a failed sync never takes the
         engine down and the trainer re-raises it.
         """
+        from streamsync.sink import Sink
+        from streamsync.vllm.lora import LoraSink
         from streamsync.vllm.sink import VllmSink
 
-        def sink(opts: WorkerOptions) -> VllmSink:
+        def sink(opts: WorkerOptions) -> Sink:
+            if opts.lora is not None:
+                return LoraSink.from_worker(self, opts.lora)
             return VllmSink.from_worker(
                 self,
                 lifecycle=opts.lifecycle,

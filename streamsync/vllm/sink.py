@@ -50,7 +50,7 @@ _kept_copies: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]
     weakref.WeakKeyDictionary()
 )
 
-__all__ = ["ModelInstance", "VllmSink", "model_instances", "tied_names"]
+__all__ = ["ModelInstance", "VllmSink", "checkpoint_name", "model_instances", "tied_names"]
 
 
 @dataclass
@@ -71,11 +71,17 @@ class ModelInstance:
     tied_loaded: dict[str, tuple[str, Fingerprint]] = field(default_factory=dict)
 
 
+def checkpoint_name(name: str) -> str:
+    """A model parameter's name as the checkpoint (and the model's loader) knows it: a layer
+    vLLM wrapped for LoRA holds its weights under ``.base_layer``."""
+    return name.replace(".base_layer.", ".")
+
+
 def tied_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     """Each name of a parameter ``model`` holds under several names, with the others."""
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
+        groups.setdefault(id(param), []).append(checkpoint_name(name))
     return {
         name: tuple(other for other in names if other != name)
         for names in groups.values()
@@ -355,7 +361,7 @@ class VllmSink:
             for inst in self.instances:
                 inst.loaded.update(applied[inst.name])
                 inst.offered.update(applied[inst.name])
-                params = {n for n, _ in inst.model.named_parameters()}
+                params = {checkpoint_name(n) for n, _ in inst.model.named_parameters()}
                 per_instance[inst.name] = LoadResult(
                     loaded=tuple(sorted(inst.loaded)),
                     missing=tuple(sorted(params - inst.loaded)),

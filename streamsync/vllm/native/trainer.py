@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -22,6 +23,7 @@ from streamsync.engine.channel import BlockingWeightSync, WeightSync
 from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
+    LoraError,
     PeerBrokenError,
     ReceiverFailedError,
     StreamsyncError,
@@ -92,6 +94,18 @@ class _VllmClient:
         # vLLM's /pause and /resume own the caches (pause(clear_cache=...)).
         pass
 
+    async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
+        # vLLM's own routes: the engine picks its id; the name and path are what count.
+        await anyio.to_thread.run_sync(
+            _lora_route, self.client, "load", name, path, abandon_on_cancel=True
+        )
+        return None
+
+    async def remove_lora(self, name: str, lora_id: int) -> None:
+        await anyio.to_thread.run_sync(
+            _lora_route, self.client, "unload", name, None, abandon_on_cancel=True
+        )
+
     async def close_receivers(self, endpoint: str) -> int:
         shutdown = getattr(self.client, "shutdown_weight_transfer_engine", None)
         if shutdown is None:
@@ -110,6 +124,45 @@ def _rpc_error(call: str, exc: Exception) -> StreamsyncError:
     detail = f"{type(exc).__name__}: {exc}" + (f" ({body.strip()[:1000]})" if body else "")
     cls, _ = errors.described(f"{exc} {body}", ReceiverFailedError)
     return cls(f"vLLM's {call} failed: {detail}")
+
+
+def _lora_route(client: Any, action: str, name: str, path: str | None) -> None:
+    """``load`` (in place) or ``unload`` LoRA adapter ``name`` through ``client``: its own
+    ``load_lora_adapter`` / ``unload_lora_adapter`` where it has them, else the server's
+    ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` at its ``base_url``."""
+    method = getattr(client, f"{action}_lora_adapter", None)
+    if method is not None:
+        method(name, path) if action == "load" else method(name)
+        return
+    base_url = getattr(client, "base_url", None)
+    if base_url is None:
+        raise ConfigError(
+            f"{type(client).__name__} has no {action}_lora_adapter method (nor a base_url "
+            f"to post /v1/{action}_lora_adapter to): it cannot install LoRA adapters"
+        )
+    import requests
+
+    url = f"{str(base_url).rstrip('/')}/v1/{action}_lora_adapter"
+    body: dict[str, Any] = {"lora_name": name}
+    if action == "load":
+        body.update(lora_path=path, load_inplace=True)
+    try:
+        response = requests.post(url, json=body, timeout=getattr(client, "timeout", 60.0))
+    except requests.RequestException as exc:
+        raise PeerBrokenError(
+            f"the vLLM server at {base_url} cannot be reached (POST /v1/{action}_lora_adapter: "
+            f"{type(exc).__name__}: {exc})"
+        ) from exc
+    if response.status_code == 404:
+        raise LoraError(
+            f"the vLLM server at {base_url} has no /v1/{action}_lora_adapter route: start it "
+            "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (and --enable-lora)"
+        )
+    if not response.ok:
+        raise LoraError(
+            f"the vLLM server at {base_url} refused to {action} LoRA adapter {name!r} "
+            f"(HTTP {response.status_code}): {response.text.strip()[:1000]}"
+        )
 
 
 def _start_draft(client: Any) -> None:
@@ -308,6 +361,59 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             raise _rpc_error("finish_weight_update", exc) from exc
         self.last_report = report
 
+    def _session(self, what: str, run: Callable[[BlockingWeightSync], Any]) -> Any:
+        """``run`` on the channel inside one of vLLM's weight-update sessions."""
+        if not self.is_sender:
+            return None
+        if self._sync is None:
+            raise ConfigError(f"{what} after shutdown(); call trainer_init again")
+        try:
+            self.client.start_weight_update()
+        except Exception as exc:
+            raise _rpc_error("start_weight_update", exc) from exc
+        try:
+            result = run(self._sync)
+        except BaseException:
+            # A failed update_weights ends the session on the worker; one that failed on
+            # this side (before the workers were asked) still needs it closed.
+            with contextlib.suppress(Exception):
+                self.client.finish_weight_update(None)
+            raise
+        try:
+            self.client.finish_weight_update(None)
+        except Exception as exc:
+            raise _rpc_error("finish_weight_update", exc) from exc
+        return result
+
+    def send_lora(
+        self,
+        name: str,
+        adapter: Any,
+        *,
+        config: Any = None,
+        pipeline: AdapterLike | None = None,
+    ) -> SyncReport | None:
+        """Stream LoRA adapter ``adapter`` (a ``peft.PeftModel``, or named LoRA tensors with
+        ``config``) into every worker and install it as ``name`` through the server's
+        ``/v1/load_lora_adapter`` (the server runs with ``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``); nothing touches a disk. Generation then
+        names it as vLLM's server does: ``"model": name``. A new version replaces the one
+        serving; a bad adapter fails by name with the previous one still serving (see
+        :meth:`~streamsync.engine.channel.WeightSync.update_lora`). Returns the sender's
+        report (``None`` on ranks other than the sender)."""
+        report: SyncReport | None = self._session(
+            "send_lora",
+            lambda sync: sync.update_lora(name, adapter, config=config, pipeline=pipeline),
+        )
+        if report is not None:
+            self.last_report = report
+        return report
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name`` (``/v1/unload_lora_adapter``) and drop its
+        tensors on every worker."""
+        self._session("remove_lora", lambda sync: sync.remove_lora(name))
+
     def shutdown(self) -> None:
         """Close the transport and the workers' receivers (``shutdown_weight_transfer_engine``
         where the client has it)."""
@@ -377,3 +483,19 @@ class AsyncLLMWeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run("finish_weight_update", lambda: self.llm.finish_weight_update(weight_version))
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Install the version staged under ``path`` as LoRA adapter ``name``, as the
+        server's ``/v1/load_lora_adapter`` does (in place, the id the name already has)."""
+        from vllm.lora.request import LoRARequest
+
+        from streamsync.lora import lora_id
+
+        request = LoRARequest(name, lora_id(name), path, load_inplace=True)
+        self._run("add_lora", lambda: self.llm.add_lora(request))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name``."""
+        from streamsync.lora import lora_id
+
+        self._run("remove_lora", lambda: self.llm.remove_lora(lora_id(name)))

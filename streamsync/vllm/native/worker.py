@@ -11,7 +11,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from streamsync._log import log, warn
 from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
-from streamsync.errors import ConfigError, StreamsyncError, describe
+from streamsync.errors import ConfigError, LoraError, StreamsyncError, describe
 from streamsync.vllm.native.messages import TransferInit
 
 __all__ = ["StreamsyncWeightTransferEngine"]
@@ -77,7 +77,9 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WorkerOptions) -> None:
+        from streamsync.sink import Sink
         from streamsync.vllm.lifecycles import choose_lifecycle
+        from streamsync.vllm.lora import LoraEngine, LoraSink
         from streamsync.vllm.quirks import quirks_by_name
         from streamsync.vllm.sink import ModelInstance, VllmSink
 
@@ -91,7 +93,15 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         )
         target = self._target
 
-        def sink(opts: WorkerOptions) -> VllmSink:
+        def sink(opts: WorkerOptions) -> Sink:
+            if opts.lora is not None:
+                if target != "main":
+                    raise LoraError(
+                        "a LoRA adapter sync goes to the main model: start it with "
+                        "start_weight_update, not start_draft_weight_update"
+                    )
+                engine = LoraEngine.of_model(self.model, self.vllm_config)
+                return LoraSink(engine, opts.lora, self.model)
             return VllmSink(
                 [ModelInstance(target, self.model, self.model_config)],
                 lifecycle=choose_lifecycle(opts.lifecycle),

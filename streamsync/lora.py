@@ -1,0 +1,214 @@
+"""LoRA adapters on the trainer side: what an adapter sync carries (:func:`lora_adapter`), and
+a peft model's own names (:func:`base_name`).
+
+An adapter is its LoRA tensors, named as peft saves them (``adapter_model.safetensors``:
+``base_model.model.<module>.lora_A.weight`` and ``.lora_B.weight``, no adapter name in
+them), and its LoRA config as JSON values. peft is imported only when a ``PeftModel`` or a
+``LoraConfig`` is handed in (the ``lora`` extra).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from streamsync.errors import ConfigError
+from streamsync.sources import full_tensor
+
+__all__ = [
+    "LORA_PATH_PREFIX",
+    "LoraAdapter",
+    "base_name",
+    "is_peft_model",
+    "lora_adapter",
+    "lora_id",
+    "version_path",
+]
+
+#: The absolute path under which an engine knows the versions streamsync installed; nothing
+#: is ever read from it (``/streamsync-lora/<name>/v<sync id>``).
+LORA_PATH_PREFIX = "/streamsync-lora/"
+
+_REQUIRED = ("r", "lora_alpha", "target_modules")
+_LORA_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.weight$|\.(lora_embedding_A|lora_embedding_B)$")
+# peft's in-memory names carry the adapter's name: ``.lora_A.default.weight``.
+_NAMED_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.[^.]+\.weight$|\.(lora_embedding_[AB])\.[^.]+$")
+# Parts of a peft model's names that belong to an adapter, not to the base model.
+_ADAPTER_PARTS = frozenset(
+    {
+        "lora_A",
+        "lora_B",
+        "lora_embedding_A",
+        "lora_embedding_B",
+        "lora_magnitude_vector",
+        "lora_dropout",
+        "modules_to_save",
+    }
+)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter as a sync carries it: its tensors (in order) and its config."""
+
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+    #: The LoRA config as JSON values (``r``, ``lora_alpha``, ``target_modules``, ...).
+    config: dict[str, Any]
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+def check_lora_name(name: object) -> str:
+    """``name`` if it can name an adapter (letters, digits and ``._:@+-``, at most 128)."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError(
+            f"LoRA adapter name {name!r}: use 1-128 letters, digits and '._:@+-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def is_peft_model(obj: object) -> bool:
+    """Whether ``obj`` is a ``peft.PeftModel`` (without importing peft if it is not loaded)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(obj, peft.PeftModel)
+
+
+def base_name(name: str) -> str | None:
+    """The base checkpoint's name for a peft model's state-dict ``name``, or ``None`` for an
+    adapter's own tensor: ``base_model.model.`` and ``.base_layer`` / ``.original_module``
+    dropped (``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` is
+    ``model.layers.0.self_attn.q_proj.weight``)."""
+    parts = name.removeprefix("base_model.model.").split(".")
+    if any(part in _ADAPTER_PARTS for part in parts):
+        return None
+    return ".".join(p for p in parts if p not in ("base_layer", "original_module"))
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return _json(value.value)
+    if isinstance(value, set | frozenset):
+        return sorted(_json(v) for v in value)
+    if isinstance(value, list | tuple):
+        return [_json(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json(v) for k, v in value.items()}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def lora_config_dict(config: Any) -> dict[str, Any]:
+    """A LoRA config (peft's ``LoraConfig`` or a mapping of its fields) as JSON values,
+    checked for the fields an engine needs."""
+    if hasattr(config, "to_dict") and not isinstance(config, Mapping):
+        raw = config.to_dict()
+    elif isinstance(config, Mapping):
+        raw = dict(config)
+    else:
+        raise ConfigError(
+            f"LoRA config is a {type(config).__name__}: pass peft's LoraConfig or a mapping "
+            "of its fields (r, lora_alpha, target_modules, ...)"
+        )
+    out: dict[str, Any] = {k: _json(v) for k, v in raw.items() if k != "runtime_config"}
+    missing = [k for k in _REQUIRED if out.get(k) in (None, "", [])]
+    if missing:
+        raise ConfigError(f"LoRA config lacks {', '.join(missing)} (needs {', '.join(_REQUIRED)})")
+    peft_type = out.get("peft_type")
+    if peft_type not in (None, "LORA"):
+        raise ConfigError(f"adapter config has peft_type={peft_type!r}; only LORA adapters sync")
+    r = out["r"]
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ConfigError(f"LoRA config r={r!r}: use a rank >= 1")
+    return out
+
+
+def _from_peft(model: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    from peft import get_peft_model_state_dict
+
+    active = model.active_adapter
+    if not isinstance(active, str):
+        raise ConfigError(
+            f"the peft model has several active adapters {active!r}: set one with "
+            "set_adapter(name), or pass its tensors and config"
+        )
+    # save_embedding_layers=False: "auto" may look the base model up on the Hub.
+    state = get_peft_model_state_dict(model, adapter_name=active, save_embedding_layers=False)
+    return state, model.peft_config[active]
+
+
+def lora_adapter(adapter: Any, config: Any = None) -> LoraAdapter:
+    """An adapter to sync: a ``peft.PeftModel`` (its active adapter and config), or named
+    LoRA tensors (a mapping or ``(name, tensor)`` pairs, named as peft saves them) with
+    ``config`` (a ``LoraConfig`` or its dict). Every name is checked; the tensors are not
+    copied (the sync copies them once, as it sends)."""
+    if is_peft_model(adapter):
+        if config is not None:
+            raise ConfigError("lora config: a peft model carries its own; pass config=None")
+        tensors, config = _from_peft(adapter)
+        pairs: Iterable[Any] = tensors.items()
+    else:
+        if config is None:
+            raise ConfigError(
+                "update_lora(name, tensors) needs config= (peft's LoraConfig or its dict), "
+                "or pass the peft model itself"
+            )
+        if isinstance(adapter, Mapping):
+            pairs = adapter.items()
+        elif isinstance(adapter, Iterable) and not isinstance(adapter, str | bytes | torch.Tensor):
+            pairs = adapter
+        else:
+            raise ConfigError(
+                f"LoRA adapter is a {type(adapter).__name__}: pass a peft model, a mapping "
+                "of LoRA tensors or (name, tensor) pairs"
+            )
+    cfg = lora_config_dict(config)
+    out: list[tuple[str, torch.Tensor]] = []
+    for item in pairs:
+        name, tensor = item
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"LoRA tensor {name!r} is a {type(tensor).__name__}")
+        if not _LORA_SUFFIX.search(name):
+            hint = (
+                " (it carries the adapter's name: use peft's get_peft_model_state_dict, "
+                "which drops it)"
+                if _NAMED_SUFFIX.search(name)
+                else ""
+            )
+            raise ConfigError(
+                f"tensor {name!r} is not a LoRA tensor (names end in .lora_A.weight, "
+                f".lora_B.weight, .lora_embedding_A or .lora_embedding_B){hint}"
+            )
+        if not tensor.is_floating_point():
+            raise ConfigError(f"LoRA tensor {name!r} is {tensor.dtype}, not floating point")
+        out.append((name, full_tensor(tensor)))
+    if not out:
+        raise ConfigError("the LoRA adapter has no tensors")
+    return LoraAdapter(tuple(out), cfg)
+
+
+def lora_id(name: str) -> int:
+    """The engine-side id of adapter ``name``: the same in every channel and process (vLLM
+    replaces an adapter in place only under the id it has), and high, away from a user's
+    own ids."""
+    return (1 << 20) + xxhash.xxh32_intdigest(name.encode()) % (1 << 30)
+
+
+def version_path(name: str, version: int) -> str:
+    """The reserved path of version ``version`` of adapter ``name``."""
+    return f"{LORA_PATH_PREFIX}{name}/v{version}"

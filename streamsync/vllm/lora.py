@@ -1,0 +1,332 @@
+"""LoRA adapters on the worker side: built from the tensors a sync carried, never from disk.
+
+A LoRA sync (:class:`~streamsync.engine.messages.LoraTarget` in the worker options) goes into
+a :class:`LoraSink`. At ``finalize`` the sink builds the adapter the way vLLM's own loader
+does (``LoRAModel.from_lora_tensors`` with the engine's ``PEFTHelper`` checks), merges it as
+the engine would and checks every module and shape against the engine's LoRA layers, so a
+bad adapter fails by name on every worker before any is installed. It then *stages* the
+version: the tensors go into this engine's store under (name, path).
+
+Installing is vLLM's own ``add_lora(LoRARequest(name, id, path, load_inplace=True))`` (the
+trainer calls it once every worker has staged): vLLM's worker manager builds the new
+version, and only then drops the old one. vLLM reads an adapter through
+``WorkerLoRAManager._load_adapter``; :func:`install_loader` wraps it once per process so
+that a path under :data:`~streamsync.lora.LORA_PATH_PREFIX` is built from the store instead
+(any other path goes to vLLM's loader). vLLM reloads adapters whenever it drops them (its
+LRU cache, ``reset_lora_state`` after a weight update), and the store answers then too.
+
+Each version has its own path, and vLLM's prefix cache keys blocks on the adapter's name and
+path, so KV computed under an old version is never served for a new one.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from streamsync._log import log, warn
+from streamsync.engine.messages import LoraTarget
+from streamsync.errors import LoraError
+from streamsync.lora import LORA_PATH_PREFIX
+from streamsync.pipeline import NamedTensor
+from streamsync.report import LoadResult
+from streamsync.sink import held_version
+
+__all__ = ["LoraEngine", "LoraSink", "build", "check", "install_loader"]
+
+#: One staged version: the adapter's tensors and its config.
+_Version = tuple[dict[str, torch.Tensor], dict[str, Any]]
+#: Per engine (its LoRA model manager): adapter name -> {path: version}, newest last.
+_stores: weakref.WeakKeyDictionary[Any, dict[str, dict[str, _Version]]] = (
+    weakref.WeakKeyDictionary()
+)
+_install_lock = threading.Lock()
+
+
+_NO_LORA = (
+    "the engine was started without LoRA: start it with enable_lora=True "
+    "(the server: --enable-lora), with max_lora_rank at least the adapter's rank"
+)
+
+
+@dataclass(frozen=True)
+class LoraEngine:
+    """What building an adapter needs of one engine's worker: its LoRA model manager
+    (the LoRA layers), its LoRA config, and the numbers vLLM's loader passes."""
+
+    adapters: Any
+    lora_config: Any
+    vocab_size: int | None
+    max_position_embeddings: int | None
+
+    @classmethod
+    def of_manager(cls, manager: Any) -> LoraEngine:
+        """From vLLM's ``WorkerLoRAManager``."""
+        return cls(
+            manager._adapter_manager,
+            manager.lora_config,
+            manager.vocab_size,
+            manager.max_position_embeddings,
+        )
+
+    @classmethod
+    def of_worker(cls, worker: Any) -> LoraEngine:
+        """From a vLLM worker; a :class:`LoraError` naming ``enable_lora`` when the engine
+        serves no LoRA."""
+        runner = getattr(worker, "model_runner", None)
+        manager = getattr(runner, "lora_manager", None)
+        if getattr(runner, "lora_config", None) is None or manager is None:
+            raise LoraError(_NO_LORA)
+        return cls.of_manager(manager)
+
+    @classmethod
+    def of_model(cls, model: Any, vllm_config: Any) -> LoraEngine:
+        """From the model a worker serves (vLLM's weight-transfer engines get only that)."""
+        adapters = getattr(model, "lora_manager", None)
+        lora_config = getattr(vllm_config, "lora_config", None)
+        if adapters is None or lora_config is None:
+            raise LoraError(_NO_LORA)
+        model_config = vllm_config.model_config
+        text = model_config.hf_config.get_text_config()
+        return cls(
+            adapters,
+            lora_config,
+            model_config.get_vocab_size(),
+            getattr(text, "max_position_embeddings", None),
+        )
+
+    @property
+    def store(self) -> dict[str, dict[str, _Version]]:
+        """This engine's staged versions: adapter name -> {path: version}, newest last."""
+        return _stores.setdefault(self.adapters, {})
+
+
+def install_loader() -> None:
+    """Wrap vLLM's ``WorkerLoRAManager._load_adapter`` (once per process): a request whose
+    path is under :data:`~streamsync.lora.LORA_PATH_PREFIX` is built from the staged tensors
+    of its engine; any other goes to vLLM's loader."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    with _install_lock:
+        if getattr(WorkerLoRAManager._load_adapter, "_streamsync", False):
+            return
+        original = WorkerLoRAManager._load_adapter
+
+        def _load_adapter(self: Any, lora_request: Any) -> Any:
+            path = lora_request.lora_path
+            if not str(path).startswith(LORA_PATH_PREFIX):
+                return original(self, lora_request)
+            return _from_store(LoraEngine.of_manager(self), lora_request)
+
+        _load_adapter._streamsync = True  # type: ignore[attr-defined]
+        WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+
+
+def _from_store(engine: LoraEngine, request: Any) -> Any:
+    from vllm.exceptions import LoRAAdapterNotFoundError
+
+    versions = engine.store.get(request.lora_name)
+    if not versions:
+        raise LoRAAdapterNotFoundError(request.lora_name, request.lora_path)
+    entry = versions.get(request.lora_path)
+    if entry is None:
+        # A request older than the versions kept (it outlived two updates): the newest.
+        newest = next(reversed(versions))
+        warn("lora.old_version", name=request.lora_name, path=request.lora_path, serving=newest)
+        entry = versions[newest]
+    tensors, config = entry
+    lora = build(engine, request.lora_int_id, tensors, config)
+    lora.is_3d_lora_weight = bool(getattr(request, "is_3d_lora_weight", False))
+    return lora
+
+
+def build(
+    engine: LoraEngine, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]
+) -> Any:
+    """The ``LoRAModel`` of one adapter, as vLLM's loader builds it from disk (the engine's
+    rank and feature checks, its name mapping and skipped prefixes), from copies of
+    ``tensors`` (vLLM scales ``lora_B`` in place when it installs)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    adapters = engine.adapters
+    try:
+        helper = PEFTHelper.from_dict(
+            {**config, "vllm_max_position_embeddings": engine.max_position_embeddings}
+        )
+        helper.validate_legal(engine.lora_config)
+    except (ValueError, TypeError) as exc:
+        raise LoraError(f"LoRA config: {exc}") from None
+    model = adapters.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    try:
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id,
+            tensors={k: v.detach().clone() for k, v in tensors.items()},
+            peft_helper=helper,
+            device="cpu",
+            dtype=engine.lora_config.lora_dtype,
+            model_vocab_size=engine.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        adapters._validate_moe_lora_format(lora)
+        adapters._validate_modules_to_save(lora)
+        adapters._validate_token_classification_lora(lora)
+    except (ValueError, RuntimeError) as exc:
+        raise LoraError(f"LoRA adapter: {exc}") from None
+    return lora
+
+
+def check(engine: LoraEngine, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Build the adapter, merge it as installing would, and check it against this engine's
+    LoRA layers: every module must be one the engine adapts, and every A and B must fill its
+    slot exactly (vLLM copies a smaller one partly, without a word, and fails midway on a
+    larger one). Raises :class:`LoraError` naming the module; installs nothing."""
+    adapters = engine.adapters
+    lora = build(engine, 1, tensors, config)
+    for module, weights in lora.loras.items():
+        a, b = weights.lora_a, weights.lora_b
+        if torch.is_tensor(a) and torch.is_tensor(b) and a.shape[0] != weights.rank:
+            raise LoraError(
+                f"LoRA module {module!r}: lora_A has rank {a.shape[0]}, but the adapter's "
+                f"config gives it r={weights.rank}"
+            )
+    adapters._create_merged_loras_inplace(lora)
+    unknown = sorted(m for m in lora.loras if m not in adapters.modules)
+    if unknown:
+        shown = ", ".join(repr(m) for m in unknown[:6]) + (" ..." if len(unknown) > 6 else "")
+        raise LoraError(
+            f"the adapter targets {len(unknown)} module(s) this engine's model has no LoRA "
+            f"layer for: {shown}"
+        )
+    for module, weights in lora.loras.items():
+        _check_fit(module, adapters.modules[module], weights)
+
+
+def _check_fit(module: str, layer: Any, weights: Any) -> None:
+    a_stacked = getattr(layer, "lora_a_stacked", None)
+    b_stacked = getattr(layer, "lora_b_stacked", None)
+    if not isinstance(a_stacked, Sequence) or not isinstance(b_stacked, Sequence):
+        return  # embeddings, MoE: vLLM's own checks
+    # What the layer's set_lora copies into its slots, prepared as it prepares it.
+    a, b = weights.lora_a, weights.lora_b
+    if torch.is_tensor(a) != torch.is_tensor(b):
+        return
+    if torch.is_tensor(a) and len(a_stacked) != 1:
+        return  # a layer that splits one tensor itself
+    if not torch.is_tensor(b) and len(b) != len(b_stacked) and hasattr(layer, "expand_packed_lora"):
+        a, b = layer.expand_packed_lora(a, b)
+    if getattr(layer, "tp_size", 1) > 1:
+        a, b = layer.slice_lora_a(a), layer.slice_lora_b(b)
+    if torch.is_tensor(a):
+        a, b = [a], [b]
+    for i, (a_i, b_i) in enumerate(zip(a, b, strict=False)):
+        if a_i is None or b_i is None or i >= len(a_stacked):
+            continue
+        # Slots: A is (loras, 1, rank, in), B is (loras, 1, out, rank).
+        slot_a, slot_b = a_stacked[i].shape, b_stacked[i].shape
+        rank = a_i.shape[0]
+        fits = (
+            a_i.dim() == 2
+            and b_i.dim() == 2
+            and rank <= slot_a[-2]
+            and a_i.shape[1] == slot_a[-1]
+            and b_i.shape == (slot_b[-2], rank)
+        )
+        if not fits:
+            raise LoraError(
+                f"LoRA module {module!r} (slice {i}): A {tuple(a_i.shape)} and B "
+                f"{tuple(b_i.shape)} do not fit the engine's layer (in {slot_a[-1]}, out "
+                f"{slot_b[-2]}, rank at most {slot_a[-2]} on this worker); the adapter was "
+                "trained on another base model"
+            )
+
+
+class LoraSink:
+    """The sink of one LoRA sync on one vLLM worker: collects the adapter's tensors, checks
+    and stages them at ``finalize`` (see the module). The base weights are untouched, so the
+    version the worker reports holding (for delta syncs) is the base's."""
+
+    def __init__(self, engine: LoraEngine, target: LoraTarget, main: torch.nn.Module) -> None:
+        self.engine = engine
+        self.lora = target
+        self._main = main
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_worker(cls, worker: Any, target: LoraTarget) -> LoraSink:
+        """The sink for a vLLM worker (what ``WorkerExtension`` uses)."""
+        return cls(LoraEngine.of_worker(worker), target, worker.model_runner.get_model())
+
+    @property
+    def version(self) -> int | None:
+        return held_version(self._main)
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        pass  # an adapter sync leaves the base weights as they are
+
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Nothing to land in: an adapter is staged, then copied (the protocol of a sink
+        that reports its version)."""
+        return None
+
+    def prepare(self) -> None:
+        self._tensors = {}
+
+    def load(self, tensors: Sequence[NamedTensor]) -> None:
+        for name, tensor in tensors:
+            if name in self._tensors:
+                raise LoraError(f"LoRA tensor {name!r} arrived twice in one adapter sync")
+            if not tensor.is_floating_point() or tensor.element_size() < 2:
+                raise LoraError(
+                    f"LoRA tensor {name!r} arrived as {tensor.dtype}: an adapter syncs in a "
+                    "float dtype (the channel's pipeline quantizes it? pass "
+                    "update_lora(..., pipeline=...) for the adapter)"
+                )
+            self._tensors[name] = tensor.clone()  # a view of the transport's slot
+
+    def finalize(self) -> LoadResult:
+        target = self.lora
+        store = self.engine.store
+        if target.remove:
+            store.pop(target.name, None)
+            return LoadResult()
+        config = self.engine.lora_config
+        limit = config.max_cpu_loras or config.max_loras
+        if target.name not in store and len(store) + 1 > limit:
+            raise LoraError(
+                f"LoRA adapter {target.name!r} would be adapter {len(store) + 1} on an engine "
+                f"that holds {limit} (max_cpu_loras, default max_loras): remove one first "
+                f"(remove_lora), or start the engine with more; it holds {sorted(store)}"
+            )
+        try:
+            check(self.engine, self._tensors, target.config)
+        except LoraError:
+            raise
+        except Exception as exc:  # vLLM's own code, on an adapter it did not expect
+            raise LoraError(
+                f"LoRA adapter {target.name!r} could not be checked against the engine: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        install_loader()
+        versions = store.setdefault(target.name, {})
+        for path in [p for p in versions if p != target.path and p not in target.keep]:
+            del versions[path]
+        versions[target.path] = (self._tensors, dict(target.config))
+        log(
+            "lora.staged",
+            name=target.name,
+            path=target.path,
+            tensors=len(self._tensors),
+            versions=len(versions),
+        )
+        names = tuple(sorted(self._tensors))
+        self._tensors = {}
+        return LoadResult(loaded=names)
