@@ -139,16 +139,27 @@ def lora_config_dict(config: Any) -> dict[str, Any]:
 
 
 def _from_peft(model: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    from peft import get_peft_model_state_dict
-
     active = model.active_adapter
     if not isinstance(active, str):
         raise ConfigError(
             f"the peft model has several active adapters {active!r}: set one with "
             "set_adapter(name), or pass its tensors and config"
         )
-    # save_embedding_layers=False: "auto" may look the base model up on the Hub.
-    state = get_peft_model_state_dict(model, adapter_name=active, save_embedding_layers=False)
+    # What peft's get_peft_model_state_dict saves for a LoRA adapter (names without the
+    # adapter's), read off its layers: a walk of the modules, not of the whole state dict.
+    state: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        children = module._modules  # not getattr: nn.Module's is slow, over every module
+        for kind in ("lora_A", "lora_B"):
+            layers = children.get(kind)
+            if isinstance(layers, torch.nn.ModuleDict) and active in layers:
+                weight = layers[active].weight
+                assert isinstance(weight, torch.Tensor)
+                state[f"{prefix}.{kind}.weight"] = weight
+        for kind in ("lora_embedding_A", "lora_embedding_B"):
+            params = children.get(kind)
+            if isinstance(params, torch.nn.ParameterDict) and active in params:
+                state[f"{prefix}.{kind}"] = params[active]
     return state, model.peft_config[active]
 
 

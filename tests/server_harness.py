@@ -61,15 +61,18 @@ class Server:
         assert response.status_code == 200, (path, response.status_code, response.text)
         return response.json()
 
-    def greedy_tokens(self, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    def greedy_tokens(
+        self, prompts: list[list[int]] = PROMPTS, *, model: str | None = None
+    ) -> list[list[int]]:
         """Greedy tokens for token-id prompts (the fixed ones by default), through
-        /v1/completions (which goes through the prefix cache where it is on)."""
+        /v1/completions (which goes through the prefix cache where it is on); ``model``: a
+        LoRA adapter's name instead of the base model."""
         out = []
         for prompt in prompts:
             body = self.post(
                 "v1/completions",
                 json={
-                    "model": self.model,
+                    "model": model or self.model,
                     "prompt": prompt,
                     "max_tokens": 8,
                     "temperature": 0.0,

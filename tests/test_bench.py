@@ -351,3 +351,39 @@ def test_bench_delta_against_dense(tmp_path: Path, capsys: pytest.CaptureFixture
         for step in steady:
             assert step["full_reason"] is None and 0 < step["changed_fraction"] < 0.5
             assert step["delta_wire_bytes"] < step["dense_wire_bytes"]
+
+
+def test_the_lora_table_gives_both_ratios_against_their_targets() -> None:
+    from streamsync.cli.bench.lora import format_lora_table
+
+    data = {
+        "model": "dense-400m",
+        "rank": 8,
+        "runs": 3,
+        "full_bytes": 800 << 20,
+        "adapter_bytes": 10 << 20,
+        "adapter_tensors": 224,
+        "full_median_s": 1.0,
+        "adapter_median_s": 0.2,
+        "bytes_ratio": 10 / 800,
+        "seconds_ratio": 0.2,
+        "targets": {"bytes": 1 / 20, "seconds": 1 / 10},
+    }
+    table = format_lora_table(data)
+    assert "bytes adapter/full: 0.0125 (target <= 0.05: met)" in table
+    assert "seconds adapter/full: 0.2000 (target <= 0.10: MISSED)" in table
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_lora_bench_syncs_an_adapter_and_the_full_model_into_vllm() -> None:
+    from streamsync.cli.bench.lora import run_lora_bench
+
+    data = run_lora_bench(rank=8, runs=1, timeout=120, kind="dense")
+    assert data["adapter_tensors"] == 2 * 7 * 2  # A and B of 7 modules in 2 layers
+    # fp32 on the wire: rank 8 over hidden 128 / MLP 256 / kv 64 in both layers.
+    per_layer = 8 * ((128 + 128) * 2 + (128 + 64) * 2 + (128 + 256) * 3)
+    assert data["adapter_bytes"] == 2 * per_layer * 4
+    assert data["full_bytes"] > 10 * data["adapter_bytes"]
+    assert len(data["full_s"]) == len(data["adapter_s"]) == 1

@@ -336,3 +336,54 @@ def test_tensor_parallel_engine_serves_each_version(
             assert_close(outputs(llm), base_outputs(model), BASE_TOL)
     finally:
         shutdown(llm)
+
+
+def test_the_server_receives_adapters_with_no_disk(tmp_path: Path) -> None:
+    """vLLM's OpenAI server with the streamsync backend and runtime LoRA updates: the native
+    trainer engine sends the base, then three adapter versions; completions name the adapter
+    as vLLM's server does (``"model": name``). A bad adapter fails by name and the previous
+    version keeps serving."""
+    from server_harness import start_server, stop_server, trainer_engine
+
+    base = build_tiny_model(tmp_path / "model", "dense", seed=0)
+    model = make_peft(base, seed=1)
+    server = start_server(
+        tmp_path / "model",
+        tmp_path,
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--max-loras",
+        "2",
+        "--enable-prefix-caching",
+        "--block-size",
+        "32",
+        env_extra={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    )
+    engine = None
+    try:
+        engine = trainer_engine(server, None)
+        train_base(model, seed=2)
+        server.post("pause", params={"mode": "keep"})
+        engine.send_weights(model)  # the peft model's base, under the base checkpoint's names
+        server.post("resume")
+        want_base = base_outputs(model).tokens
+        assert server.greedy_tokens(ALL) == want_base
+        for step in range(3):
+            train_adapter(model, seed=40 + step)
+            want = reference_outputs(model, ALL).tokens
+            report = engine.send_lora("policy", model)
+            assert report is not None and report.lora is not None
+            assert report.lora.name == "policy" and report.lora.path.startswith("/streamsync-lora/")
+            assert "policy" in {m["id"] for m in server.get("v1/models")["data"]}
+            assert server.greedy_tokens(ALL, model="policy") == want, f"step {step}"
+            assert server.greedy_tokens(ALL) == want_base
+        with pytest.raises(ss.LoraError, match="greater than max_lora_rank"):
+            engine.send_lora("policy", make_peft(base, r=32, seed=9))
+        assert server.greedy_tokens(ALL, model="policy") == want
+        engine.remove_lora("policy")
+        assert "policy" not in {m["id"] for m in server.get("v1/models")["data"]}
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        stop_server(server)

@@ -32,15 +32,25 @@ import torch
 from streamsync._log import log, warn
 from streamsync.engine.messages import LoraTarget
 from streamsync.errors import LoraError
-from streamsync.lora import LORA_PATH_PREFIX
+from streamsync.lora import LORA_PATH_PREFIX, lora_id
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.sink import held_version
 
 __all__ = ["LoraEngine", "LoraSink", "build", "check", "install_loader"]
 
-#: One staged version: the adapter's tensors and its config.
-_Version = tuple[dict[str, torch.Tensor], dict[str, Any]]
+
+@dataclass
+class _Version:
+    """One staged version: the adapter's tensors and config, and the ``LoRAModel`` checked at
+    staging, handed to vLLM at the first load (each later load builds afresh: vLLM scales
+    what it is given in place)."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    built: Any = None
+
+
 #: Per engine (its LoRA model manager): adapter name -> {path: version}, newest last.
 _stores: weakref.WeakKeyDictionary[Any, dict[str, dict[str, _Version]]] = (
     weakref.WeakKeyDictionary()
@@ -139,8 +149,10 @@ def _from_store(engine: LoraEngine, request: Any) -> Any:
         newest = next(reversed(versions))
         warn("lora.old_version", name=request.lora_name, path=request.lora_path, serving=newest)
         entry = versions[newest]
-    tensors, config = entry
-    lora = build(engine, request.lora_int_id, tensors, config)
+    lora, entry.built = entry.built, None
+    if lora is None:
+        lora = build(engine, request.lora_int_id, entry.tensors, entry.config)
+    lora.id = request.lora_int_id
     lora.is_3d_lora_weight = bool(getattr(request, "is_3d_lora_weight", False))
     return lora
 
@@ -183,39 +195,53 @@ def build(
     return lora
 
 
-def check(engine: LoraEngine, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """Build the adapter, merge it as installing would, and check it against this engine's
-    LoRA layers: every module must be one the engine adapts, and every A and B must fill its
-    slot exactly (vLLM copies a smaller one partly, without a word, and fails midway on a
-    larger one). Raises :class:`LoraError` naming the module; installs nothing."""
+def check(engine: LoraEngine, lora: Any) -> None:
+    """Check a built adapter against this engine's LoRA layers, without changing it: every
+    module must be one the engine adapts, each A must have its config's rank, and every A and
+    B must fill its slot exactly as the layer will copy it in (vLLM copies a smaller one
+    partly, without a word, and fails midway on a larger one). Raises :class:`LoraError`
+    naming the module."""
     adapters = engine.adapters
-    lora = build(engine, 1, tensors, config)
     for module, weights in lora.loras.items():
-        a, b = weights.lora_a, weights.lora_b
-        if torch.is_tensor(a) and torch.is_tensor(b) and a.shape[0] != weights.rank:
+        first = weights.lora_a
+        if torch.is_tensor(first) and first.shape[0] != weights.rank:
             raise LoraError(
-                f"LoRA module {module!r}: lora_A has rank {a.shape[0]}, but the adapter's "
+                f"LoRA module {module!r}: lora_A has rank {first.shape[0]}, but the adapter's "
                 f"config gives it r={weights.rank}"
             )
-    adapters._create_merged_loras_inplace(lora)
-    unknown = sorted(m for m in lora.loras if m not in adapters.modules)
+    packed: dict[str, list[str]] = dict(adapters.packed_modules)
+    parts = {sub for subs in packed.values() for sub in subs}
+    unknown = sorted(m for m in lora.loras if m not in adapters.modules and m not in parts)
     if unknown:
         shown = ", ".join(repr(m) for m in unknown[:6]) + (" ..." if len(unknown) > 6 else "")
         raise LoraError(
             f"the adapter targets {len(unknown)} module(s) this engine's model has no LoRA "
             f"layer for: {shown}"
         )
-    for module, weights in lora.loras.items():
-        _check_fit(module, adapters.modules[module], weights)
+    for module, layer in adapters.modules.items():
+        if module.endswith(".experts"):
+            continue  # MoE: vLLM's own checks
+        subs = packed.get(module)
+        if subs:
+            found = [lora.loras.get(sub) for sub in subs]
+            if not any(found):
+                continue
+            a: Any = [w.lora_a if w else None for w in found]
+            b: Any = [w.lora_b if w else None for w in found]
+        else:
+            weights = lora.loras.get(module)
+            if weights is None:
+                continue
+            a, b = weights.lora_a, weights.lora_b
+        _check_fit(module, layer, a, b)
 
 
-def _check_fit(module: str, layer: Any, weights: Any) -> None:
+def _check_fit(module: str, layer: Any, a: Any, b: Any) -> None:
     a_stacked = getattr(layer, "lora_a_stacked", None)
     b_stacked = getattr(layer, "lora_b_stacked", None)
     if not isinstance(a_stacked, Sequence) or not isinstance(b_stacked, Sequence):
         return  # embeddings, MoE: vLLM's own checks
     # What the layer's set_lora copies into its slots, prepared as it prepares it.
-    a, b = weights.lora_a, weights.lora_b
     if torch.is_tensor(a) != torch.is_tensor(b):
         return
     if torch.is_tensor(a) and len(a_stacked) != 1:
@@ -307,7 +333,8 @@ class LoraSink:
                 f"(remove_lora), or start the engine with more; it holds {sorted(store)}"
             )
         try:
-            check(self.engine, self._tensors, target.config)
+            built = build(self.engine, lora_id(target.name), self._tensors, target.config)
+            check(self.engine, built)
         except LoraError:
             raise
         except Exception as exc:  # vLLM's own code, on an adapter it did not expect
@@ -319,7 +346,7 @@ class LoraSink:
         versions = store.setdefault(target.name, {})
         for path in [p for p in versions if p != target.path and p not in target.keep]:
             del versions[path]
-        versions[target.path] = (self._tensors, dict(target.config))
+        versions[target.path] = _Version(self._tensors, dict(target.config), built)
         log(
             "lora.staged",
             name=target.name,

@@ -124,6 +124,16 @@ def add_parser(subparsers: Any) -> None:
         help="bucket size of the vLLM comparison; repeatable (default: the library's, "
         f"{DEFAULT_BUCKET_BYTES >> 20}MiB)",
     )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="a LoRA adapter sync instead: the demo's ~400 MiB Qwen3 with a peft adapter "
+        "(--rank) into a real vLLM engine, against a full sync of the same model, alternating "
+        "(needs the vllm and lora extras)",
+    )
+    parser.add_argument(
+        "--rank", type=int, default=8, help="the adapter's rank for --lora (default 8)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="draw GB/s against the bounds")
     parser.set_defaults(run=run)
@@ -146,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.delta:
         return _run_delta(args)
+    if args.lora:
+        return _run_lora(args)
     if args.receivers:
         return _run_fanout(args)
     for name in args.transport or ():
@@ -282,11 +294,35 @@ def _run_delta(args: argparse.Namespace) -> int:
     return 0 if all(r["verified"] for r in data["rows"]) else 1
 
 
+def _run_lora(args: argparse.Namespace) -> int:
+    missing = [m for m in ("vllm", "peft") if importlib.util.find_spec(m) is None]
+    if missing or args.runs < 1 or args.rank < 1:
+        sys.stderr.write(
+            "streamsync bench --lora: needs vLLM and peft (pip install "
+            "'streamsync[vllm,lora]'), --runs and --rank of 1 or more\n"
+        )
+        return 2
+    from streamsync.cli.bench.lora import format_lora_table, run_lora_bench
+
+    def progress(label: str) -> None:
+        sys.stderr.write(f"{label}\n")
+
+    data = run_lora_bench(rank=args.rank, runs=args.runs, timeout=args.timeout, progress=progress)
+    data["command"] = _command_line(args)
+    sys.stdout.write(format_lora_table(data) + "\n")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=2)
+    return 0
+
+
 def _command_line(args: argparse.Namespace) -> str:
     parts = ["streamsync bench", f"--size {human(args.size).replace(' ', '')}"]
     parts += [f"--transport {t}" for t in args.transport or ()]
     parts += [f"--scenario {s}" for s in args.scenario or ()]
     parts += [f"--delta --steps {args.steps}"] if args.delta else []
+    parts += [f"--lora --rank {args.rank}"] if getattr(args, "lora", False) else []
     parts += [f"--receivers {','.join(map(str, args.receivers))}"] if args.receivers else []
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}", f"--slots {args.slots}"]
     parts += [f"--threads {args.threads}"] if args.threads is not None else []
