@@ -138,6 +138,16 @@ async def test_a_second_engine_is_one_client_plus_one_sink(engine: ThreadEngine)
     assert engine.closed == 2  # leaving the channel closed the workers' receivers too
 
 
+async def test_workers_connect_to_the_port_a_port_0_endpoint_bound(engine: ThreadEngine) -> None:
+    trainer = model(0)
+    async with WeightSync(engine, "zmq+tcp://127.0.0.1:0", timeout=20) as channel:
+        report = await channel.update(ss.named_tensors(trainer))
+        assert report.complete and report.receivers == 2
+        assert not channel.url.endswith(":0")
+        assert all(same_weights(trainer, m) for m in engine.modules)
+    assert engine.closed == 2  # closed under the URL they connected to
+
+
 async def test_a_worker_error_is_raised_under_its_own_name(engine: ThreadEngine) -> None:
     engine.modules[1] = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 9))
     # When worker 1's failure reaches the sender before it publishes the End, worker 0 is

@@ -483,19 +483,3 @@ class AsyncLLMWeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run("finish_weight_update", lambda: self.llm.finish_weight_update(weight_version))
-
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Install the version staged under ``path`` as LoRA adapter ``name``, as the
-        server's ``/v1/load_lora_adapter`` does (in place, the id the name already has)."""
-        from vllm.lora.request import LoRARequest
-
-        from streamsync.lora import lora_id
-
-        request = LoRARequest(name, lora_id(name), path, load_inplace=True)
-        self._run("add_lora", lambda: self.llm.add_lora(request))
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """Stop serving LoRA adapter ``name``."""
-        from streamsync.lora import lora_id
-
-        self._run("remove_lora", lambda: self.llm.remove_lora(lora_id(name)))
