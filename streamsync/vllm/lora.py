@@ -49,6 +49,9 @@ class _Version:
     tensors: dict[str, torch.Tensor]
     config: dict[str, Any]
     built: Any = None
+    #: vLLM loaded it (it serves, or served): a version staged by a sync that failed on
+    #: another worker never is.
+    loaded: bool = False
 
 
 #: Per engine (its LoRA model manager): adapter name -> {path: version}, newest last.
@@ -56,6 +59,8 @@ _stores: weakref.WeakKeyDictionary[Any, dict[str, dict[str, _Version]]] = (
     weakref.WeakKeyDictionary()
 )
 _install_lock = threading.Lock()
+# The store is staged into on a worker's receive thread and read by vLLM's engine thread.
+_store_lock = threading.Lock()
 
 
 _NO_LORA = (
@@ -140,16 +145,18 @@ def install_loader() -> None:
 def _from_store(engine: LoraEngine, request: Any) -> Any:
     from vllm.exceptions import LoRAAdapterNotFoundError
 
-    versions = engine.store.get(request.lora_name)
-    if not versions:
-        raise LoRAAdapterNotFoundError(request.lora_name, request.lora_path)
-    entry = versions.get(request.lora_path)
-    if entry is None:
-        # A request older than the versions kept (it outlived two updates): the newest.
-        newest = next(reversed(versions))
-        warn("lora.old_version", name=request.lora_name, path=request.lora_path, serving=newest)
-        entry = versions[newest]
-    lora, entry.built = entry.built, None
+    with _store_lock:
+        versions = engine.store.get(request.lora_name)
+        if not versions:
+            raise LoRAAdapterNotFoundError(request.lora_name, request.lora_path)
+        entry = versions.get(request.lora_path)
+        if entry is None:
+            # A request older than the versions kept (it outlived two updates): the newest.
+            newest = next(reversed(versions))
+            warn("lora.old_version", name=request.lora_name, path=request.lora_path, now=newest)
+            entry = versions[newest]
+        lora, entry.built = entry.built, None
+        entry.loaded = True
     if lora is None:
         lora = build(engine, request.lora_int_id, entry.tensors, entry.config)
     lora.id = request.lora_int_id
@@ -322,15 +329,18 @@ class LoraSink:
         target = self.lora
         store = self.engine.store
         if target.remove:
-            store.pop(target.name, None)
+            with _store_lock:
+                store.pop(target.name, None)
             return LoadResult()
         config = self.engine.lora_config
         limit = config.max_cpu_loras or config.max_loras
-        if target.name not in store and len(store) + 1 > limit:
+        with _store_lock:
+            held = sorted(n for n, v in store.items() if any(e.loaded for e in v.values()))
+        if target.name not in held and len(held) + 1 > limit:
             raise LoraError(
-                f"LoRA adapter {target.name!r} would be adapter {len(store) + 1} on an engine "
+                f"LoRA adapter {target.name!r} would be adapter {len(held) + 1} on an engine "
                 f"that holds {limit} (max_cpu_loras, default max_loras): remove one first "
-                f"(remove_lora), or start the engine with more; it holds {sorted(store)}"
+                f"(remove_lora), or start the engine with more; it holds {held}"
             )
         try:
             built = build(self.engine, lora_id(target.name), self._tensors, target.config)
@@ -343,10 +353,11 @@ class LoraSink:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         install_loader()
-        versions = store.setdefault(target.name, {})
-        for path in [p for p in versions if p != target.path and p not in target.keep]:
-            del versions[path]
-        versions[target.path] = _Version(self._tensors, dict(target.config), built)
+        with _store_lock:
+            versions = store.setdefault(target.name, {})
+            for path in [p for p in versions if p != target.path and p not in target.keep]:
+                del versions[path]
+            versions[target.path] = _Version(self._tensors, dict(target.config), built)
         log(
             "lora.staged",
             name=target.name,
