@@ -28,6 +28,7 @@ use) and is shut down at interpreter exit or by :func:`shutdown`.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import os
@@ -172,21 +173,44 @@ def _pieces(nbytes: int) -> int:
     return max(1, min(POOL_THREADS, nbytes // PIECE_BYTES))
 
 
+@functools.cache
+def _memmove_batch() -> Callable[[int, int], Any] | None:
+    """The compiled kernel's ``ss_memmove_many`` (many small moves in one call: a ctypes
+    call costs about as much as moving 8 KiB), or ``None`` without a C compiler."""
+    from streamsync.wire.patch import _library
+
+    lib = _library()
+    return None if lib is None else lib.ss_memmove_many  # type: ignore[no-any-return]
+
+
+#: Small moves below this count go through ctypes one by one (a batch costs an array).
+_BATCH_FROM = 4
+
+
 def memmove_many(moves: Iterable[Move]) -> None:
     """Copy each ``(dst address, src address, nbytes)``; the caller keeps both alive and
-    non-overlapping. Small moves run inline; large ones are split across the pool."""
+    non-overlapping. Small moves run inline (in one call of the compiled kernel where there
+    are several); large ones are split across the pool."""
     futures: list[Future[Any]] = []
     memmove = ctypes.memmove
+    small: list[int] = []
     try:
         for dst, src, nbytes in moves:
             if nbytes < INLINE_BYTES:
-                memmove(dst, src, nbytes)
+                small += (dst, src, nbytes)
                 continue
             count = _pieces(nbytes)
             step = -(-nbytes // count)
             submit = _pool.get().submit
             for lo in range(0, nbytes, step):
                 futures.append(submit(memmove, dst + lo, src + lo, min(step, nbytes - lo)))
+        batch = _memmove_batch() if len(small) >= 3 * _BATCH_FROM else None
+        if batch is not None:
+            packed = array.array("q", small)
+            batch(packed.buffer_info()[0], len(small) // 3)
+        else:
+            for j in range(0, len(small), 3):
+                memmove(small[j], small[j + 1], small[j + 2])
     finally:
         _wait(futures)
 

@@ -202,28 +202,33 @@ class ModuleSink:
         return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
-        plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        batch = CopyBatch()
+        meta = self._meta
+        loaded: list[str] = []
         for name, src in tensors:
             if name == BUFFER_MANIFEST:
                 continue  # buffers are parameters' peers here: every name is copied in place
-            dst = self._check(name, src.dtype, src.shape)
+            known = meta.get(name)
+            if known is not None and known[0] == src.shape and known[1] == src.dtype:
+                # The common case, checked from the cache: the name, shape and dtype match.
+                loaded.append(name)
+                _, _, address, nbytes = known
+                if address is not None and src.is_cpu and src.is_contiguous():
+                    if src.data_ptr() != address:  # not a chunked tensor already in place
+                        batch.move(address, src.data_ptr(), nbytes)
+                    continue
+                batch.copy(self._targets[name], src)
+                continue
+            dst = self._check(name, src.dtype, src.shape)  # raises for a strict mismatch
             if dst is None:
                 self._unexpected.append(name)
                 continue
-            plan.append((name, dst, src))
+            loaded.append(name)
+            if src is not dst:
+                batch.copy(dst, src)  # converted (a non-strict sink)
         # Everything checked: now apply the whole bucket.
-        batch = CopyBatch()
-        meta = self._meta
-        for name, dst, src in plan:
-            if src is dst:  # a chunked tensor already in place (``target``)
-                continue
-            _, dtype, address, nbytes = meta[name]
-            if address is not None and src.dtype == dtype and src.is_cpu and src.is_contiguous():
-                batch.move(address, src.data_ptr(), nbytes)
-            else:
-                batch.copy(dst, src)
         batch.run()
-        self._loaded.update(name for name, _, _ in plan)
+        self._loaded.update(loaded)
 
     def finalize(self) -> LoadResult:
         done = {alias for name in self._loaded for alias in self._aliases.get(name, (name,))}

@@ -116,3 +116,12 @@ int64_t ss_check(const int32_t *pos32, const int64_t *pos64, int64_t k, int64_t 
     }
     return -1;
 }
+
+/* `n` copies, each (destination address, source address, bytes) in `moves`: the many small
+ * memmoves of a bucket in one call (streamsync._copies.memmove_many). */
+void ss_memmove_many(const int64_t *moves, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        memmove((void *)(intptr_t)moves[3 * j], (const void *)(intptr_t)moves[3 * j + 1],
+                (size_t)moves[3 * j + 2]);
+    }
+}

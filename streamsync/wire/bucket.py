@@ -315,8 +315,9 @@ class Unpacker:
 
     def __init__(self, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
         self.max_tensor_bytes = max_tensor_bytes
-        #: Entries that passed :meth:`_check_entry`, under the limit ``_checked_limit``.
-        self._checked: dict[Entry, tuple[torch.dtype, int]] = {}
+        #: Entries that passed :meth:`_check_entry`, under the limit ``_checked_limit``, with
+        #: their dtype, item size and (whole tensors) contiguous strides.
+        self._checked: dict[Entry, tuple[torch.dtype, int, tuple[int, ...]]] = {}
         self._checked_limit = max_tensor_bytes
         self._staging: torch.Tensor | None = None
         self._completed_here = False
@@ -360,8 +361,9 @@ class Unpacker:
             self._checked = {}
             self._checked_limit = self.max_tensor_bytes
         checked = self._checked
-        # ``data`` as each dtype, made once per bucket: an entry's view is then one slice.
-        typed: dict[torch.dtype, torch.Tensor] = {}
+        # ``data`` as each dtype, made once per bucket, with its offset in its storage (in
+        # elements): an entry's view is then one ``as_strided`` of it.
+        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
         bucket_nbytes = header.nbytes
         # Patches are applied once the whole bucket is checked: a bad one applies nothing.
         patching: list[tuple[torch.Tensor, patches.Patch, int, str | None]] = []
@@ -369,7 +371,7 @@ class Unpacker:
             kind = checked.get(entry)
             if kind is None:
                 kind = checked[entry] = self._check_entry(entry)
-            dtype, itemsize = kind
+            dtype, itemsize, strides = kind
             offset, nbytes = entry.offset, entry.nbytes
             if offset + nbytes > bucket_nbytes:
                 raise WireFormatError(
@@ -387,12 +389,16 @@ class Unpacker:
                         f"{self._pending.name!r} was complete"
                     )
                 self._claim(entry.name)
-                view = typed.get(dtype)
-                if view is None:
+                typed_view = typed.get(dtype)
+                if typed_view is None:
                     usable = bucket_nbytes - bucket_nbytes % itemsize
-                    view = typed[dtype] = data[:usable].view(dtype)
-                start = offset // itemsize
-                out.append((entry.name, view[start : start + nbytes // itemsize].view(entry.shape)))
+                    view = data[:usable].view(dtype)
+                    typed_view = typed[dtype] = (view, int(view.storage_offset()))
+                view, base = typed_view
+                # One call (a slice and a view are two): the entry's bytes were checked to
+                # lie inside the bucket, as a whole tensor of its shape.
+                tensor = torch.as_strided(view, entry.shape, strides, base + offset // itemsize)
+                out.append((entry.name, tensor))
                 self._tensors += 1
                 continue
             region = data[offset : offset + nbytes]
@@ -486,9 +492,9 @@ class Unpacker:
         self.touched.append(name)
         return current.owner, patch, itemsize, name
 
-    def _check_entry(self, entry: Entry) -> tuple[torch.dtype, int]:
+    def _check_entry(self, entry: Entry) -> tuple[torch.dtype, int, tuple[int, ...]]:
         """What can be checked of ``entry`` without its bucket (cached per entry: a model's
-        entries repeat from sync to sync); its dtype and item size."""
+        entries repeat from sync to sync); its dtype, item size and contiguous strides."""
         dtype = dtype_from_name(entry.dtype)
         itemsize = _itemsize(dtype)
         name = entry.name
@@ -533,7 +539,7 @@ class Unpacker:
                 )
             if entry.tensor_offset:
                 raise WireFormatError(f"the patch of tensor {name!r} has a tensor offset")
-            return dtype, itemsize
+            return dtype, itemsize, ()
         if entry.chunks == 1 and (entry.nbytes != total or entry.tensor_offset != 0):
             raise WireFormatError(
                 f"tensor {name!r} has {entry.nbytes} bytes; shape {list(entry.shape)} of "
@@ -543,7 +549,12 @@ class Unpacker:
             raise WireFormatError(
                 f"chunk {entry.chunk} of tensor {name!r} claims bytes beyond its {total}"
             )
-        return dtype, itemsize
+        strides: list[int] = []
+        step = 1
+        for d in reversed(entry.shape):
+            strides.append(step)
+            step *= max(d, 1)
+        return dtype, itemsize, tuple(reversed(strides))
 
     def _claim(self, name: str) -> None:
         if name in self._names:

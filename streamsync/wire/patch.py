@@ -132,6 +132,8 @@ def _library() -> Any:
         lib.ss_diff_f32_bf16.restype = i64
         lib.ss_check.argtypes = [p, p, i64, i64, i64]
         lib.ss_check.restype = i64
+        lib.ss_memmove_many.argtypes = [p, i64]
+        lib.ss_memmove_many.restype = None
         return lib
     return None
 
