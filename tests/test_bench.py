@@ -177,7 +177,7 @@ def test_bench_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # six scenarios x four transports, the bounds and verl's baseline
+@pytest.mark.timeout(300)  # seven scenarios x four transports, the bounds and verl's baseline
 def test_bench_writes_json_and_every_transport_moves_the_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -351,6 +351,23 @@ def test_bench_delta_against_dense(tmp_path: Path, capsys: pytest.CaptureFixture
         for step in steady:
             assert step["full_reason"] is None and 0 < step["changed_fraction"] < 0.5
             assert step["delta_wire_bytes"] < step["dense_wire_bytes"]
+
+
+def test_the_fp8_stack_is_float8_weights_each_with_its_fp32_scales() -> None:
+    from streamsync.cli.bench.models import fp8_model
+
+    model = SCENARIOS["fp8-layers"].model(8 << 20)
+    assert model.nbytes <= 8 << 20 and model == fp8_model(8 << 20)
+    weights = {n: v for n, v in model.shapes.items() if n.endswith(".weight")}
+    scales = {n: v for n, v in model.shapes.items() if n.endswith(".weight_scale_inv")}
+    assert len(weights) == len(scales) >= 30
+    for name, (shape, dtype) in weights.items():
+        assert dtype == torch.float8_e4m3fn
+        scale_shape, scale_dtype = scales[f"{name}_scale_inv"]
+        assert scale_dtype == torch.float32 and model.buffers >= {f"{name}_scale_inv"}
+        assert scale_shape == tuple(-(-d // 128) for d in shape)
+    made = model.weights(SCENARIOS["fp8-layers"].source_dtype)
+    assert {t.dtype for t in made.values()} == {torch.float8_e4m3fn, torch.float32}
 
 
 def test_the_lora_table_gives_both_ratios_against_their_targets() -> None:

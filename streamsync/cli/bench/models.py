@@ -21,6 +21,7 @@ __all__ = [
     "WIRE_DTYPE",
     "SyntheticModel",
     "human",
+    "fp8_model",
     "parse_size",
     "synthetic_model",
     "uniform_model",
@@ -212,6 +213,47 @@ def _layer(hidden: int, moe: bool) -> list[tuple[str, tuple[int, ...], torch.dty
 
 def _layer_bytes(hidden: int, moe: bool) -> int:
     return sum(math.prod(s) * d.itemsize for _, s, d in _layer(hidden, moe))
+
+
+#: A DeepSeek-V3-shaped FP8 expert, scaled down (V3: hidden 7168, expert MLP 2048): its
+#: 2-D float8 weights, each with the fp32 ``weight_scale_inv`` of its 128x128 blocks.
+FP8_HIDDEN, FP8_INTERMEDIATE, FP8_BLOCK = 1024, 256, 128
+
+
+def fp8_model(nbytes: int) -> SyntheticModel:
+    """Experts of an FP8 checkpoint until ``nbytes``: per expert ``gate_proj``, ``up_proj``
+    and ``down_proj`` weights in ``float8_e4m3fn`` (256 KiB each) and their
+    ``weight_scale_inv`` (fp32, 64 bytes each: half the tensors are tiny), 32 experts to a
+    layer. The scales are the model's buffers, so they keep fp32 whatever the weights'
+    dtype."""
+    fp8 = torch.float8_e4m3fn
+    shapes: Layout = {}
+    buffers: set[str] = set()
+    total = 0
+    per = {
+        "gate_proj": (FP8_INTERMEDIATE, FP8_HIDDEN),
+        "up_proj": (FP8_INTERMEDIATE, FP8_HIDDEN),
+        "down_proj": (FP8_HIDDEN, FP8_INTERMEDIATE),
+    }
+    for expert in itertools.count():
+        layer, index = divmod(expert, 32)
+        entries = []
+        for proj, (rows, cols) in per.items():
+            key = f"model.layers.{layer}.mlp.experts.{index}.{proj}"
+            scale = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+            entries += [
+                (f"{key}.weight", (rows, cols), fp8),
+                (f"{key}.weight_scale_inv", scale, torch.float32),
+            ]
+        size = sum(math.prod(sh) * d.itemsize for _, sh, d in entries)
+        if total + size > nbytes and shapes:
+            break
+        for name, shape, d in entries:
+            shapes[name] = (shape, d)
+            if d == torch.float32:
+                buffers.add(name)
+        total += size
+    return SyntheticModel(shapes, frozenset(buffers), moe=False)
 
 
 def uniform_model(nbytes: int, tensor_bytes: int) -> SyntheticModel:

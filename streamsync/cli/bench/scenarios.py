@@ -12,7 +12,13 @@ import torch
 
 import streamsync as ss
 from streamsync.adapters import BufferSink, cast, expand_moe, split_buffers
-from streamsync.cli.bench.models import WIRE_DTYPE, SyntheticModel, synthetic_model, uniform_model
+from streamsync.cli.bench.models import (
+    WIRE_DTYPE,
+    SyntheticModel,
+    fp8_model,
+    synthetic_model,
+    uniform_model,
+)
 from streamsync.pipeline import AdapterLike
 from streamsync.sink import Sink
 from streamsync.testing.peers import free_port
@@ -35,9 +41,13 @@ class Scenario:
     expanded: bool = False
     #: Every tensor this size (:func:`uniform_model`) instead of a Qwen3-shaped model.
     tensor_bytes: int | None = None
+    #: An FP8 expert stack (:func:`fp8_model`) instead.
+    fp8: bool = False
 
     def model(self, size: int) -> SyntheticModel:
         """The model this scenario sends, of at most ``size`` bytes."""
+        if self.fp8:
+            return fp8_model(size)
         if self.tensor_bytes is not None:
             return uniform_model(size, self.tensor_bytes)
         return synthetic_model(size, moe=self.moe)
@@ -88,6 +98,13 @@ SCENARIOS: dict[str, Scenario] = {
             tensor_bytes=16 << 10,
         ),
         Scenario("large-tensors", "bf16 tensors of 8 MiB each", moe=False, tensor_bytes=8 << 20),
+        Scenario(
+            "fp8-layers",
+            "DeepSeek-V3-shaped FP8 experts: float8 weights, each with its fp32 scales",
+            moe=False,
+            source_dtype=torch.float8_e4m3fn,
+            fp8=True,
+        ),
     )
 }
 
