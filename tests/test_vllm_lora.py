@@ -334,6 +334,16 @@ def test_tensor_parallel_engine_serves_each_version(
                 tokens, _ = cached_greedy(llm, [LONG_PROMPT], lora_request=request)
                 assert tokens == [want.tokens[-1]]
             assert_close(outputs(llm), base_outputs(model), BASE_TOL)
+            # Each worker checks the slices it will hold: A of o_proj (row parallel) is
+            # split across the workers, A of q_proj (column parallel) is not.
+            good = adapter_tensors(model)
+            config = model.peft_config["default"]
+            for module in ("self_attn.q_proj", "self_attn.o_proj"):
+                key = next(k for k in good if f"layers.1.{module}.lora_A" in k)
+                bad = {**good, key: good[key][:, :64].contiguous()}
+                with pytest.raises(ss.LoraError, match="do not fit"):
+                    sync.update_lora("policy", bad, config=config)
+                assert_close(outputs(llm, lora_request=request), want, LORA_TOL)
     finally:
         shutdown(llm)
 
