@@ -8,7 +8,7 @@ whatever came before it (a bf16 tensor of odd length followed by an fp32 one).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -173,8 +173,9 @@ class BucketBuilder:
         self._cast = cast
         self._current = Bucket()
 
-    def add(self, name: str, tensor: torch.Tensor) -> Iterator[Bucket]:
-        """Add one tensor; yields each bucket that became full."""
+    def add(self, name: str, tensor: torch.Tensor) -> Sequence[Bucket]:
+        """Add one tensor; returns the buckets that became full (usually none: a plain
+        function, as a generator per tensor costs as much as the rest of this)."""
         if not isinstance(tensor, torch.Tensor):
             raise WireFormatError(
                 f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor"
@@ -190,14 +191,15 @@ class BucketBuilder:
         nbytes = tensor.numel() * itemsize
         offset = align_up(self._current.nbytes)
         if nbytes > self.bucket_bytes:
-            yield from self._add_chunked(name, tensor.reshape(-1), wire_dtype, shape, itemsize)
-            return
+            return list(self._add_chunked(name, tensor.reshape(-1), wire_dtype, shape, itemsize))
+        full: Sequence[Bucket] = ()
         if offset + nbytes > self.bucket_bytes:
             # Fits in a bucket of its own: close the current one first.
-            yield self._flush_current()
+            full = (self._flush_current(),)
             offset = 0
         self._place(Entry(name, wire_dtype, shape, offset, nbytes), _Part(tensor, 0, 0, True))
         self._current.tensors += 1
+        return full
 
     def add_patch(
         self,
