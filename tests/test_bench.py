@@ -404,3 +404,23 @@ def test_the_lora_bench_syncs_an_adapter_and_the_full_model_into_vllm() -> None:
     assert data["adapter_bytes"] == 2 * per_layer * 4
     assert data["full_bytes"] > 10 * data["adapter_bytes"]
     assert len(data["full_s"]) == len(data["adapter_s"]) == 1
+
+
+def test_the_per_tensor_bench_times_every_step_of_both_sides() -> None:
+    from streamsync.cli.bench.per_tensor import format_per_tensor, run_per_tensor
+
+    data = run_per_tensor(count=200, tensor_bytes=4 << 10, runs=2)
+    steps = data["steps_us"]
+    assert list(steps) == [
+        "source + bucketer",
+        "pack into the slot",
+        "header encode",
+        "header decode",
+        "unpack",
+        "ModuleSink",
+    ]
+    assert all(us > 0 for us in steps.values())
+    assert data["send_us"] == pytest.approx(sum(list(steps.values())[:3]))
+    assert data["receive_us"] == pytest.approx(sum(list(steps.values())[3:]))
+    table = format_per_tensor(data)
+    assert "| **sending side** |" in table and "200 bf16 tensors of 4096 bytes" in table

@@ -1,0 +1,108 @@
+"""``streamsync bench --per-tensor``: where a sync's fixed cost per tensor goes, step by step.
+
+Many small tensors (``--count`` of ``--tensor-bytes``, bf16) go through each step of a sync
+on its own, in this process: the source and the bucketer (``named_tensors`` into
+``Bucketer``), packing into a slot (``Bucket.pack_into``), the header's encoding and
+decoding, unpacking (``Unpacker.feed``, its checks cached as on a channel's later syncs) and
+a strict ``ModuleSink``. Each figure is the smallest of ``runs`` timings in thread CPU time,
+so other processes disturb it less than wall time; the transports' per-bucket costs (the
+ring's hand-off, acknowledgements) are not per tensor and are not here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import msgspec
+import torch
+
+__all__ = ["format_per_tensor", "run_per_tensor"]
+
+
+def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any]:
+    """Time each step; returns microseconds per tensor by step (the ``--json``)."""
+    import streamsync as ss
+    from streamsync.adapters.bucket import Bucketer
+    from streamsync.pipeline import Chain
+    from streamsync.wire.bucket import Bucket, Unpacker, allocate_slot
+    from streamsync.wire.frames import BucketHeader
+
+    numel = max(1, tensor_bytes // 2)
+    source = torch.nn.Module()
+    target = torch.nn.Module()
+    for i in range(count):
+        source.register_buffer(f"t{i}", torch.randn(numel).bfloat16())
+        target.register_buffer(f"t{i}", torch.empty(numel, dtype=torch.bfloat16))
+
+    def best(step: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(runs):
+            start = time.thread_time()
+            step()
+            times.append(time.thread_time() - start)
+        return min(times) * 1e6 / count
+
+    buckets: list[Bucket] = []
+
+    async def produce() -> None:
+        buckets.clear()
+        async for bucket in Chain(Bucketer(1 << 30))(ss.named_tensors(source)):
+            buckets.append(bucket)  # type: ignore[arg-type]
+
+    steps: dict[str, float] = {}
+    steps["source + bucketer"] = best(lambda: anyio.run(produce))
+    (bucket,) = buckets
+    slot = allocate_slot(bucket.nbytes)
+    steps["pack into the slot"] = best(lambda: bucket.pack_into(slot))
+    header = BucketHeader(1, 0, 0, bucket.nbytes, tuple(bucket.pack_into(slot)))
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(BucketHeader)
+    steps["header encode"] = best(lambda: encoder.encode(header))
+    raw = encoder.encode(header)
+    steps["header decode"] = best(lambda: decoder.decode(raw))
+    unpacker = Unpacker()
+
+    def feed() -> list[Any]:
+        unpacker.begin(1)
+        return unpacker.feed(header, slot)
+
+    feed()  # the checks are cached from the first sync on, as on a channel
+    steps["unpack"] = best(feed)
+    views = feed()
+    sink = ss.ModuleSink(target)
+
+    def load() -> None:
+        sink.prepare()
+        sink.load(views)
+        sink.finalize()
+
+    steps["ModuleSink"] = best(load)
+    send = steps["source + bucketer"] + steps["pack into the slot"] + steps["header encode"]
+    receive = steps["header decode"] + steps["unpack"] + steps["ModuleSink"]
+    return {
+        "count": count,
+        "tensor_bytes": numel * 2,
+        "runs": runs,
+        "steps_us": steps,
+        "send_us": send,
+        "receive_us": receive,
+    }
+
+
+def format_per_tensor(data: dict[str, Any]) -> str:
+    """The steps as a Markdown table."""
+    lines = [
+        f"Per tensor: {data['count']} bf16 tensors of {data['tensor_bytes']} bytes, each step "
+        f"alone in this process, the smallest of {data['runs']} timings (thread CPU time)",
+        "",
+        "| step | µs per tensor |",
+        "|---|---:|",
+    ]
+    lines += [f"| {name} | {us:.2f} |" for name, us in data["steps_us"].items()]
+    lines += [
+        f"| **sending side** | **{data['send_us']:.2f}** |",
+        f"| **receiving side** | **{data['receive_us']:.2f}** |",
+    ]
+    return "\n".join(lines)
