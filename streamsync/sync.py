@@ -279,7 +279,6 @@ async def _send(
     start = time.perf_counter()
     seq = tensors = nbytes = 0
     source_s = send_s = 0.0
-    began = False  # a bucket was handed to the sender
     try:
         async with reading(buckets) as items:
             try:
@@ -290,7 +289,6 @@ async def _send(
                     except StopAsyncIteration:
                         break
                     t1 = time.perf_counter()
-                    began = True
                     await sender.send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
                     source_s += t1 - t0
                     send_s += time.perf_counter() - t1
@@ -299,16 +297,12 @@ async def _send(
                     nbytes += bucket.nbytes
                     del bucket  # packed: its source tensors may go before the next one fills
             except BaseException as exc:
-                # A caller that cancels before the first bucket may have abandoned its
-                # receivers' receive() calls too (WeightSync does, when an engine fails):
-                # an abort they never read would be the first thing their next receive()
-                # reads. Nothing of this sync went out, so silence leaves them in step.
-                if began or not isinstance(exc, anyio.get_cancelled_exc_class()):
-                    with anyio.CancelScope(shield=True):
-                        await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
-                elif begun:
-                    with anyio.CancelScope(shield=True):
-                        await sender.forget(sync_id)
+                # Cancelled too (WeightSync cancels the send when an engine fails): the
+                # receivers already waiting for this sync, in other threads and processes,
+                # hear it is off and are free for the next one. One whose receive() was
+                # cancelled with ours skips this abort at its next receive() (``abandoned``).
+                with anyio.CancelScope(shield=True):
+                    await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
                 raise
         log(
             "sync.send",
@@ -424,8 +418,13 @@ async def receive(
     state.unpacker.max_tensor_bytes = max_tensor_bytes
     try:
         return await _receive(endpoint, sink, timeout=timeout)
+    except anyio.get_cancelled_exc_class():
+        if state.waiting:
+            state.abandoned = True  # see ReceiverState.abandoned
+        raise
     finally:
         state.busy = False
+        state.waiting = False
 
 
 @dataclass
@@ -448,14 +447,21 @@ class _Progress:
 async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncReport:
     state = receiver.state
     # The first message of the next sync, skipping leftovers of a sync that already failed
-    # here (the sender's abort, buckets still in flight).
+    # here (the sender's abort, buckets still in flight), and the abort of the sync a
+    # cancelled receive() was waiting for.
+    state.waiting = True
     while True:
         incoming = await receiver.receive(timeout=timeout)
         first = incoming.message
+        if isinstance(first, Abort) and state.abandoned:
+            state.abandoned = False
+            continue
+        state.abandoned = False
         if first.sync_id != state.failed_sync_id:
             break
         if isinstance(first, BucketHeader):
             await receiver.release(first)
+    state.waiting = False
     sync = _Progress(first.sync_id, first if isinstance(first, BucketHeader) else None)
     try:
         if state.last_sync_id is not None and sync.sync_id <= state.last_sync_id:

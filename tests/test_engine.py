@@ -392,6 +392,78 @@ def test_an_engine_that_cannot_run_the_receive_is_named() -> None:
             engine.shutdown()
 
 
+class DiesOnce(ThreadEngine):
+    """An engine whose RPC fails once (a replica that died and came back)."""
+
+    died = False
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        if not self.died:
+            self.died = True
+            raise RuntimeError("EngineDeadError: the engine core died")
+        return await super().start_receive(endpoint, options)
+
+
+def test_the_engines_left_waiting_by_a_failed_sync_take_the_next_one() -> None:
+    # Engine 1 fails before the first bucket: the sync is off, and engine 0's workers, whose
+    # receive the channel gave up on, were waiting for it. The next sync reaches them all.
+    pair = [ThreadEngine([model(1), model(3)]), DiesOnce([model(2)])]
+    try:
+        with WeightSync(pair, f"shm://engine-once-{os.getpid()}", timeout=5) as sync:
+            with pytest.raises(ss.ReceiverFailedError, match="engine 1 failed to run"):
+                sync.update(ss.named_tensors(model(0)))
+            for step in range(3):
+                trainer = perturbed(model(0), step)
+                report = sync.update(ss.named_tensors(trainer))
+                assert report.complete and report.receivers == 3, step
+                assert all(same_weights(trainer, m) for e in pair for m in e.modules), step
+    finally:
+        for engine in pair:
+            engine.shutdown()
+
+
+class SinkFailsOnce(ThreadEngine):
+    """An engine whose workers cannot make their sink for one sync (after joining)."""
+
+    fail = False
+
+    def _worker_receive(self, rank: int, endpoint: str, options: Any) -> dict[str, Any]:
+        if self.fail:
+
+            def sink(opts: WorkerOptions) -> ss.Sink:
+                raise ss.ConfigError("no sink this time")
+
+            return self.workers[rank].handle(endpoint, options, sink).to_wire()
+        return super()._worker_receive(rank, endpoint, options)
+
+
+async def _slow(weights: Any) -> Any:
+    # The first tensor comes after the failing engine has reported: the sync is cancelled
+    # before its first bucket.
+    await anyio.sleep(0.5)
+    async for item in ss.named_tensors(weights):
+        yield item
+
+
+def test_workers_waiting_for_a_sync_cancelled_before_its_first_bucket_take_the_next() -> None:
+    pair = [ThreadEngine([model(1)]), SinkFailsOnce([model(2)])]
+    try:
+        with WeightSync(pair, f"shm://engine-cancelled-{os.getpid()}", timeout=5) as sync:
+            sync.update(ss.named_tensors(model(0)))  # everyone joined
+            pair[1].fail = True
+            with pytest.raises(ss.ConfigError, match="no sink this time"):
+                sync.update(_slow(model(0)))
+            pair[1].fail = False
+            for step in range(3):
+                trainer = perturbed(model(0), step)
+                report = sync.update(ss.named_tensors(trainer))
+                assert report.complete and report.receivers == 2, step
+                assert all(same_weights(trainer, m) for e in pair for m in e.modules), step
+    finally:
+        for engine in pair:
+            engine.shutdown()
+
+
 def test_lifecycles_register_by_name_like_quirks() -> None:
     from streamsync.vllm.lifecycles import LIFECYCLES, choose_lifecycle, register_lifecycle
 

@@ -50,6 +50,11 @@ class WorkerReceivers:
             )
             sink = make_sink(opts)
         except StreamsyncError as exc:
+            receiver = self._receivers.get(endpoint)
+            if receiver is not None:
+                # This worker sits the sync out; the sender, told, gives it up: its abort
+                # is not the next sync's.
+                receiver.state.abandoned = True
             return WorkerResult.failed(exc)
         return self.receive(endpoint, opts, sink)
 

@@ -146,6 +146,12 @@ class ReceiverState:
     failed_sync_id: int | None = None
     #: A ``receive`` is running on this receiver (one sync at a time per channel).
     busy: bool = False
+    #: The last ``receive`` was cancelled before its sync's first message: an abort of that
+    #: sync (which the sender sends when it gives the sync up before its first bucket) may
+    #: still be the next message, and the next ``receive`` skips it.
+    abandoned: bool = False
+    #: A ``receive`` is waiting for its sync's first message.
+    waiting: bool = False
 
 
 class Receiver(_Resource):
