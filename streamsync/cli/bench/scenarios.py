@@ -100,7 +100,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("large-tensors", "bf16 tensors of 8 MiB each", moe=False, tensor_bytes=8 << 20),
         Scenario(
             "fp8-layers",
-            "FP8 experts shaped as DeepSeek-V3's, each with its fp32 scales",
+            "FP8 experts shaped as DeepSeek-V3's, each with fp32 scales",
             moe=False,
             source_dtype=torch.float8_e4m3fn,
             fp8=True,
