@@ -23,11 +23,14 @@ from conftest import extra
 from vllm_harness import (
     LONG_PROMPT,
     PROMPTS,
+    TRAINER,
     Outputs,
     cached_greedy,
     engine_outputs,
     make_llm,
+    outputs_from,
     reference_outputs,
+    sampling,
     shutdown,
 )
 
@@ -397,3 +400,69 @@ def test_the_server_receives_adapters_with_no_disk(tmp_path: Path) -> None:
         if engine is not None:
             engine.shutdown()
         stop_server(server)
+
+
+@pytest.mark.slow
+def test_an_async_llm_in_its_own_process_serves_each_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's default multi-process ``AsyncLLM``, from its event loop: ``add_lora`` crosses
+    to the engine core, and the adapter to the worker over the transport."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from streamsync.vllm import WeightSync
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    base = build_tiny_model(tmp_path / "model", "dense", seed=0)
+    model = make_peft(base, seed=1)
+    args = AsyncEngineArgs(
+        model=str(tmp_path / "model"),
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=4,
+        seed=0,
+        enable_lora=True,
+        max_lora_rank=8,
+        worker_extension_cls="streamsync.vllm.WorkerExtension",
+    )
+
+    async def start() -> Any:
+        return AsyncLLM.from_engine_args(args)
+
+    llm = TRAINER.run(start, timeout=300)
+
+    async def generate(lora_request: Any) -> Outputs:
+        import uuid
+
+        results = []
+        for prompt in ALL:
+            final = None
+            request = {"prompt_token_ids": prompt}
+            async for out in llm.generate(
+                request, sampling(), str(uuid.uuid4()), lora_request=lora_request
+            ):
+                final = out
+            results.append(final)
+        return outputs_from(results)
+
+    async def steps() -> None:
+        async with WeightSync(llm, f"shm://lora-async-{os.getpid()}") as sync:
+            await sync.update(model)
+            assert_close(await generate(None), base_outputs(model), BASE_TOL)
+            for step in range(2):
+                train_adapter(model, seed=60 + step)
+                report = await sync.update_lora("policy", model)
+                assert report.lora is not None and report.lora.in_flight == 0
+                got = await generate(sync.lora_request("policy"))
+                assert_close(got, reference_outputs(model, ALL), LORA_TOL)
+
+    try:
+        TRAINER.run(steps, timeout=600)
+    finally:
+        import gc
+
+        llm.shutdown()
+        llm = None
+        gc.collect()
