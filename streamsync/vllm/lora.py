@@ -2,10 +2,11 @@
 
 A LoRA sync (:class:`~streamsync.engine.messages.LoraTarget` in the worker options) goes into
 a :class:`LoraSink`. At ``finalize`` the sink builds the adapter the way vLLM's own loader
-does (``LoRAModel.from_lora_tensors`` with the engine's ``PEFTHelper`` checks), merges it as
-the engine would and checks every module and shape against the engine's LoRA layers, so a
+does (``LoRAModel.from_lora_tensors`` with the engine's ``PEFTHelper`` checks) and checks
+every module and shape against the engine's LoRA layers as each layer will take them, so a
 bad adapter fails by name on every worker before any is installed. It then *stages* the
-version: the tensors go into this engine's store under (name, path).
+version: the tensors, and the checked ``LoRAModel``, go into this engine's store under
+(name, path).
 
 Installing is vLLM's own ``add_lora(LoRARequest(name, id, path, load_inplace=True))`` (the
 trainer calls it once every worker has staged): vLLM's worker manager builds the new
