@@ -219,10 +219,7 @@ def run(args: argparse.Namespace) -> int:
         data["engine"] = engine
         sys.stdout.write("\n" + format_engine_table(engine) + "\n")
     data["command"] = _command_line(args)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(data, fh, indent=2)
+    _write_json(args, data)
     if args.plot and "results" in data:
         plot(data, args.plot)
     ok = all(
@@ -264,10 +261,7 @@ def _run_fanout(args: argparse.Namespace) -> int:
     data = run_fanout(config, progress)
     data["command"] = _command_line(args)
     sys.stdout.write(format_fanout(data) + "\n")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(data, fh, indent=2)
+    _write_json(args, data)
     return 0 if all(r["ok"] and r["verified"] for r in data["rows"]) else 1
 
 
@@ -296,10 +290,7 @@ def _run_delta(args: argparse.Namespace) -> int:
     data = run_delta(config, progress)
     data["command"] = _command_line(args)
     sys.stdout.write(format_delta(data) + "\n")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(data, fh, indent=2)
+    _write_json(args, data)
     return 0 if all(r["verified"] for r in data["rows"]) else 1
 
 
@@ -309,10 +300,7 @@ def _run_per_tensor(args: argparse.Namespace) -> int:
     data = run_per_tensor(count=4000, tensor_bytes=8 << 10, runs=max(args.runs, 7))
     data["command"] = _command_line(args)
     sys.stdout.write(format_per_tensor(data) + "\n")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(data, fh, indent=2)
+    _write_json(args, data)
     return 0
 
 
@@ -332,11 +320,16 @@ def _run_lora(args: argparse.Namespace) -> int:
     data = run_lora_bench(rank=args.rank, runs=args.runs, timeout=args.timeout, progress=progress)
     data["command"] = _command_line(args)
     sys.stdout.write(format_lora_table(data) + "\n")
+    _write_json(args, data)
+    return 0
+
+
+def _write_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """Every figure of the run to ``--json``, when it was given."""
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(data, fh, indent=2)
-    return 0
 
 
 def _command_line(args: argparse.Namespace) -> str:
