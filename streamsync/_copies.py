@@ -37,11 +37,13 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
+import numpy as np
 import torch
 
 __all__ = [
     "PIECE_BYTES",
     "CopyBatch",
+    "MovePlan",
     "clone",
     "POOL_THREADS",
     "copy_tensors",
@@ -213,6 +215,58 @@ def memmove_many(moves: Iterable[Move]) -> None:
                 memmove(small[j], small[j + 1], small[j + 2])
     finally:
         _wait(futures)
+
+
+class MovePlan:
+    """The same memmoves, run again and again between buffers that may move: each move's
+    destination and source as offsets from two bases given at :meth:`run` (0 for absolute
+    addresses). Built once (per bucket layout, say), it runs without Python work per move:
+    the small moves in one call of the compiled kernel, the large ones split on the pool."""
+
+    def __init__(self, dst: Sequence[int], src: Sequence[int], nbytes: Sequence[int]) -> None:
+        moves = np.stack(
+            [np.asarray(dst, np.int64), np.asarray(src, np.int64), np.asarray(nbytes, np.int64)],
+            axis=1,
+        ).reshape(-1, 3)
+        moves = moves[moves[:, 2] > 0]
+        large = moves[:, 2] >= INLINE_BYTES
+        self._large = [tuple(m) for m in moves[large].tolist()]
+        self._small = np.ascontiguousarray(moves[~large])
+        #: Bytes moved per run.
+        self.nbytes = int(moves[:, 2].sum())
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._large)
+
+    def run(self, dst_base: int = 0, src_base: int = 0) -> None:
+        """Do every move, ``dst_base`` and ``src_base`` added to its two offsets."""
+        futures: list[Future[Any]] = []
+        try:
+            if self._large:
+                submit = _pool.get().submit
+                for dst, src, nbytes in self._large:
+                    count = _pieces(nbytes)
+                    step = -(-nbytes // count)
+                    for lo in range(0, nbytes, step):
+                        futures.append(
+                            submit(
+                                ctypes.memmove,
+                                dst_base + dst + lo,
+                                src_base + src + lo,
+                                min(step, nbytes - lo),
+                            )
+                        )
+            small = self._small
+            if len(small):
+                moves = small + np.array([dst_base, src_base, 0], dtype=np.int64)
+                batch = _memmove_batch()
+                if batch is not None:
+                    batch(moves.ctypes.data, len(moves))
+                else:
+                    for dst, src, nbytes in moves.tolist():
+                        ctypes.memmove(dst, src, nbytes)
+        finally:
+            _wait(futures)
 
 
 def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

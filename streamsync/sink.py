@@ -21,10 +21,11 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 
-from streamsync._copies import CopyBatch
+from streamsync._copies import CopyBatch, MovePlan
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
+from streamsync.wire.bucket import LaidOut, LayoutPlan
 
 __all__ = [
     "BUFFER_MANIFEST",
@@ -149,17 +150,24 @@ class ModuleSink:
             )
             for name, t in self._targets.items()
         }
+        self._patchable = strict and all(
+            address is not None for _, _, address, _ in self._meta.values()
+        )
+        #: Every name, sorted (the report of a sync that loaded them all).
+        self._names = tuple(sorted(self._targets))
         self._loaded: set[str] = set()
         self._unexpected: list[str] = []
+        # Per bucket layout the receiver recognised, its moves into the module (or None:
+        # that layout takes the general path); dropped with the receiver's own plan.
+        self._plans: weakref.WeakKeyDictionary[
+            LayoutPlan, tuple[MovePlan, tuple[str, ...]] | None
+        ] = weakref.WeakKeyDictionary()
 
     @property
     def version(self) -> int | None:
         """The version the module holds, when a delta can patch it in place (a strict sink
         whose tensors are all contiguous on the CPU); else ``None``."""
-        patchable = self.strict and all(
-            address is not None for _, _, address, _ in self._meta.values()
-        )
-        return held_version(self.module) if patchable else None
+        return held_version(self.module) if self._patchable else None
 
     @version.setter
     def version(self, version: int | None) -> None:
@@ -201,7 +209,32 @@ class ModuleSink:
             return None  # skipped, or converted by load from the staging buffer
         return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
 
+    def _moves(self, layout: LayoutPlan) -> tuple[MovePlan, tuple[str, ...]] | None:
+        """The memmoves of a bucket of ``layout`` into the module, when every entry is one of
+        its contiguous CPU tensors with the same shape and dtype; else ``None``."""
+        if layout in self._plans:
+            return self._plans[layout]
+        dst: list[int] = []
+        meta = self._meta
+        plan: tuple[MovePlan, tuple[str, ...]] | None = None
+        for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes, strict=True):
+            known = meta.get(name)
+            if known is None or known[0] != shape or known[1] != dtype or known[2] is None:
+                break
+            dst.append(known[2])
+        else:
+            plan = MovePlan(dst, layout.offsets, layout.nbytes), layout.names
+        self._plans[layout] = plan
+        return plan
+
     def load(self, tensors: Sequence[NamedTensor]) -> None:
+        if isinstance(tensors, LaidOut):
+            planned = self._moves(tensors.plan)
+            if planned is not None:
+                moves, names = planned
+                moves.run(0, tensors.data.data_ptr())
+                self._loaded.update(names)
+                return
         batch = CopyBatch()
         meta = self._meta
         loaded: list[str] = []
@@ -231,6 +264,9 @@ class ModuleSink:
         self._loaded.update(loaded)
 
     def finalize(self) -> LoadResult:
+        if len(self._loaded) == len(self._names) and self._loaded.issuperset(self._names):
+            # Every tensor came (the usual sync): the report is known without a pass.
+            return LoadResult(loaded=self._names, unexpected=tuple(self._unexpected))
         done = {alias for name in self._loaded for alias in self._aliases.get(name, (name,))}
         return LoadResult(
             loaded=tuple(sorted(self._loaded)),

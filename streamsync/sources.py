@@ -14,9 +14,16 @@ from streamsync.pipeline import NamedTensor, reading
 __all__ = ["full_tensor", "named_tensors"]
 
 
+#: Tensor classes that are whole as they are (asking them for ``full_tensor`` costs a
+#: failed attribute lookup per tensor).
+_WHOLE = (torch.Tensor, torch.nn.Parameter)
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` whole and detached: a DTensor (FSDP2, tensor parallel) is gathered here,
     one parameter at a time."""
+    if type(tensor) in _WHOLE:
+        return tensor.detach() if tensor.requires_grad else tensor
     full_tensor = getattr(tensor, "full_tensor", None)
     if full_tensor is not None:
         tensor = full_tensor()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,7 +36,12 @@ from streamsync.transports import (
     open_receiver,
     open_sender,
 )
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_TENSOR_BYTES, Bucket
+from streamsync.wire.bucket import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MAX_TENSOR_BYTES,
+    Bucket,
+    names_of,
+)
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
 __all__ = ["DEFAULT_TIMEOUT", "next_sync_id", "receive", "send", "send_aside"]
@@ -356,7 +361,7 @@ async def _send(
             buckets=seq,
             seconds=time.perf_counter() - start,
             phases={**phases, "end": end_s},
-            loaded=tuple(sorted({n for d in dones for n in d.loaded})),
+            loaded=_union(d.loaded for d in dones),
             missing=tuple(missing),
             instances={
                 f"receiver{d.receiver}": LoadResult(loaded=d.loaded, missing=d.missing)
@@ -367,6 +372,18 @@ async def _send(
             refused=attendance.refused,
         )
     )
+
+
+def _union(names: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
+    """The sorted union of sorted name lists (each receiver's ``Done.loaded``); usually
+    they are all the same list, which is then the answer as it is."""
+    lists = list(names)
+    if not lists:
+        return ()
+    first = lists[0]
+    if all(other == first for other in lists[1:]):
+        return first
+    return tuple(sorted({n for each in lists for n in each}))
 
 
 def _done(report: SyncReport) -> SyncReport:
@@ -539,7 +556,7 @@ async def _load_all(
         t0 = time.perf_counter()
         batch = unpacker.feed(msg, incoming.data, target=target)
         await call_phase(sink.load, batch)
-        sync.applied.extend(name for name, _ in batch)
+        sync.applied.extend(names_of(batch))
         sync.load_s += time.perf_counter() - t0
         sync.nbytes += msg.nbytes
         sync.buckets += 1

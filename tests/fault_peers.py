@@ -28,7 +28,7 @@ import streamsync.wire.bucket
 import streamsync.wire.frames
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink
 from streamsync.transports import Receiver, Sender, open_receiver, open_sender
-from streamsync.wire.frames import BucketHeader, Entry
+from streamsync.wire.frames import BucketHeader, Entry, Layout
 
 #: Every wait of a sync, in seconds: the faults must surface within twice this.
 TIMEOUT = 2.0
@@ -256,7 +256,7 @@ def _absurd(header: BucketHeader, kind: str) -> BucketHeader:
     """``header`` rewritten to claim something no receiver should allocate or accept."""
     first = header.entries[0]
     if kind == "length":
-        return BucketHeader(header.sync_id, header.seq, header.slot, 1 << 62, header.entries)
+        return BucketHeader(header.sync_id, header.seq, header.slot, 1 << 62, header.layout)
     if kind == "shape":
         entry = Entry(first.name, first.dtype, (1 << 40, 1 << 40), first.offset, first.nbytes)
     elif kind == "dtype":
@@ -266,7 +266,7 @@ def _absurd(header: BucketHeader, kind: str) -> BucketHeader:
         entry = Entry("huge", "float32", (1 << 28,), 0, first.nbytes, 0, 1 << 20, 0)
     else:
         raise ValueError(f"unknown absurd kind {kind!r}")
-    return BucketHeader(header.sync_id, header.seq, header.slot, header.nbytes, (entry,))
+    return BucketHeader(header.sync_id, header.seq, header.slot, header.nbytes, Layout.of([entry]))
 
 
 def _install_tampering(tx: Any, state: dict[str, Any]) -> None:

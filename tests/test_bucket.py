@@ -19,7 +19,7 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.wire.bucket import ALIGN, BucketBuilder, Unpacker
-from streamsync.wire.frames import BucketHeader, End, Entry
+from streamsync.wire.frames import BucketHeader, End, Entry, Layout
 
 
 def roundtrip(
@@ -39,8 +39,8 @@ def roundtrip(
     for seq, bucket in enumerate(buckets):
         assert bucket.nbytes <= bucket_bytes
         slot.fill_(0xA5)
-        entries = bucket.pack_into(slot, checksum=checksum)
-        header = BucketHeader(7, seq, 0, bucket.nbytes, tuple(entries))
+        layout = bucket.pack_into(slot, checksum=checksum)
+        header = BucketHeader(7, seq, 0, bucket.nbytes, layout)
         out.extend((n, t.clone()) for n, t in unpacker.feed(header, slot))
         total += bucket.nbytes
     tensor_count = sum(b.tensors for b in buckets)
@@ -118,7 +118,9 @@ def test_fused_cast_converts_while_packing() -> None:
     got = None
     for seq, b in enumerate(buckets):
         packed = b.pack()
-        for _, t in unpacker.feed(BucketHeader(1, seq, 0, b.nbytes, packed.entries), packed.data):
+        for _, t in unpacker.feed(
+            BucketHeader(1, seq, 0, b.nbytes, Layout.of(packed.entries)), packed.data
+        ):
             got = t.clone()
     assert got is not None and same_bits(got, src.to(torch.bfloat16))
 
@@ -129,7 +131,7 @@ def test_bucket_size_below_minimum_is_refused() -> None:
 
 
 def _header(entries: tuple[Entry, ...], nbytes: int = 256, seq: int = 0) -> BucketHeader:
-    return BucketHeader(1, seq, 0, nbytes, entries)
+    return BucketHeader(1, seq, 0, nbytes, Layout.of(entries))
 
 
 @pytest.mark.parametrize(
@@ -161,15 +163,15 @@ def test_checked_entries_are_checked_again_under_a_lower_limit_or_a_smaller_buck
     unpacker = Unpacker(max_tensor_bytes=1 << 30)
     for sync in (1, 2):
         unpacker.begin(sync)
-        ((name, view),) = unpacker.feed(BucketHeader(sync, 0, 0, 256, (entry,)), data)
+        ((name, view),) = unpacker.feed(BucketHeader(sync, 0, 0, 256, Layout.of([entry])), data)
         assert name == "x" and view.shape == (64,) and view.dtype == torch.float32
     unpacker.begin(3)
     with pytest.raises(WireFormatError, match="outside its bucket of 128"):
-        unpacker.feed(BucketHeader(3, 0, 0, 128, (entry,)), data)
+        unpacker.feed(BucketHeader(3, 0, 0, 128, Layout.of([entry])), data)
     unpacker.max_tensor_bytes = 128
     unpacker.begin(4)
     with pytest.raises(WireFormatError, match="limit is 128"):
-        unpacker.feed(BucketHeader(4, 0, 0, 256, (entry,)), data)
+        unpacker.feed(BucketHeader(4, 0, 0, 256, Layout.of([entry])), data)
 
 
 def test_views_of_mixed_dtypes_in_one_bucket_are_where_their_entries_say() -> None:
@@ -205,12 +207,12 @@ def test_checksum_mismatch_names_the_tensor() -> None:
     bucket = builder.flush()
     assert bucket is not None
     slot = torch.zeros(1024, dtype=torch.uint8)
-    entries = bucket.pack_into(slot, checksum=True)
+    layout = bucket.pack_into(slot, checksum=True)
     slot[3] ^= 0xFF
     unpacker = Unpacker()
     unpacker.begin(1)
     with pytest.raises(ChecksumError, match="'w'"):
-        unpacker.feed(_header(tuple(entries), bucket.nbytes), slot)
+        unpacker.feed(_header(layout.entries(), bucket.nbytes), slot)
 
 
 def test_duplicate_name_in_one_sync_is_refused() -> None:
@@ -292,7 +294,7 @@ _A0 = Entry("a", "float32", (8,), 0, 16, 0, 2, 0)  # the first half of a 32-byte
 
 
 def _bucket(seq: int, *entries: Entry, nbytes: int = 256, sync_id: int = 1) -> BucketHeader:
-    return BucketHeader(sync_id, seq, 0, nbytes, entries)
+    return BucketHeader(sync_id, seq, 0, nbytes, Layout.of(entries))
 
 
 # Steps fed to a fresh unpacker in sync 1 over a 256-byte slot: every step but the last is
@@ -405,8 +407,8 @@ def _chunked(
     out = []
     for seq, bucket in enumerate(planned):
         slot = torch.zeros(bucket_bytes, dtype=torch.uint8)
-        entries = bucket.pack_into(slot)
-        out.append((BucketHeader(sync_id, seq, 0, bucket.nbytes, tuple(entries)), slot))
+        layout = bucket.pack_into(slot)
+        out.append((BucketHeader(sync_id, seq, 0, bucket.nbytes, layout), slot))
     return out
 
 

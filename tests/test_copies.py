@@ -18,7 +18,7 @@ import streamsync as ss
 from streamsync import _copies as copies
 from streamsync._dtypes import CASTABLE
 from streamsync.wire.bucket import BucketBuilder, Unpacker
-from streamsync.wire.frames import BucketHeader
+from streamsync.wire.frames import BucketHeader, Layout
 
 PIECE = copies.PIECE_BYTES
 CAST_PAIRS = [(a, b) for a in sorted(CASTABLE, key=str) for b in sorted(CASTABLE, key=str)]
@@ -147,7 +147,7 @@ _NO_OPENMP_WORKERS = textwrap.dedent(
         ss.ModuleSink(module)  # warm-up of its own imports
         rule = lambda name, dtype: torch.bfloat16 if dtype == torch.float32 else None
         from streamsync.wire.bucket import BucketBuilder, Unpacker
-        from streamsync.wire.frames import BucketHeader
+        from streamsync.wire.frames import BucketHeader, Layout
         builder = BucketBuilder(4 << 20, cast=rule)
         buckets = [*builder.add("a", bf16), *builder.add("b", f32), builder.flush()]
         unpacker = Unpacker()
@@ -156,7 +156,7 @@ _NO_OPENMP_WORKERS = textwrap.dedent(
         sink.prepare()
         for seq, bucket in enumerate(buckets):
             packed = bucket.pack()
-            header = BucketHeader(0, seq, 0, bucket.nbytes, tuple(packed.entries))
+            header = BucketHeader(0, seq, 0, bucket.nbytes, Layout.of(packed.entries))
             sink.load(unpacker.feed(header, packed.data, target=sink.target))
     after = threads()
     new = {t: c for t, c in after.items() if t not in before}
@@ -262,7 +262,7 @@ def test_pack_and_unpack_across_pieces_chunks_and_tiny_tensors(
     got: dict[str, torch.Tensor] = {}
     for seq, bucket in enumerate(buckets):
         packed = bucket.pack()
-        header = BucketHeader(0, seq, 0, bucket.nbytes, tuple(packed.entries))
+        header = BucketHeader(0, seq, 0, bucket.nbytes, Layout.of(packed.entries))
         got.update((n, t.clone()) for n, t in unpacker.feed(header, packed.data))
     for name, tensor in weights.items():
         want = tensor.to(torch.bfloat16) if cast and tensor.dtype == torch.float32 else tensor

@@ -25,7 +25,7 @@ import streamsync as ss
 from streamsync.adapters import cast
 from streamsync.wire import patch as patches
 from streamsync.wire.bucket import BucketBuilder, Unpacker
-from streamsync.wire.frames import BucketHeader
+from streamsync.wire.frames import BucketHeader, Layout
 
 _names = itertools.count()
 
@@ -256,7 +256,9 @@ def _patch_bucket(name: str, numel: int, positions: list[int]) -> tuple[BucketHe
     bucket = builder.flush()
     assert bucket is not None
     packed = bucket.pack()
-    return BucketHeader(1, 0, 0, packed.data.numel(), packed.entries, base=5), packed.data
+    return BucketHeader(
+        1, 0, 0, packed.data.numel(), Layout.of(packed.entries), base=5
+    ), packed.data
 
 
 @pytest.mark.parametrize(
@@ -282,7 +284,7 @@ def test_bad_positions_are_named_and_nothing_is_applied(positions: list[int], wh
     data[: good_data.numel()] = good_data
     data[offset:] = bad_data
     entries = (entries[0], msgspec.structs.replace(entries[1], offset=offset))
-    header = BucketHeader(1, 0, 0, data.numel(), entries, base=5)
+    header = BucketHeader(1, 0, 0, data.numel(), Layout.of(entries), base=5)
     unpacker = Unpacker()
     unpacker.begin(1)
     with pytest.raises(ss.WireFormatError, match=f"patch of tensor 'b': {why}"):
@@ -317,7 +319,7 @@ def test_fuzzed_patch_entries_fail_only_as_wire_errors(
     tensor = guard[:numel]
     data = torch.frombuffer(bytearray(raw.ljust(640, b"\0")), dtype=torch.uint8)
     entry = Entry("t", "bfloat16", (numel,), 0, nbytes, 0, 1, 0, None, k)
-    header = BucketHeader(1, 0, 0, len(raw), (entry,), base=5)
+    header = BucketHeader(1, 0, 0, len(raw), Layout.of([entry]), base=5)
     unpacker = Unpacker()
     unpacker.begin(1)
     with contextlib.suppress(ss.WireFormatError, ss.DeltaBaseError):

@@ -72,7 +72,7 @@ async def unbucket(source: AsyncIterable[PackedBucket]) -> AsyncIterator[NamedTe
     unpacker.begin(0)
     seq = 0
     async for packed in source:
-        header = BucketHeader(0, seq, 0, packed.data.numel(), packed.entries)
+        header = BucketHeader(0, seq, 0, packed.data.numel(), packed.layout)
         seq += 1
         for name, view in unpacker.feed(header, packed.data):
             yield name, view.clone()

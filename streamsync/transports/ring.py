@@ -44,7 +44,16 @@ from streamsync.transports.base import (
 )
 from streamsync.transports.slots import SlotStore
 from streamsync.wire.bucket import Bucket
-from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
+from streamsync.wire.frames import (
+    Abort,
+    Ack,
+    BucketHeader,
+    Bye,
+    Done,
+    End,
+    Failed,
+    Message,
+)
 
 __all__ = ["RingReceiver", "RingSender", "SlotRing"]
 
@@ -297,8 +306,8 @@ class RingSender(Sender):
         t1 = time.perf_counter()
         slot = taken[0]
         buf = self.slot(slot)
-        entries = bucket.pack_into(buf, checksum=checksum)
-        header = BucketHeader(sync_id, seq, slot, bucket.nbytes, tuple(entries), bucket.base)
+        layout = bucket.pack_into(buf, checksum=checksum)
+        header = BucketHeader(sync_id, seq, slot, bucket.nbytes, layout, bucket.base)
         self.store.filled(slot)
         t2 = time.perf_counter()
         await self._publish(header, buf[: bucket.nbytes])

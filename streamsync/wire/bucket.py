@@ -7,16 +7,16 @@ whatever came before it (a bf16 tensor of odd length followed by an fp32 one).
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
-import msgspec
 import torch
 import xxhash
 
-from streamsync._copies import CopyBatch, copy_tensors
+from streamsync._copies import CopyBatch, MovePlan, copy_tensors
 from streamsync._dtypes import dtype_from_name, dtype_name
 from streamsync.errors import (
     ChecksumError,
@@ -26,7 +26,7 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.wire import patch as patches
-from streamsync.wire.frames import BucketHeader, End, Entry
+from streamsync.wire.frames import BucketHeader, End, Entry, Extra, Layout
 
 __all__ = [
     "ALIGN",
@@ -34,11 +34,13 @@ __all__ = [
     "MIN_BUCKET_BYTES",
     "Bucket",
     "BucketBuilder",
+    "LaidOut",
     "PackedBucket",
     "TargetFn",
     "Unpacker",
     "align_up",
     "allocate_slot",
+    "names_of",
 ]
 
 #: Alignment of every entry's offset: a cache line, a multiple of every dtype's size.
@@ -53,6 +55,9 @@ DEFAULT_MAX_TENSOR_BYTES: Final = 1 << 40
 #: Checked entries an :class:`Unpacker` remembers (then it starts over): more than a model
 #: has tensors, few enough that a sender sending ever new entries cannot exhaust memory.
 _CHECKED_MAX: Final = 1 << 18
+#: Layouts an :class:`Unpacker` remembers (then it starts over): more than a sync has
+#: buckets.
+_PLANS_MAX: Final = 1 << 12
 
 NamedTensor = tuple[str, torch.Tensor]
 #: A fused cast: ``(name, dtype) -> dtype to send, or None to send as is``; it decides on
@@ -80,78 +85,172 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-@dataclass(slots=True)
-class _Part:
-    """Where one entry's bytes come from: elements ``[start, stop)`` of ``source``
-    (flattened when chunked), converted to the entry's dtype while packing."""
-
-    source: torch.Tensor
-    start: int
-    stop: int
-    whole: bool
+#: dtype -> (wire name, item size), filled as dtypes are first sent.
+_WIRE: dict[torch.dtype, tuple[str, int]] = {}
 
 
-@dataclass(slots=True)
+def _wire(dtype: torch.dtype) -> tuple[str, int]:
+    known = _WIRE.get(dtype)
+    if known is None:
+        known = _WIRE[dtype] = (dtype_name(dtype), dtype.itemsize)  # raises if it can't travel
+    return known
+
+
 class Bucket:
-    """A bucket not yet packed: its entries and the tensors their bytes come from (copied
-    straight into a slot); ``tensors`` counts those whose last (or only) piece is in it."""
+    """A bucket not yet packed: its entries as the columns of its :class:`Layout`, and per
+    entry the tensor its bytes come from (copied straight into a slot, converted to the
+    entry's dtype on the way); ``tensors`` counts those whose last (or only) piece is in it.
+    """
 
-    entries: list[Entry] = field(default_factory=list)
-    parts: list[_Part] = field(default_factory=list)
-    nbytes: int = 0
-    tensors: int = 0
-    #: The last chunk of a chunked tensor is in this bucket.
-    holds_tail: bool = False
-    #: A delta sync's base version (``BucketHeader.base``).
-    base: int | None = None
+    __slots__ = (
+        "_dtypes",
+        "base",
+        "dims",
+        "extras",
+        "holds_tail",
+        "kinds",
+        "moves",
+        "names",
+        "nbytes",
+        "ndims",
+        "offsets",
+        "sizes",
+        "sources",
+        "tensors",
+    )
 
-    def pack_into(self, buf: torch.Tensor, *, checksum: bool = False) -> list[Entry]:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        #: Per entry, its dtype's position in this bucket's table of wire dtype names.
+        self.kinds = bytearray()
+        self._dtypes: dict[str, int] = {}
+        self.ndims = bytearray()
+        self.dims: list[int] = []
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        #: Per entry, the tensor holding its bytes (before conversion).
+        self.sources: list[torch.Tensor] = []
+        #: Per entry, 1 where its bytes are a plain memmove from its source.
+        self.moves = bytearray()
+        #: ``(chunk, chunks, tensor_offset, patch)`` of the entries that are not whole tensors.
+        self.extras: dict[int, tuple[int, int, int, int]] = {}
+        self.nbytes = 0
+        self.tensors = 0
+        #: The last chunk of a chunked tensor is in this bucket.
+        self.holds_tail = False
+        #: A delta sync's base version (``BucketHeader.base``).
+        self.base: int | None = None
+
+    def append(
+        self,
+        name: str,
+        wire_dtype: str,
+        shape: tuple[int, ...],
+        offset: int,
+        nbytes: int,
+        source: torch.Tensor,
+        move: bool,
+        extra: tuple[int, int, int, int] | None = None,
+    ) -> None:
+        """Place one entry, whose bytes are ``source``'s (converted to ``wire_dtype`` unless
+        ``move``: then they are its bytes as they are)."""
+        kind = self._dtypes.get(wire_dtype)
+        if kind is None:
+            kind = self._dtypes[wire_dtype] = len(self._dtypes)
+        if extra is not None:
+            self.extras[len(self.names)] = extra
+        self.names.append(name)
+        self.kinds.append(kind)
+        self.ndims.append(len(shape))
+        self.dims.extend(shape)
+        self.offsets.append(offset)
+        self.sizes.append(nbytes)
+        self.sources.append(source)
+        self.moves.append(move)
+        self.nbytes = offset + nbytes
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The entries as structs (without checksums)."""
+        return self.layout().entries()
+
+    def layout(self, checksums: Sequence[int] | None = None) -> Layout:
+        """The bucket's layout, with each entry's checksum when ``checksums`` is given."""
+        extras = []
+        for i in range(len(self.names)) if checksums is not None else sorted(self.extras):
+            chunk, chunks, tensor_offset, patch = self.extras.get(i, (0, 1, 0, 0))
+            checksum = checksums[i] if checksums is not None else None
+            extras.append(Extra(i, chunk, chunks, tensor_offset, checksum, patch))
+        return Layout(
+            names=tuple(self.names),
+            dtypes=tuple(self._dtypes),
+            dtype_index=bytes(self.kinds),
+            ndims=bytes(self.ndims),
+            dims=array.array("q", self.dims).tobytes(),
+            offsets=array.array("q", self.offsets).tobytes(),
+            nbytes=array.array("q", self.sizes).tobytes(),
+            extras=tuple(extras),
+        )
+
+    def pack_into(self, buf: torch.Tensor, *, checksum: bool = False) -> Layout:
         """Copy every entry into ``buf`` (a uint8 tensor of at least ``nbytes``).
 
-        Returns the entries, with checksums filled in when ``checksum`` is true.
+        Returns the bucket's layout, with checksums when ``checksum`` is true.
         """
         if buf.numel() < self.nbytes:
             raise ConfigError(
                 f"slot of {buf.numel()} bytes is too small for a bucket of {self.nbytes}"
             )
-        batch = CopyBatch()
         base = buf.data_ptr()
-        for entry, part in zip(self.entries, self.parts, strict=True):
-            src = part.source if part.whole else part.source[part.start : part.stop]
-            if entry.patch:  # its encoded bytes (uint8)
-                batch.move(base + entry.offset, src.data_ptr(), entry.nbytes)
-                continue
-            dtype = dtype_from_name(entry.dtype)
-            if src.dtype == dtype and src.is_cpu and src.is_contiguous():
-                # The common case, a plain memmove: no view of the slot to build.
-                batch.move(base + entry.offset, src.data_ptr(), entry.nbytes)
-            else:
-                region = buf[entry.offset : entry.offset + entry.nbytes]
-                batch.copy(region.view(dtype).view(src.shape), src)
-        batch.run()
+        if self.moves.count(0) == 0:
+            # The common case: every entry a plain memmove, in one batch.
+            srcs = [t.data_ptr() for t in self.sources]
+            MovePlan(self.offsets, srcs, self.sizes).run(base, 0)
+        else:
+            batch = CopyBatch()
+            table = tuple(self._dtypes)
+            for src, kind, move, offset, nbytes in zip(
+                self.sources, self.kinds, self.moves, self.offsets, self.sizes, strict=True
+            ):
+                if move:
+                    batch.move(base + offset, src.data_ptr(), nbytes)
+                else:
+                    region = buf[offset : offset + nbytes]
+                    batch.copy(region.view(dtype_from_name(table[kind])).view(src.shape), src)
+            batch.run()
         if not checksum:
-            return list(self.entries)
-        return [
-            msgspec.structs.replace(
-                entry, checksum=_digest(buf[entry.offset : entry.offset + entry.nbytes])
-            )
-            for entry in self.entries
-        ]
+            return self.layout()
+        return self.layout(
+            [
+                _digest(buf[offset : offset + nbytes])
+                for offset, nbytes in zip(self.offsets, self.sizes, strict=True)
+            ]
+        )
 
     def pack(self, *, checksum: bool = False) -> PackedBucket:
         """Pack into a fresh buffer (tests and in-process use; transports pack into slots)."""
         buf = allocate_slot(self.nbytes)
-        entries = self.pack_into(buf, checksum=checksum)
-        return PackedBucket(entries=tuple(entries), data=buf, tensors=self.tensors)
+        layout = self.pack_into(buf, checksum=checksum)
+        return PackedBucket(layout=layout, data=buf, tensors=self.tensors)
 
 
 @dataclass(slots=True, frozen=True)
 class PackedBucket:
-    """A packed bucket: entries plus the byte buffer they point into."""
+    """A packed bucket: its layout plus the byte buffer it points into."""
 
-    entries: tuple[Entry, ...]
+    layout: Layout
     data: torch.Tensor
     tensors: int = 0
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The layout's entries as structs."""
+        return self.layout.entries()
+
+
+def _is_move(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``tensor``'s bytes are, as they are, those of an entry of ``dtype``."""
+    return tensor.dtype == dtype and tensor.is_cpu and tensor.is_contiguous()
 
 
 class BucketBuilder:
@@ -180,25 +279,29 @@ class BucketBuilder:
             raise WireFormatError(
                 f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor"
             )
-        if tensor.requires_grad:
-            tensor = tensor.detach()
-        dtype = tensor.dtype
+        source_dtype = tensor.dtype
+        dtype = source_dtype
         if self._cast is not None:
-            dtype = self._cast(name, tensor.dtype) or dtype
-        wire_dtype = dtype_name(dtype)  # raises for dtypes that cannot travel
-        itemsize = _itemsize(dtype)
-        shape = tuple(tensor.shape)
+            dtype = self._cast(name, dtype) or dtype
+        wire_dtype, itemsize = _wire(dtype)  # raises for dtypes that cannot travel
+        shape = tensor.shape  # a tuple (torch.Size)
         nbytes = tensor.numel() * itemsize
-        offset = align_up(self._current.nbytes)
+        current = self._current
+        offset = (current.nbytes + ALIGN - 1) & -ALIGN
         if nbytes > self.bucket_bytes:
-            return list(self._add_chunked(name, tensor.reshape(-1), wire_dtype, shape, itemsize))
+            # Its chunks are views of it: no autograd graph for them (a tensor that requires
+            # grad is sent as its data, whole or in chunks).
+            flat = tensor.detach().reshape(-1)
+            return list(self._add_chunked(name, flat, wire_dtype, tuple(shape), itemsize))
         full: Sequence[Bucket] = ()
         if offset + nbytes > self.bucket_bytes:
             # Fits in a bucket of its own: close the current one first.
             full = (self._flush_current(),)
+            current = self._current
             offset = 0
-        self._place(Entry(name, wire_dtype, shape, offset, nbytes), _Part(tensor, 0, 0, True))
-        self._current.tensors += 1
+        move = source_dtype == dtype and tensor.is_cpu and tensor.is_contiguous()
+        current.append(name, wire_dtype, shape, offset, nbytes, tensor, move)
+        current.tensors += 1
         return full
 
     def add_patch(
@@ -216,10 +319,16 @@ class BucketBuilder:
             if offset + payload.numel() > self.bucket_bytes:
                 yield self._flush_current()
                 offset = 0
-            entry = Entry(
-                name, wire_dtype, shape, offset, payload.numel(), index, len(pieces), 0, None, k
+            self._current.append(
+                name,
+                wire_dtype,
+                shape,
+                offset,
+                payload.numel(),
+                payload,
+                _is_move(payload, torch.uint8),
+                (index, len(pieces), 0, k),
             )
-            self._place(entry, _Part(payload, 0, 0, True))
         self._current.tensors += 1
 
     def _add_chunked(
@@ -231,7 +340,7 @@ class BucketBuilder:
         # in the bucket where the previous chunked tensor ends.
         if room < max(ALIGN, self.bucket_bytes // 8) or self._current.holds_tail:
             # Too little left to be worth a chunk: start the tensor in a fresh bucket.
-            if self._current.entries:
+            if self._current.names:
                 yield self._flush_current()
             room = self.bucket_bytes
         numel = flat.numel()
@@ -242,27 +351,23 @@ class BucketBuilder:
             count = min(numel - start, (room // itemsize) if not spans else per_bucket)
             spans.append((start, start + count))
             start += count
+        dtype = dtype_from_name(wire_dtype)
         for index, (lo, hi) in enumerate(spans):
             if index > 0:
                 yield self._flush_current()
-            entry = Entry(
+            part = flat[lo:hi]
+            self._current.append(
                 name,
                 wire_dtype,
                 shape,
                 align_up(self._current.nbytes),
                 (hi - lo) * itemsize,
-                index,
-                len(spans),
-                lo * itemsize,
+                part,
+                _is_move(part, dtype),
+                (index, len(spans), lo * itemsize, 0),
             )
-            self._place(entry, _Part(flat, lo, hi, False))
         self._current.tensors += 1
         self._current.holds_tail = True
-
-    def _place(self, entry: Entry, part: _Part) -> None:
-        self._current.entries.append(entry)
-        self._current.parts.append(part)
-        self._current.nbytes = entry.offset + entry.nbytes
 
     def _flush_current(self) -> Bucket:
         done, self._current = self._current, Bucket()
@@ -270,7 +375,7 @@ class BucketBuilder:
 
     def flush(self) -> Bucket | None:
         """The last, partly filled bucket, if any tensor is in it."""
-        return self._flush_current() if self._current.entries else None
+        return self._flush_current() if self._current.names else None
 
 
 @dataclass(slots=True)
@@ -300,6 +405,106 @@ class _Patching:
     owner: torch.Tensor
 
 
+class LayoutPlan:
+    """What an :class:`Unpacker` checked of one layout of whole, plain tensors (no chunks,
+    patches or checksums), kept while the sender repeats it: per entry its name, dtype,
+    shape, strides and place in the bucket. Hashed by identity, so a sink can keep its own
+    plan for it (:class:`~streamsync.sink.ModuleSink` resolves the names once)."""
+
+    __slots__ = (
+        "__weakref__",
+        "dtypes",
+        "end",
+        "itemsizes",
+        "names",
+        "nbytes",
+        "offsets",
+        "shapes",
+        "strides",
+        "unique",
+    )
+
+    def __init__(
+        self, entries: Sequence[Entry], checked: Sequence[tuple[torch.dtype, int, tuple[int, ...]]]
+    ) -> None:
+        self.names: tuple[str, ...] = tuple(e.name for e in entries)
+        self.shapes: tuple[tuple[int, ...], ...] = tuple(e.shape for e in entries)
+        self.offsets: tuple[int, ...] = tuple(e.offset for e in entries)
+        self.nbytes: tuple[int, ...] = tuple(e.nbytes for e in entries)
+        self.dtypes: tuple[torch.dtype, ...] = tuple(c[0] for c in checked)
+        self.itemsizes: tuple[int, ...] = tuple(c[1] for c in checked)
+        self.strides: tuple[tuple[int, ...], ...] = tuple(c[2] for c in checked)
+        #: Where the last byte of any entry lies: the bucket must hold this many.
+        self.end = max((o + n for o, n in zip(self.offsets, self.nbytes, strict=True)), default=0)
+        #: No name comes twice.
+        self.unique = len(set(self.names)) == len(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class LaidOut(Sequence[NamedTensor]):
+    """The tensors of a bucket of plain entries, as views into its bytes built when first
+    asked for; a sink that understands it (``ModuleSink``) copies from :attr:`data` by the
+    :attr:`plan` without building them."""
+
+    __slots__ = ("_views", "data", "nbytes", "plan")
+
+    def __init__(self, plan: LayoutPlan, data: torch.Tensor, nbytes: int) -> None:
+        self.plan = plan
+        #: The bucket's bytes (uint8), of which the first ``nbytes`` are the bucket.
+        self.data = data
+        self.nbytes = nbytes
+        self._views: list[NamedTensor] | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.plan.names
+
+    def __len__(self) -> int:
+        return len(self.plan.names)
+
+    def _all(self) -> list[NamedTensor]:
+        if self._views is None:
+            plan, data, nbytes = self.plan, self.data, self.nbytes
+            # ``data`` as each dtype, made once, with its offset in its storage (in
+            # elements): an entry's view is then one ``as_strided`` of it.
+            typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+            out: list[NamedTensor] = []
+            for name, dtype, itemsize, shape, strides, offset in zip(
+                plan.names,
+                plan.dtypes,
+                plan.itemsizes,
+                plan.shapes,
+                plan.strides,
+                plan.offsets,
+                strict=True,
+            ):
+                typed_view = typed.get(dtype)
+                if typed_view is None:
+                    view = data[: nbytes - nbytes % itemsize].view(dtype)
+                    typed_view = typed[dtype] = (view, int(view.storage_offset()))
+                view, base = typed_view
+                # One call (a slice and a view are two): the entry's bytes were checked to
+                # lie inside the bucket, as a whole tensor of its shape.
+                out.append(
+                    (name, torch.as_strided(view, shape, strides, base + offset // itemsize))
+                )
+            self._views = out
+        return self._views
+
+    def __iter__(self) -> Iterator[NamedTensor]:
+        return iter(self._all())
+
+    def __getitem__(self, index: int) -> NamedTensor:  # type: ignore[override]
+        return self._all()[index]
+
+
+def names_of(batch: Sequence[NamedTensor]) -> Sequence[str]:
+    """The names of a batch :meth:`Unpacker.feed` returned, without building its views."""
+    return batch.names if isinstance(batch, LaidOut) else [name for name, _ in batch]
+
+
 #: A sink's ``target(name, dtype, shape)``: the tensor it will keep this tensor in, so the
 #: chunks of a large tensor are written straight into it, or ``None`` for the staging buffer.
 TargetFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
@@ -320,6 +525,8 @@ class Unpacker:
         #: Entries that passed :meth:`_check_entry`, under the limit ``_checked_limit``, with
         #: their dtype, item size and (whole tensors) contiguous strides.
         self._checked: dict[Entry, tuple[torch.dtype, int, tuple[int, ...]]] = {}
+        #: Layouts of plain entries already checked (under the same limit).
+        self._plans: dict[Layout, LayoutPlan] = {}
         self._checked_limit = max_tensor_bytes
         self._staging: torch.Tensor | None = None
         self._completed_here = False
@@ -339,10 +546,14 @@ class Unpacker:
 
     def feed(
         self, header: BucketHeader, data: torch.Tensor, *, target: TargetFn | None = None
-    ) -> list[NamedTensor]:
+    ) -> Sequence[NamedTensor]:
         """Validate ``header`` against the bucket bytes ``data`` (uint8) and return the
         complete tensors of this bucket, as views into ``data``, into the staging buffer, or
-        (for a chunked tensor whose destination ``target`` gave) the sink's own tensor."""
+        (for a chunked tensor whose destination ``target`` gave) the sink's own tensor.
+
+        A bucket of whole, plain tensors whose layout was checked before (a trainer repeats
+        its layouts every step) is checked by its layout and returned as a :class:`LaidOut`,
+        whose views are built only if asked for."""
         if header.sync_id != self._sync_id:
             raise WireFormatError(
                 f"bucket of sync {header.sync_id} arrived during sync {self._sync_id}"
@@ -355,13 +566,31 @@ class Unpacker:
             raise WireFormatError(
                 f"bucket {header.seq} claims {header.nbytes} bytes; the slot holds {data.numel()}"
             )
+        if self._checked_limit != self.max_tensor_bytes or len(self._checked) > _CHECKED_MAX:
+            self._checked = {}
+            self._plans = {}
+            self._checked_limit = self.max_tensor_bytes
+        layout = header.layout
+        if not layout.extras and self._pending is None and self._patching is None:
+            plan = self._plans.get(layout)
+            if plan is None:
+                entries = layout.entries()
+                plan = LayoutPlan(entries, [self._checked_entry(e) for e in entries])
+                if len(self._plans) >= _PLANS_MAX:
+                    self._plans = {}
+                self._plans[layout] = plan
+            if plan.end > header.nbytes:
+                self._outside(plan, header)
+            self._claim_all(plan)
+            self._seq += 1
+            self._nbytes += header.nbytes
+            self._tensors += len(plan)
+            self._completed_here = False
+            return LaidOut(plan, data, header.nbytes)
         self._seq += 1
         self._nbytes += header.nbytes
         out: list[NamedTensor] = []
         self._completed_here = False
-        if self._checked_limit != self.max_tensor_bytes or len(self._checked) > _CHECKED_MAX:
-            self._checked = {}
-            self._checked_limit = self.max_tensor_bytes
         checked = self._checked
         # ``data`` as each dtype, made once per bucket, with its offset in its storage (in
         # elements): an entry's view is then one ``as_strided`` of it.
@@ -369,7 +598,7 @@ class Unpacker:
         bucket_nbytes = header.nbytes
         # Patches are applied once the whole bucket is checked: a bad one applies nothing.
         patching: list[tuple[torch.Tensor, patches.Patch, int, str | None]] = []
-        for entry in header.entries:
+        for entry in layout.entries():
             kind = checked.get(entry)
             if kind is None:
                 kind = checked[entry] = self._check_entry(entry)
@@ -557,6 +786,30 @@ class Unpacker:
             strides.append(step)
             step *= max(d, 1)
         return dtype, itemsize, tuple(reversed(strides))
+
+    def _checked_entry(self, entry: Entry) -> tuple[torch.dtype, int, tuple[int, ...]]:
+        kind = self._checked.get(entry)
+        if kind is None:
+            kind = self._checked[entry] = self._check_entry(entry)
+        return kind
+
+    @staticmethod
+    def _outside(plan: LayoutPlan, header: BucketHeader) -> None:
+        for name, offset, nbytes in zip(plan.names, plan.offsets, plan.nbytes, strict=True):
+            if offset + nbytes > header.nbytes:
+                raise WireFormatError(
+                    f"tensor {name!r} claims bytes [{offset}, {offset + nbytes}) "
+                    f"outside its bucket of {header.nbytes} bytes"
+                )
+
+    def _claim_all(self, plan: LayoutPlan) -> None:
+        """Claim every name of a bucket at once."""
+        claimed = self._names
+        if plan.unique and claimed.isdisjoint(plan.names):
+            claimed.update(plan.names)
+            return
+        for name in plan.names:  # one came twice: raise for the first, as claims one by one
+            self._claim(name)
 
     def _claim(self, name: str) -> None:
         if name in self._names:

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from typing import Final
 
 import msgspec
+import numpy as np
 
 from streamsync.errors import AuthenticationError, ProtocolVersionError, WireFormatError
 
 __all__ = [
     "PROTOCOL_VERSION",
     "Entry",
+    "Extra",
+    "Layout",
     "Hello",
     "Welcome",
     "Joined",
@@ -38,15 +42,17 @@ __all__ = [
 #: Bumped whenever a message changes shape; peers with another version are refused.
 #: 2: the receiver confirms its ``Welcome`` with ``Joined``; refusals may say "busy".
 #: 3: delta syncs (``Entry.patch``, ``base`` on buckets and ``End``, ``Done.held``).
-PROTOCOL_VERSION: Final = 3
+#: 4: a bucket's entries travel as columns (``BucketHeader.layout``).
+PROTOCOL_VERSION: Final = 4
 
 # Upper bounds applied to untrusted metadata before anything is allocated from it.
 MAX_NAME_LEN: Final = 4096
 MAX_NDIM: Final = 16
 
 
-class Entry(msgspec.Struct, frozen=True, array_like=True):
-    """One tensor, or one chunk of a tensor, inside a bucket."""
+class Entry(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One tensor, or one chunk of a tensor, inside a bucket (what a :class:`Layout`'s
+    columns hold, one row of them)."""
 
     name: str
     dtype: str
@@ -65,6 +71,160 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     #: A patch of this many changed elements (:mod:`streamsync.wire.patch`; its pieces are
     #: ``chunk`` of ``chunks``), or 0: the entry holds the tensor's bytes.
     patch: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """A whole tensor's bytes, unchecksummed: nothing beyond the layout's columns."""
+        return (
+            self.chunks == 1
+            and self.chunk == 0
+            and self.tensor_offset == 0
+            and self.checksum is None
+            and self.patch == 0
+        )
+
+
+class Extra(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The fields of one entry of a :class:`Layout` beyond its columns, for the few entries
+    that have them: a chunk of a tensor larger than a bucket, a piece of a patch, a
+    checksum."""
+
+    #: The entry's position in the bucket.
+    index: int
+    chunk: int = 0
+    chunks: int = 1
+    tensor_offset: int = 0
+    checksum: int | None = None
+    patch: int = 0
+
+
+_I64: Final = "<i8"
+
+
+class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A bucket's entries as columns, in bucket order: one name per entry, and its dtype,
+    shape, offset and size as packed arrays. A trainer sends the same layouts every step, so
+    a receiver checks each layout once and recognises it afterwards by its value; decoding
+    builds a few objects per bucket instead of a struct and a tuple per tensor.
+
+    Untrusted when received: :meth:`entries` checks that the columns agree with each other,
+    and the :class:`~streamsync.wire.bucket.Unpacker` checks what they say.
+    """
+
+    names: tuple[str, ...]
+    #: The distinct dtype names; ``dtype_index`` holds each entry's position in this table.
+    dtypes: tuple[str, ...]
+    #: One byte per entry.
+    dtype_index: bytes
+    #: One byte per entry: its number of dimensions.
+    ndims: bytes
+    #: Every entry's dimensions, one after the other (int64, little-endian).
+    dims: bytes
+    #: Each entry's byte offset in the bucket (int64, little-endian).
+    offsets: bytes
+    #: Each entry's bytes in the bucket (int64, little-endian).
+    nbytes: bytes
+    #: The entries that are chunks or patch pieces or carry a checksum, by position.
+    extras: tuple[Extra, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def of(cls, entries: Sequence[Entry]) -> Layout:
+        """The columns of ``entries``."""
+        table: dict[str, int] = {}
+        index = bytes(table.setdefault(e.dtype, len(table)) for e in entries)
+        dims = [d for e in entries for d in e.shape]
+        extras = tuple(
+            Extra(i, e.chunk, e.chunks, e.tensor_offset, e.checksum, e.patch)
+            for i, e in enumerate(entries)
+            if not e.plain
+        )
+        return cls(
+            names=tuple(e.name for e in entries),
+            dtypes=tuple(table),
+            dtype_index=index,
+            ndims=bytes(len(e.shape) for e in entries),
+            dims=np.asarray(dims, dtype=_I64).tobytes(),
+            offsets=np.asarray([e.offset for e in entries], dtype=_I64).tobytes(),
+            nbytes=np.asarray([e.nbytes for e in entries], dtype=_I64).tobytes(),
+            extras=extras,
+        )
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(dtype_index, ndims, offsets, nbytes)`` as arrays, after checking that every
+        column has one value per entry (``WireFormatError`` otherwise)."""
+        count = len(self.names)
+        for column, width in (
+            ("dtype_index", 1),
+            ("ndims", 1),
+            ("offsets", 8),
+            ("nbytes", 8),
+        ):
+            got = len(getattr(self, column))
+            if got != count * width:
+                raise WireFormatError(
+                    f"bucket layout: column {column} has {got} bytes for {count} entries"
+                )
+        kinds = np.frombuffer(self.dtype_index, dtype=np.uint8)
+        ndims = np.frombuffer(self.ndims, dtype=np.uint8)
+        if count and int(kinds.max()) >= len(self.dtypes):
+            raise WireFormatError(
+                f"bucket layout: a dtype index of {int(kinds.max())} in a table of "
+                f"{len(self.dtypes)}"
+            )
+        if int(ndims.sum(dtype=np.int64)) * 8 != len(self.dims):
+            raise WireFormatError(
+                f"bucket layout: {len(self.dims)} bytes of dimensions for "
+                f"{int(ndims.sum(dtype=np.int64))} dimensions"
+            )
+        offsets = np.frombuffer(self.offsets, dtype=_I64)
+        nbytes = np.frombuffer(self.nbytes, dtype=_I64)
+        return kinds, ndims, offsets, nbytes
+
+    def entries(self) -> list[Entry]:
+        """The entries as structs, checked for consistency (``WireFormatError``)."""
+        kinds, ndims, offsets, nbytes = self.columns()
+        dims = np.frombuffer(self.dims, dtype=_I64).tolist()
+        extras: dict[int, Extra] = {}
+        for given in self.extras:
+            if not 0 <= given.index < len(self.names) or given.index in extras:
+                raise WireFormatError(f"bucket layout: extra fields for entry {given.index}")
+            extras[given.index] = given
+        out: list[Entry] = []
+        at = 0
+        for i, (name, kind, ndim, offset, size) in enumerate(
+            zip(
+                self.names,
+                kinds.tolist(),
+                ndims.tolist(),
+                offsets.tolist(),
+                nbytes.tolist(),
+                strict=True,
+            )
+        ):
+            shape = tuple(dims[at : at + ndim])
+            at += ndim
+            extra = extras.get(i)
+            if extra is None:
+                out.append(Entry(name, self.dtypes[kind], shape, offset, size))
+            else:
+                out.append(
+                    Entry(
+                        name,
+                        self.dtypes[kind],
+                        shape,
+                        offset,
+                        size,
+                        extra.chunk,
+                        extra.chunks,
+                        extra.tensor_offset,
+                        extra.checksum,
+                        extra.patch,
+                    )
+                )
+        return out
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -107,9 +267,14 @@ class BucketHeader(msgspec.Struct, frozen=True, tag="bucket"):
     seq: int
     slot: int
     nbytes: int
-    entries: tuple[Entry, ...]
+    layout: Layout
     #: A delta sync: the version (sync id) the receiver must hold, which it patches.
     base: int | None = None
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The layout's entries as structs (checked for consistency: ``WireFormatError``)."""
+        return self.layout.entries()
 
 
 class End(msgspec.Struct, frozen=True, tag="end"):
@@ -233,12 +398,15 @@ class WireCodec:
         except _DECODE_ERRORS as exc:
             raise WireFormatError(f"malformed message body: {exc}") from exc
         # Cheap checks of untrusted header fields; the Unpacker checks them against the slot.
-        for entry in msg.entries if isinstance(msg, BucketHeader) else ():
-            if len(entry.name) > MAX_NAME_LEN:
-                raise WireFormatError(f"tensor name of {len(entry.name)} characters is too long")
-            if len(entry.shape) > MAX_NDIM:
+        if isinstance(msg, BucketHeader):
+            layout = msg.layout
+            longest = max(layout.names, key=len, default="")
+            if len(longest) > MAX_NAME_LEN:
+                raise WireFormatError(f"tensor name of {len(longest)} characters is too long")
+            if layout.ndims and max(layout.ndims) > MAX_NDIM:
+                at = layout.ndims.index(max(layout.ndims))
+                name = layout.names[at] if at < len(layout.names) else f"#{at}"
                 raise WireFormatError(
-                    f"tensor {entry.name!r} claims {len(entry.shape)} dimensions; "
-                    f"at most {MAX_NDIM}"
+                    f"tensor {name!r} claims {max(layout.ndims)} dimensions; at most {MAX_NDIM}"
                 )
         return msg

@@ -57,14 +57,14 @@ def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any
     (bucket,) = buckets
     slot = allocate_slot(bucket.nbytes)
     steps["pack into the slot"] = best(lambda: bucket.pack_into(slot))
-    header = BucketHeader(1, 0, 0, bucket.nbytes, tuple(bucket.pack_into(slot)))
+    header = BucketHeader(1, 0, 0, bucket.nbytes, bucket.pack_into(slot))
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(BucketHeader)
     steps["header encode"] = best(lambda: encoder.encode(header))
     raw = encoder.encode(header)
     steps["header decode"] = best(lambda: decoder.decode(raw))
     unpacker = Unpacker()
 
-    def feed() -> list[Any]:
+    def feed() -> Any:
         unpacker.begin(1)
         return unpacker.feed(header, slot)
 
