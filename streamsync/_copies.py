@@ -217,13 +217,17 @@ def memmove_many(moves: Iterable[Move]) -> None:
         _wait(futures)
 
 
+#: Addresses, offsets or sizes: a sequence of ints, or an int64 array.
+Addresses = Sequence[int] | np.ndarray
+
+
 class MovePlan:
     """The same memmoves, run again and again between buffers that may move: each move's
     destination and source as offsets from two bases given at :meth:`run` (0 for absolute
     addresses). Built once (per bucket layout, say), it runs without Python work per move:
     the small moves in one call of the compiled kernel, the large ones split on the pool."""
 
-    def __init__(self, dst: Sequence[int], src: Sequence[int], nbytes: Sequence[int]) -> None:
+    def __init__(self, dst: Addresses, src: Addresses, nbytes: Addresses) -> None:
         moves = np.stack(
             [np.asarray(dst, np.int64), np.asarray(src, np.int64), np.asarray(nbytes, np.int64)],
             axis=1,

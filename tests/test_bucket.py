@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import torch
 from conftest import WIRE_DTYPES, random_tensor, same_bits
@@ -496,3 +497,89 @@ def test_the_old_staging_buffer_is_freed_before_a_larger_one_is_allocated() -> N
     assert torch.equal(got[0][1], torch.arange(3000.0))
     # Sync 2's first allocation (its first chunk, 4 KiB) found no buffer alive.
     assert len(alive) > first_sync and alive[first_sync] == 0, (first_sync, alive)
+
+
+# -- layouts: checked once, recognised after -----------------------------------------------
+def _packed(tensors: dict[str, torch.Tensor], nbytes: int = 4096) -> tuple[Layout, torch.Tensor]:
+    builder = BucketBuilder(nbytes)
+    for name, t in tensors.items():
+        assert not builder.add(name, t)
+    bucket = builder.flush()
+    assert bucket is not None
+    slot = torch.zeros(nbytes, dtype=torch.uint8)
+    return bucket.pack_into(slot), slot
+
+
+def test_a_repeated_layout_is_recognised_and_gives_the_same_tensors() -> None:
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.ones(0)}
+    layout, slot = _packed(tensors)
+    unpacker = Unpacker()
+    batches = []
+    for sync in (1, 2):
+        unpacker.begin(sync)
+        # A layout decoded afresh each sync (equal, not the same object), as off the wire.
+        header = BucketHeader(sync, 0, 0, 4096, Layout(*msgspec.structs.astuple(layout)))
+        batches.append(unpacker.feed(header, slot))
+    first, second = batches
+    assert isinstance(second, bucket_module.LaidOut) and second.plan is first.plan  # type: ignore[attr-defined]
+    assert list(bucket_module.names_of(second)) == ["a", "b", "c"]
+    for (name, got), (want_name, want) in zip(second, tensors.items(), strict=True):
+        assert name == want_name and got.shape == want.shape and same_bits(got, want)
+
+
+def test_a_recognised_layout_is_still_checked_against_its_bucket() -> None:
+    layout, slot = _packed({"a": torch.randn(64), "b": torch.randn(64)})
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    unpacker.feed(BucketHeader(1, 0, 0, 4096, layout), slot)
+    # The same layout in a bucket that claims fewer bytes than its entries span.
+    unpacker.begin(2)
+    with pytest.raises(WireFormatError, match="'b' claims bytes"):
+        unpacker.feed(BucketHeader(2, 0, 0, 300, layout), slot)
+    # Its names twice in one sync.
+    unpacker.begin(3)
+    unpacker.feed(BucketHeader(3, 0, 0, 4096, layout), slot)
+    with pytest.raises(DuplicateTensorError, match="'a' arrived twice"):
+        unpacker.feed(BucketHeader(3, 1, 0, 4096, layout), slot)
+
+
+def test_an_offset_that_would_wrap_int64_is_refused() -> None:
+    # offset + nbytes past 2**63: computed in int64 it would wrap to a small number.
+    entries = [Entry("a", "uint8", (64,), 0, 64), Entry("b", "uint8", (64,), 2**63 - 64, 64)]
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    with pytest.raises(WireFormatError, match="'b'"):
+        unpacker.feed(
+            BucketHeader(1, 0, 0, 4096, Layout.of(entries)), torch.zeros(4096, dtype=torch.uint8)
+        )
+
+
+def test_module_sink_copies_a_recognised_layout_in_one_plan() -> None:
+    import streamsync as ss
+
+    src = {"w": torch.randn(4, 8), "b": torch.randn(8), "n": torch.randn(3)}
+    target = torch.nn.Module()
+    for name, t in src.items():
+        target.register_buffer(name, torch.zeros_like(t))
+    sink = ss.ModuleSink(target)
+    layout, slot = _packed(src)
+    unpacker = Unpacker()
+    for sync in (1, 2):
+        unpacker.begin(sync)
+        batch = unpacker.feed(BucketHeader(sync, 0, 0, 4096, layout), slot)
+        sink.prepare()
+        sink.load(batch)
+        result = sink.finalize()
+        assert result.loaded == ("b", "n", "w") and not result.missing
+        for name, t in src.items():
+            assert same_bits(getattr(target, name), t)
+        # The next sync's bytes differ: the plan copies whatever the slot holds now.
+        src = {name: t + 1 for name, t in src.items()}
+        layout, slot = _packed(src)
+    # A layout the module cannot take whole (a dtype it does not have) goes the general way
+    # and fails by name.
+    bad, slot = _packed({"w": torch.randn(4, 8).double()})
+    unpacker.begin(3)
+    sink.prepare()
+    with pytest.raises(ss.DtypeMismatchError, match="'w'"):
+        sink.load(unpacker.feed(BucketHeader(3, 0, 0, 4096, bad), slot))

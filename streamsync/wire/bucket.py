@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
 import torch
 import xxhash
 
@@ -407,40 +408,55 @@ class _Patching:
 
 class LayoutPlan:
     """What an :class:`Unpacker` checked of one layout of whole, plain tensors (no chunks,
-    patches or checksums), kept while the sender repeats it: per entry its name, dtype,
-    shape, strides and place in the bucket. Hashed by identity, so a sink can keep its own
-    plan for it (:class:`~streamsync.sink.ModuleSink` resolves the names once)."""
+    patches or checksums), kept while the sender repeats it: per entry its name, dtype and
+    place in the bucket, read off the layout's columns (shapes and strides are made only
+    for a sink that asks for views). Hashed by identity, so a sink can keep its own plan for
+    it (:class:`~streamsync.sink.ModuleSink` resolves the names once)."""
 
     __slots__ = (
         "__weakref__",
+        "_shapes",
         "dtypes",
         "end",
-        "itemsizes",
+        "layout",
         "names",
         "nbytes",
         "offsets",
-        "shapes",
-        "strides",
         "unique",
     )
 
-    def __init__(
-        self, entries: Sequence[Entry], checked: Sequence[tuple[torch.dtype, int, tuple[int, ...]]]
-    ) -> None:
-        self.names: tuple[str, ...] = tuple(e.name for e in entries)
-        self.shapes: tuple[tuple[int, ...], ...] = tuple(e.shape for e in entries)
-        self.offsets: tuple[int, ...] = tuple(e.offset for e in entries)
-        self.nbytes: tuple[int, ...] = tuple(e.nbytes for e in entries)
-        self.dtypes: tuple[torch.dtype, ...] = tuple(c[0] for c in checked)
-        self.itemsizes: tuple[int, ...] = tuple(c[1] for c in checked)
-        self.strides: tuple[tuple[int, ...], ...] = tuple(c[2] for c in checked)
+    def __init__(self, layout: Layout, dtypes: Sequence[torch.dtype]) -> None:
+        self.layout = layout
+        self.names: tuple[str, ...] = layout.names
+        self.dtypes: tuple[torch.dtype, ...] = tuple(dtypes)
+        _, _, offsets, nbytes = layout.columns()
+        self.offsets: np.ndarray = offsets
+        self.nbytes: np.ndarray = nbytes
         #: Where the last byte of any entry lies: the bucket must hold this many.
-        self.end = max((o + n for o, n in zip(self.offsets, self.nbytes, strict=True)), default=0)
+        # In Python's integers: a hostile offset near 2**63 must not wrap around.
+        self.end = max(map(int.__add__, offsets.tolist(), nbytes.tolist()), default=0)
         #: No name comes twice.
         self.unique = len(set(self.names)) == len(self.names)
+        self._shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each entry's shape and contiguous strides."""
+        if self._shapes is None:
+            self._shapes = [(e.shape, _strides(e.shape)) for e in self.layout.entries()]
+        return self._shapes
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides: list[int] = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 class LaidOut(Sequence[NamedTensor]):
@@ -469,22 +485,17 @@ class LaidOut(Sequence[NamedTensor]):
             plan, data, nbytes = self.plan, self.data, self.nbytes
             # ``data`` as each dtype, made once, with its offset in its storage (in
             # elements): an entry's view is then one ``as_strided`` of it.
-            typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+            typed: dict[torch.dtype, tuple[torch.Tensor, int, int]] = {}
             out: list[NamedTensor] = []
-            for name, dtype, itemsize, shape, strides, offset in zip(
-                plan.names,
-                plan.dtypes,
-                plan.itemsizes,
-                plan.shapes,
-                plan.strides,
-                plan.offsets,
-                strict=True,
+            for name, dtype, (shape, strides), offset in zip(
+                plan.names, plan.dtypes, plan.shapes(), plan.offsets.tolist(), strict=True
             ):
                 typed_view = typed.get(dtype)
                 if typed_view is None:
+                    itemsize = dtype.itemsize
                     view = data[: nbytes - nbytes % itemsize].view(dtype)
-                    typed_view = typed[dtype] = (view, int(view.storage_offset()))
-                view, base = typed_view
+                    typed_view = typed[dtype] = (view, int(view.storage_offset()), itemsize)
+                view, base, itemsize = typed_view
                 # One call (a slice and a view are two): the entry's bytes were checked to
                 # lie inside the bucket, as a whole tensor of its shape.
                 out.append(
@@ -574,8 +585,8 @@ class Unpacker:
         if not layout.extras and self._pending is None and self._patching is None:
             plan = self._plans.get(layout)
             if plan is None:
-                entries = layout.entries()
-                plan = LayoutPlan(entries, [self._checked_entry(e) for e in entries])
+                # Checked entry by entry once; the entries themselves are not kept.
+                plan = LayoutPlan(layout, [self._check_entry(e)[0] for e in layout.entries()])
                 if len(self._plans) >= _PLANS_MAX:
                     self._plans = {}
                 self._plans[layout] = plan
@@ -780,22 +791,13 @@ class Unpacker:
             raise WireFormatError(
                 f"chunk {entry.chunk} of tensor {name!r} claims bytes beyond its {total}"
             )
-        strides: list[int] = []
-        step = 1
-        for d in reversed(entry.shape):
-            strides.append(step)
-            step *= max(d, 1)
-        return dtype, itemsize, tuple(reversed(strides))
-
-    def _checked_entry(self, entry: Entry) -> tuple[torch.dtype, int, tuple[int, ...]]:
-        kind = self._checked.get(entry)
-        if kind is None:
-            kind = self._checked[entry] = self._check_entry(entry)
-        return kind
+        return dtype, itemsize, _strides(entry.shape)
 
     @staticmethod
     def _outside(plan: LayoutPlan, header: BucketHeader) -> None:
-        for name, offset, nbytes in zip(plan.names, plan.offsets, plan.nbytes, strict=True):
+        for name, offset, nbytes in zip(
+            plan.names, plan.offsets.tolist(), plan.nbytes.tolist(), strict=True
+        ):
             if offset + nbytes > header.nbytes:
                 raise WireFormatError(
                     f"tensor {name!r} claims bytes [{offset}, {offset + nbytes}) "
