@@ -284,7 +284,7 @@ class BucketBuilder:
         dtype = source_dtype
         if self._cast is not None:
             dtype = self._cast(name, dtype) or dtype
-        wire_dtype, itemsize = _wire(dtype)  # raises for dtypes that cannot travel
+        wire_dtype, itemsize = _WIRE.get(dtype) or _wire(dtype)  # raises if it can't travel
         shape = tensor.shape  # a tuple (torch.Size)
         nbytes = tensor.numel() * itemsize
         current = self._current
@@ -300,8 +300,19 @@ class BucketBuilder:
             full = (self._flush_current(),)
             current = self._current
             offset = 0
-        move = source_dtype == dtype and tensor.is_cpu and tensor.is_contiguous()
-        current.append(name, wire_dtype, shape, offset, nbytes, tensor, move)
+        # Bucket.append, inline: this runs once per tensor of every sync.
+        kind = current._dtypes.get(wire_dtype)
+        if kind is None:
+            kind = current._dtypes[wire_dtype] = len(current._dtypes)
+        current.names.append(name)
+        current.kinds.append(kind)
+        current.ndims.append(len(shape))
+        current.dims.extend(shape)
+        current.offsets.append(offset)
+        current.sizes.append(nbytes)
+        current.sources.append(tensor)
+        current.moves.append(source_dtype == dtype and tensor.is_cpu and tensor.is_contiguous())
+        current.nbytes = offset + nbytes
         current.tensors += 1
         return full
 
