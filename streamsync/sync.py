@@ -54,7 +54,7 @@ DEFAULT_TIMEOUT = 60.0
 _sync_ids = itertools.count(time.time_ns() // 1000)
 # Keywords of send() and receive() themselves, beside the transport's options.
 _SEND_KEYWORDS = ("pipeline", "bucket_bytes", "timeout", "checksum", "sync_id", "delta")
-_RECEIVE_KEYWORDS = ("timeout", "max_tensor_bytes")
+_RECEIVE_KEYWORDS = ("timeout", "max_tensor_bytes", "sync_id")
 
 
 async def send(
@@ -405,10 +405,15 @@ async def receive(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    sync_id: int | None = None,
     **transport_options: Any,
 ) -> SyncReport:
     """Receive one sync from ``endpoint`` into ``sink``: ``prepare`` at the first message,
     ``load`` per bucket, ``finalize`` at the end, then report back to the sender.
+
+    ``sync_id``, when the caller knows which sync this is (the sender's ``sync_id``): what
+    is still queued of earlier syncs (an abort, buckets of a sync given up before this
+    receiver began it) is skipped rather than taken for this one.
 
     ``max_tensor_bytes`` bounds what a sender may make this side allocate for one tensor
     (this call's value applies, whatever earlier calls on the channel passed).
@@ -420,7 +425,13 @@ async def receive(
             endpoint, transport_options, side="receiver", caller=("receive", _RECEIVE_KEYWORDS)
         )
         async with open_receiver(endpoint, **transport_options) as receiver:
-            return await receive(receiver, sink, timeout=timeout, max_tensor_bytes=max_tensor_bytes)
+            return await receive(
+                receiver,
+                sink,
+                timeout=timeout,
+                max_tensor_bytes=max_tensor_bytes,
+                sync_id=sync_id,
+            )
     if transport_options:
         raise ConfigError(
             f"transport options {sorted(transport_options)} only apply when endpoint is a URL"
@@ -434,7 +445,7 @@ async def receive(
     state.busy = True
     state.unpacker.max_tensor_bytes = max_tensor_bytes
     try:
-        return await _receive(endpoint, sink, timeout=timeout)
+        return await _receive(endpoint, sink, timeout=timeout, sync_id=sync_id)
     except anyio.get_cancelled_exc_class():
         if state.waiting:
             state.abandoned = True  # see ReceiverState.abandoned
@@ -461,11 +472,13 @@ class _Progress:
     phases: dict[str, float] = field(default_factory=dict)
 
 
-async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncReport:
+async def _receive(
+    receiver: Receiver, sink: Sink, *, timeout: float, sync_id: int | None = None
+) -> SyncReport:
     state = receiver.state
     # The first message of the next sync, skipping leftovers of a sync that already failed
-    # here (the sender's abort, buckets still in flight), and the abort of the sync a
-    # cancelled receive() was waiting for.
+    # here (the sender's abort, buckets still in flight), of any sync before ``sync_id``,
+    # and the abort of the sync a cancelled receive() was waiting for.
     state.waiting = True
     while True:
         incoming = await receiver.receive(timeout=timeout)
@@ -474,7 +487,8 @@ async def _receive(receiver: Receiver, sink: Sink, *, timeout: float) -> SyncRep
             state.abandoned = False
             continue
         state.abandoned = False
-        if first.sync_id != state.failed_sync_id:
+        earlier = sync_id is not None and first.sync_id < sync_id
+        if first.sync_id != state.failed_sync_id and not earlier:
             break
         if isinstance(first, BucketHeader):
             await receiver.release(first)

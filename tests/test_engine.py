@@ -464,6 +464,40 @@ def test_workers_waiting_for_a_sync_cancelled_before_its_first_bucket_take_the_n
             engine.shutdown()
 
 
+class HeldBack(ThreadEngine):
+    """An engine whose receive RPC does not reach its workers while ``held`` (it waits
+    until the sync is given up and cancels it)."""
+
+    held = False
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        if self.held:
+            await anyio.sleep_forever()
+        return await super().start_receive(endpoint, options)
+
+
+def test_workers_that_never_began_a_sync_given_up_take_the_next() -> None:
+    # Engine 0's workers never hear of the sync given up (its RPC was cancelled before
+    # reaching them), so that sync's abort still waits on their receivers; the next sync's
+    # receive skips it (its id is older than the sync they are told to receive).
+    pair = [HeldBack([model(1)]), SinkFailsOnce([model(2)])]
+    try:
+        with WeightSync(pair, f"shm://engine-held-{os.getpid()}", timeout=5) as sync:
+            sync.update(ss.named_tensors(model(0)))  # everyone joined
+            pair[0].held = pair[1].fail = True
+            with pytest.raises(ss.ConfigError, match="no sink this time"):
+                sync.update(_slow(model(0)))
+            pair[0].held = pair[1].fail = False
+            for step in range(2):
+                trainer = perturbed(model(0), step)
+                report = sync.update(ss.named_tensors(trainer))
+                assert report.complete and report.receivers == 2, step
+                assert all(same_weights(trainer, m) for e in pair for m in e.modules), step
+    finally:
+        for engine in pair:
+            engine.shutdown()
+
+
 def test_lifecycles_register_by_name_like_quirks() -> None:
     from streamsync.vllm.lifecycles import LIFECYCLES, choose_lifecycle, register_lifecycle
 

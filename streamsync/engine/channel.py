@@ -470,6 +470,9 @@ class WeightSync:
         sender = await self._ensure_sender()
         if options.timeout is None:
             options = msgspec.structs.replace(options, timeout=self.timeout)
+        # The workers learn the sync's id up front, so none takes an earlier one's leftovers.
+        sync_id = next_sync_id() if sync_id is None else sync_id
+        options = msgspec.structs.replace(options, sync_id=sync_id)
         sync = _Round(results=[[] for _ in self.clients])
         await self._run(sync, sender, options, weights, pipeline, mode, sync_id)
         if sync.report is None and sync.send_error is None and not await sender.settle():
@@ -628,6 +631,7 @@ class WeightSync:
                         timeout=self.timeout,
                         checksum=self.checksum,
                         delta=cast("bool", delta),
+                        sync_id=sync_id,
                     )
             except StreamsyncError as exc:
                 sync.send_error = exc

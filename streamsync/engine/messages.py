@@ -26,7 +26,7 @@ __all__ = ["WORKER_PROTOCOL", "LoraTarget", "WorkerOptions", "WorkerResult"]
 
 #: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
 #: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.
-WORKER_PROTOCOL = 3
+WORKER_PROTOCOL = 4
 
 
 def _check_version(kind: str, data: object) -> None:
@@ -75,6 +75,10 @@ class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     delta: bool = False
     #: A LoRA adapter sync: what it builds (set by ``WeightSync.update_lora``).
     lora: LoraTarget | None = None
+    #: The sync this receive is for (set by :class:`WeightSync`): whatever of an earlier
+    #: sync is still queued on the worker's receiver (one given up before this worker
+    #: began it) is skipped, not taken for this sync.
+    sync_id: int | None = None
 
     @classmethod
     def coerce(cls, options: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:

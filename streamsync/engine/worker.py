@@ -65,7 +65,7 @@ class WorkerReceivers:
 
         async def once() -> SyncReport:
             receiver = await self._open(endpoint, options.transport)
-            return await receive(receiver, sink, timeout=timeout)
+            return await receive(receiver, sink, timeout=timeout, sync_id=options.sync_id)
 
         async def run() -> SyncReport:
             try:
