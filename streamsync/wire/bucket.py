@@ -82,10 +82,6 @@ def _digest(region: torch.Tensor) -> int:
     return int(xxhash.xxh3_64_intdigest(region.numpy().data))
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 #: dtype -> (wire name, item size), filled as dtypes are first sent.
 _WIRE: dict[torch.dtype, tuple[str, int]] = {}
 
@@ -104,9 +100,9 @@ class Bucket:
     """
 
     __slots__ = (
-        "_dtypes",
         "base",
         "dims",
+        "dtypes",
         "extras",
         "holds_tail",
         "kinds",
@@ -122,9 +118,10 @@ class Bucket:
 
     def __init__(self) -> None:
         self.names: list[str] = []
-        #: Per entry, its dtype's position in this bucket's table of wire dtype names.
+        #: The wire dtype names of its entries, each with its position in the layout's table.
+        self.dtypes: dict[str, int] = {}
+        #: Per entry, its dtype's position in ``dtypes``.
         self.kinds = bytearray()
-        self._dtypes: dict[str, int] = {}
         self.ndims = bytearray()
         self.dims: list[int] = []
         self.offsets: list[int] = []
@@ -155,9 +152,9 @@ class Bucket:
     ) -> None:
         """Place one entry, whose bytes are ``source``'s (converted to ``wire_dtype`` unless
         ``move``: then they are its bytes as they are)."""
-        kind = self._dtypes.get(wire_dtype)
+        kind = self.dtypes.get(wire_dtype)
         if kind is None:
-            kind = self._dtypes[wire_dtype] = len(self._dtypes)
+            kind = self.dtypes[wire_dtype] = len(self.dtypes)
         if extra is not None:
             self.extras[len(self.names)] = extra
         self.names.append(name)
@@ -184,7 +181,7 @@ class Bucket:
             extras.append(Extra(i, chunk, chunks, tensor_offset, checksum, patch))
         return Layout(
             names=tuple(self.names),
-            dtypes=tuple(self._dtypes),
+            dtypes=tuple(self.dtypes),
             dtype_index=bytes(self.kinds),
             ndims=bytes(self.ndims),
             dims=array.array("q", self.dims).tobytes(),
@@ -203,13 +200,13 @@ class Bucket:
                 f"slot of {buf.numel()} bytes is too small for a bucket of {self.nbytes}"
             )
         base = buf.data_ptr()
-        if self.moves.count(0) == 0:
+        if 0 not in self.moves:
             # The common case: every entry a plain memmove, in one batch.
             srcs = [t.data_ptr() for t in self.sources]
             MovePlan(self.offsets, srcs, self.sizes).run(base, 0)
         else:
             batch = CopyBatch()
-            table = tuple(self._dtypes)
+            table = tuple(self.dtypes)
             for src, kind, move, offset, nbytes in zip(
                 self.sources, self.kinds, self.moves, self.offsets, self.sizes, strict=True
             ):
@@ -301,9 +298,9 @@ class BucketBuilder:
             current = self._current
             offset = 0
         # Bucket.append, inline: this runs once per tensor of every sync.
-        kind = current._dtypes.get(wire_dtype)
+        kind = current.dtypes.get(wire_dtype)
         if kind is None:
-            kind = current._dtypes[wire_dtype] = len(current._dtypes)
+            kind = current.dtypes[wire_dtype] = len(current.dtypes)
         current.names.append(name)
         current.kinds.append(kind)
         current.ndims.append(len(shape))
@@ -749,7 +746,7 @@ class Unpacker:
         """What can be checked of ``entry`` without its bucket (cached per entry: a model's
         entries repeat from sync to sync); its dtype, item size and contiguous strides."""
         dtype = dtype_from_name(entry.dtype)
-        itemsize = _itemsize(dtype)
+        itemsize = dtype.itemsize
         name = entry.name
         if any(d < 0 for d in entry.shape):
             raise WireFormatError(f"tensor {name!r} has a negative dimension: {list(entry.shape)}")
