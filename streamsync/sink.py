@@ -217,8 +217,7 @@ class ModuleSink:
         dst: list[int] = []
         meta = self._meta
         plan: tuple[MovePlan, tuple[str, ...]] | None = None
-        shapes = (shape for shape, _ in layout.shapes())
-        for name, dtype, shape in zip(layout.names, layout.dtypes, shapes, strict=True):
+        for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes(), strict=True):
             known = meta.get(name)
             if known is None or known[0] != shape or known[1] != dtype or known[2] is None:
                 break

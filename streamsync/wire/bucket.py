@@ -450,10 +450,15 @@ class LayoutPlan:
     def __len__(self) -> int:
         return len(self.names)
 
-    def shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Each entry's shape and contiguous strides."""
+    def shapes(self) -> Iterator[tuple[int, ...]]:
+        """Each entry's shape (made from the layout's columns, not kept)."""
+        return (e.shape for e in self.layout.entries())
+
+    def views(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each entry's shape and contiguous strides, kept from the first sink that asks
+        for views of this layout on."""
         if self._shapes is None:
-            self._shapes = [(e.shape, _strides(e.shape)) for e in self.layout.entries()]
+            self._shapes = [(shape, _strides(shape)) for shape in self.shapes()]
         return self._shapes
 
 
@@ -496,7 +501,7 @@ class LaidOut(Sequence[NamedTensor]):
             typed: dict[torch.dtype, tuple[torch.Tensor, int, int]] = {}
             out: list[NamedTensor] = []
             for name, dtype, (shape, strides), offset in zip(
-                plan.names, plan.dtypes, plan.shapes(), plan.offsets.tolist(), strict=True
+                plan.names, plan.dtypes, plan.views(), plan.offsets.tolist(), strict=True
             ):
                 typed_view = typed.get(dtype)
                 if typed_view is None:
