@@ -28,7 +28,9 @@ from streamsync.engine.channel import BlockingWeightSync, EngineClient, WeightSy
 from streamsync.engine.kept import KeptChannels, update_engine
 from streamsync.engine.messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
+from streamsync.sync import next_sync_id
 from streamsync.testing.peers import free_port
+from streamsync.wire.frames import Abort
 
 
 def model(seed: int) -> torch.nn.Module:
@@ -496,6 +498,44 @@ def test_workers_that_never_began_a_sync_given_up_take_the_next() -> None:
     finally:
         for engine in pair:
             engine.shutdown()
+
+
+async def test_a_worker_receive_waits_for_the_one_still_running_on_its_channel() -> None:
+    # A worker's receive of a sync the trainer gave up (its RPC abandoned) still waits for
+    # that sync's abort when the next sync's receive arrives on the same channel: the new
+    # one waits its turn instead of failing with SyncInProgressError.
+    url = f"shm://engine-turns-{os.getpid()}"
+    worker = WorkerReceivers(name="turns-worker")
+    target, trainer = model(1), model(0)
+    given_up, next_sync = next_sync_id(), next_sync_id()
+    results: list[WorkerResult] = []
+
+    def handle(sync_id: int) -> threading.Thread:
+        options = WorkerOptions(timeout=20, sync_id=sync_id)
+        thread = threading.Thread(
+            target=lambda: results.append(
+                worker.handle(url, options, lambda opts: ss.ModuleSink(target))
+            )
+        )
+        thread.start()
+        return thread
+
+    try:
+        async with ss.open_sender(url, receivers=1) as tx:
+            old = handle(given_up)
+            await tx.wait_ready(timeout=30)  # the old receive joined: it holds the channel
+            new = handle(next_sync)
+            await tx.abort(Abort(given_up, "given up"))
+            report = await ss.send(ss.named_tensors(trainer), tx, sync_id=next_sync, timeout=30)
+            await anyio.to_thread.run_sync(old.join)
+            await anyio.to_thread.run_sync(new.join)
+        assert report.complete and same_weights(trainer, target)
+        assert sorted((r.ok, r.error or "") for r in results) == [
+            (False, "SenderAbortedError"),
+            (True, ""),
+        ]
+    finally:
+        worker.shutdown()
 
 
 def test_lifecycles_register_by_name_like_quirks() -> None:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+import anyio
+
 from streamsync._log import log, warn
 from streamsync.engine.loops import EventLoopThread
 from streamsync.engine.messages import WorkerOptions, WorkerResult
@@ -36,6 +38,8 @@ class WorkerReceivers:
     def __init__(self, name: str = "streamsync-worker") -> None:
         self._loop = EventLoopThread(name)
         self._receivers: dict[str, Receiver] = {}
+        #: Per endpoint, whose turn it is to receive (made on the loop, at first use).
+        self._turns: dict[str, anyio.Lock] = {}
 
     def handle(
         self, endpoint: str, options: Any, make_sink: Callable[[WorkerOptions], Sink]
@@ -68,6 +72,14 @@ class WorkerReceivers:
             return await receive(receiver, sink, timeout=timeout, sync_id=options.sync_id)
 
         async def run() -> SyncReport:
+            # One receive at a time per endpoint: the receive of a sync the trainer gave up
+            # (its RPC abandoned) may still wait for that sync's abort, which comes first;
+            # this one waits for it instead of failing with SyncInProgressError.
+            turn = self._turns.setdefault(endpoint, anyio.Lock())
+            async with turn:
+                return await attempt()
+
+        async def attempt() -> SyncReport:
             try:
                 return await once()
             except (EndOfStream, PeerBrokenError) as exc:
@@ -135,6 +147,7 @@ class WorkerReceivers:
         names = [endpoint] if endpoint is not None else list(self._receivers)
         closed = 0
         for name in names:
+            self._turns.pop(name, None)
             receiver = self._receivers.pop(name, None)
             if receiver is not None:
                 self._loop.run(receiver.aclose, timeout=10, what=f"worker-side close of {name}")
