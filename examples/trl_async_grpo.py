@@ -12,10 +12,12 @@ with ``--enable-lora``.
 
 Run: .venv/bin/python examples/trl_async_grpo.py [--adapter-only] [--steps 3]
 
-On a machine without CUDA, TRL's training forward cannot run as shipped: it attends through
-a FlashAttention-3 kernel fetched from the Hugging Face Hub (``tree_fa3``).
-``cpu_tree_attention()`` puts the same variable-length causal attention, in plain torch, in
-its place; nothing else of TRL is changed.
+On a machine without CUDA, TRL 1.16's trainer cannot run as shipped, for two reasons, and
+``run_on_cpu()`` changes exactly those: the trainer's constructor asks CUDA for the device's
+name to compute MFU metrics (``get_peak_flops_per_device``: ``torch.cuda.get_device_name``
+fails with CPU torch; here it answers "unknown", which TRL reads as "no MFU metrics"), and
+its training forward attends through a FlashAttention-3 kernel fetched from the Hugging Face
+Hub (``tree_fa3``): here the same variable-length causal attention, in plain torch.
 """
 
 from __future__ import annotations
@@ -45,9 +47,19 @@ def toy_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
     return [sum(t < 256 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+def run_on_cpu() -> None:
+    """What TRL's AsyncGRPOTrainer needs on a machine without CUDA: no MFU metrics, and
+    :func:`cpu_tree_attention`."""
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
+    cpu_tree_attention()
+
+
 def cpu_tree_attention() -> None:
     """TRL's tree attention with a plain-torch ``flash_attn_varlen_func`` (causal, aligned
-    to the end of each key path, grouped-query heads), for machines without CUDA."""
+    to the end of each key path, grouped-query heads) in place of the FlashAttention-3
+    kernel TRL fetches from the Hub."""
     from trl.experimental.async_grpo import packing
 
     def varlen(
@@ -171,8 +183,10 @@ class CheckedTransfer(WeightTransfer):
         got = greedy(self.server_url, served)
         report = self.last_report
         assert report is not None
-        check = {"sync": len(self.checks), "served": served, "tokens_equal": got == want,
-                 "tensors": report.tensors, "bytes": report.nbytes}  # fmt: skip
+        models = requests.get(f"{self.server_url}/v1/models", timeout=60).json()["data"]
+        adapters = sorted(m["id"] for m in models if m["id"] != self.served_model)
+        check = dict(sync=len(self.checks), served=served, tokens_equal=got == want,
+                     tensors=report.tensors, bytes=report.nbytes, adapters=adapters)  # fmt: skip
         self.checks.append(check)
         print(f"[{'ok' if got == want else 'MISMATCH'}] sync {check}", flush=True)
         if got != want:
@@ -185,10 +199,10 @@ def main(steps: int = 3, adapter_only: bool = False) -> list[dict[str, Any]]:
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     if not torch.cuda.is_available():
-        cpu_tree_attention()
+        run_on_cpu()
     work = Path(tempfile.mkdtemp(prefix="trl-async-grpo-"))
     build_model(work / "model")
-    lora_flags = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "4"]
+    lora_flags = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
     proc, url = start_server(
         work / "model",
         work / "server.log",
@@ -204,7 +218,7 @@ def main(steps: int = 3, adapter_only: bool = False) -> list[dict[str, Any]]:
             per_device_train_batch_size=4,
             num_generations=4,
             max_completion_length=8,
-            max_staleness=2,
+            max_staleness=1,  # the server holds max_staleness + 2 adapter versions
             weight_sync_steps=1,
             logging_steps=1,
             save_strategy="no",

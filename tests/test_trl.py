@@ -22,7 +22,6 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -142,33 +141,55 @@ def test_bad_use_is_a_config_error() -> None:
     transfer.destroy()  # nothing to release: TRL calls it in a finally
 
 
-def _fake_trainer(model: torch.nn.Module, *, max_staleness: int = 2) -> Any:
-    """What ``adapter_only`` reads of an ``AsyncGRPOTrainer`` (TRL 1.16's attributes)."""
-    worker = SimpleNamespace(_loop_kwargs={"lora_name": None}, _process=None)
-    return SimpleNamespace(
-        model=model,
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
-        args=SimpleNamespace(max_staleness=max_staleness),
-        rollout_worker=worker,
-        model_version=0,
-        weight_transfer=None,
+def _trainer(
+    path: Path, transfer: Any, monkeypatch: pytest.MonkeyPatch, *, lora: bool = True
+) -> Any:
+    """An ``AsyncGRPOTrainer`` on the tiny model at ``path`` (built, not trained: with a
+    ``weight_transfer`` given, its constructor does not contact the server)."""
+    from peft import LoraConfig
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import async_grpo_trainer as module
+
+    # Its constructor asks CUDA for the device's name (MFU metrics), as examples/ does.
+    monkeypatch.setattr(module, "get_peak_flops_per_device", lambda accelerator, dtype: None)
+    config = AsyncGRPOConfig(
+        output_dir=str(path / "out"),
+        vllm_server_base_url=getattr(transfer, "server_url", "http://127.0.0.1:1"),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_staleness=2,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+    )
+    data = [[{"role": "user", "content": "w1 w2"}]] * 4
+    return AsyncGRPOTrainer(
+        model=str(path / "model"),
+        reward_funcs=_example().toy_reward,
+        args=config,
+        train_dataset=extra("datasets", "trl").Dataset.from_dict({"prompt": data}),
+        peft_config=LoraConfig(r=8, target_modules=["q_proj"]) if lora else None,
+        weight_transfer=transfer,
     )
 
 
-def test_adapter_only_checks_the_trainer_and_the_server(stand_in: Any) -> None:
-    peft = extra("peft", "lora")
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_config(tiny_config("dense"))
-    url = f"http://127.0.0.1:{stand_in.server_port}"
-    transfer = WeightTransfer(url)
+def test_adapter_only_checks_the_trainer_and_the_server(
+    trainer_module: Any, stand_in: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``adapter_only`` on TRL's own trainer: it refuses a model without an adapter and a
+    trainer built with another weight transfer, sets the name TRL's rollout worker asks
+    for, and its init refuses a server without LoRA or with too few adapter slots."""
+    extra("peft", "lora")
+    _example().build_model(tmp_path / "model")
+    transfer = WeightTransfer(f"http://127.0.0.1:{stand_in.server_port}")
     with pytest.raises(ss.ConfigError, match="not a peft model; pass peft_config="):
-        transfer.adapter_only(_fake_trainer(base))
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj"]))
-    trainer = _fake_trainer(model)
+        transfer.adapter_only(_trainer(tmp_path, transfer, monkeypatch, lora=False))
+    other = _trainer(tmp_path, WeightTransfer(transfer.server_url), monkeypatch)
     with pytest.raises(ss.ConfigError, match="weight_transfer is not this WeightTransfer"):
-        transfer.adapter_only(trainer)
-    trainer.weight_transfer = transfer
+        transfer.adapter_only(other)
+    trainer = _trainer(tmp_path, transfer, monkeypatch)
+    assert trainer.rollout_worker._loop_kwargs["lora_name"] is None  # TRL's: the base model
     with pytest.raises(ss.ConfigError, match="LoRA adapter name"):
         transfer.adapter_only(trainer, name="no spaces")
     transfer.adapter_only(trainer)
@@ -345,6 +366,8 @@ def test_async_grpo_trainer_end_to_end(
     assert all(c["tokens_equal"] for c in checks), checks
     if adapter_only:
         assert [c["served"] for c in checks] == [f"trl-policy-v{n}" for n in range(1, 5)]
+        # max_staleness=1: the version two behind the new one is removed at each sync.
+        assert checks[-1]["adapters"] == ["trl-policy-v2", "trl-policy-v3", "trl-policy-v4"]
         # Only the adapter's tensors travelled: A and B of 7 modules in each of 2 layers.
         assert {c["tensors"] for c in checks} == {2 * 7 * 2}, checks
     else:
