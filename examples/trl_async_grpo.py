@@ -186,9 +186,10 @@ class CheckedTransfer(WeightTransfer):
         models = requests.get(f"{self.server_url}/v1/models", timeout=60).json()["data"]
         adapters = sorted(m["id"] for m in models if m["id"] != self.served_model)
         check = dict(sync=len(self.checks), served=served, tokens_equal=got == want,
-                     tensors=report.tensors, bytes=report.nbytes, adapters=adapters)  # fmt: skip
+                     tensors=report.tensors, bytes=report.nbytes, adapters=adapters,
+                     tokens=got)  # fmt: skip
         self.checks.append(check)
-        print(f"[{'ok' if got == want else 'MISMATCH'}] sync {check}", flush=True)
+        print(f"[{'ok' if got == want else 'MISMATCH'}] sync {check['sync']}: {check}", flush=True)
         if got != want:
             raise SystemExit(f"the server serves other weights than the trainer's: {got} != {want}")
 
@@ -244,6 +245,8 @@ def main(steps: int = 3, adapter_only: bool = False) -> list[dict[str, Any]]:
             transfer.adapter_only(trainer)  # ... and this one, to move only the adapter
         transfer.trainer = trainer
         trainer.train()
+        # TRL's own adapter mode would have written each version under here; nothing was.
+        assert not (work / "out" / ".vllm_lora").exists()
         return transfer.checks
     finally:
         proc.terminate()

@@ -317,7 +317,14 @@ def test_trainer_calling_order_against_the_server(
     try:
         seen = [server.greedy_tokens()]
         for step in range(3):
-            perturb(trainer, seed=(100 if delta else 200) + step, scale=0.02)
+            if delta:  # a small-learning-rate step: a few percent of the elements change
+                gen = torch.Generator().manual_seed(100 + step)
+                with torch.no_grad():
+                    for param in trainer.parameters():
+                        chosen = torch.rand(param.shape, generator=gen) < 0.03
+                        param.add_(torch.where(chosen, torch.randn(param.shape, generator=gen), 0))
+            else:
+                perturb(trainer, seed=200 + step)
             want = reference_outputs(trainer).tokens
             transfer.pause()
             assert server.get("is_paused") == {"is_paused": True}
@@ -327,11 +334,15 @@ def test_trainer_calling_order_against_the_server(
             assert server.greedy_tokens() == want, f"step {step}"
             report = transfer.last_report
             assert report is not None and report.complete
-            assert report.tensors == len(list(trainer.parameters()))
+            n = len(list(trainer.parameters()))
             if delta:
-                assert report.delta is not None and (report.delta.base is None) == (step == 0)
+                d = report.delta
+                assert d is not None and (d.base is None) == (step == 0)
+                assert d.unchanged + d.sparse + d.dense == n, d
                 if step:
                     assert report.wire_bytes < report.nbytes / 2, report.summary()
+            else:
+                assert report.tensors == n
             seen.append(want)
         assert len({json.dumps(s) for s in seen}) > 1, "no step changed the greedy tokens"
     finally:
@@ -364,6 +375,8 @@ def test_async_grpo_trainer_end_to_end(
     checks = json.loads(out.read_text())
     assert len(checks) == 4, checks  # one at train begin, one per step
     assert all(c["tokens_equal"] for c in checks), checks
+    # Training moved the policy: the served tokens (each equal to the trainer's) changed.
+    assert len({json.dumps(c["tokens"]) for c in checks}) > 1, checks
     if adapter_only:
         assert [c["served"] for c in checks] == [f"trl-policy-v{n}" for n in range(1, 5)]
         # max_staleness=1: the version two behind the new one is removed at each sync.
