@@ -15,7 +15,9 @@ from __future__ import annotations
 import inspect
 import itertools
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -365,13 +367,22 @@ def test_async_grpo_trainer_end_to_end(
     adapter's versioned name, while only the adapter travelled)."""
     out = tmp_path / "checks.json"
     cmd = [sys.executable, str(ROOT / "examples" / "trl_async_grpo.py"), "--json", str(out)]
-    run = subprocess.run(
+    # Its own process group: a run past the time limit is ended with its server and its
+    # rollout process (within pytest's 600 s, so that nothing outlives the test).
+    proc = subprocess.Popen(
         [*cmd, *(["--adapter-only"] if adapter_only else [])],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=1500,
+        start_new_session=True,
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    try:
+        output, _ = proc.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the example ran past 540 s:\n{output[-6000:]}")
+    assert proc.returncode == 0, output[-6000:]
     checks = json.loads(out.read_text())
     assert len(checks) == 4, checks  # one at train begin, one per step
     assert all(c["tokens_equal"] for c in checks), checks
