@@ -195,13 +195,20 @@ class CheckedTransfer(WeightTransfer):
 
 
 def main(steps: int = 3, adapter_only: bool = False) -> list[dict[str, Any]]:
+    """Train ``steps`` steps (``adapter_only``: a LoRA adapter) in a directory removed
+    afterwards; the checks of every sync."""
+    if not torch.cuda.is_available():
+        run_on_cpu()
+    with tempfile.TemporaryDirectory(prefix="trl-async-grpo-") as tmp:
+        return train(Path(tmp), steps, adapter_only)
+
+
+def train(work: Path, steps: int, adapter_only: bool) -> list[dict[str, Any]]:
+    """The model, its server and the trainer in ``work``; the checks of every sync."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    if not torch.cuda.is_available():
-        run_on_cpu()
-    work = Path(tempfile.mkdtemp(prefix="trl-async-grpo-"))
     build_model(work / "model")
     lora_flags = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3"]
     proc, url = start_server(
