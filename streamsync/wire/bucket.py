@@ -297,19 +297,8 @@ class BucketBuilder:
             full = (self._flush_current(),)
             current = self._current
             offset = 0
-        # Bucket.append, inline: this runs once per tensor of every sync.
-        kind = current.dtypes.get(wire_dtype)
-        if kind is None:
-            kind = current.dtypes[wire_dtype] = len(current.dtypes)
-        current.names.append(name)
-        current.kinds.append(kind)
-        current.ndims.append(len(shape))
-        current.dims.extend(shape)
-        current.offsets.append(offset)
-        current.sizes.append(nbytes)
-        current.sources.append(tensor)
-        current.moves.append(source_dtype == dtype and tensor.is_cpu and tensor.is_contiguous())
-        current.nbytes = offset + nbytes
+        move = source_dtype == dtype and tensor.is_cpu and tensor.is_contiguous()
+        current.append(name, wire_dtype, shape, offset, nbytes, tensor, move)
         current.tensors += 1
         return full
 
