@@ -447,25 +447,6 @@ async def _slow(weights: Any) -> Any:
         yield item
 
 
-def test_workers_waiting_for_a_sync_cancelled_before_its_first_bucket_take_the_next() -> None:
-    pair = [ThreadEngine([model(1)]), SinkFailsOnce([model(2)])]
-    try:
-        with WeightSync(pair, f"shm://engine-cancelled-{os.getpid()}", timeout=5) as sync:
-            sync.update(ss.named_tensors(model(0)))  # everyone joined
-            pair[1].fail = True
-            with pytest.raises(ss.ConfigError, match="no sink this time"):
-                sync.update(_slow(model(0)))
-            pair[1].fail = False
-            for step in range(3):
-                trainer = perturbed(model(0), step)
-                report = sync.update(ss.named_tensors(trainer))
-                assert report.complete and report.receivers == 2, step
-                assert all(same_weights(trainer, m) for e in pair for m in e.modules), step
-    finally:
-        for engine in pair:
-            engine.shutdown()
-
-
 class HeldBack(ThreadEngine):
     """An engine whose receive RPC does not reach its workers while ``held`` (it waits
     until the sync is given up and cancels it)."""
@@ -478,19 +459,22 @@ class HeldBack(ThreadEngine):
         return await super().start_receive(endpoint, options)
 
 
-def test_workers_that_never_began_a_sync_given_up_take_the_next() -> None:
-    # Engine 0's workers never hear of the sync given up (its RPC was cancelled before
-    # reaching them), so that sync's abort still waits on their receivers; the next sync's
-    # receive skips it (its id is older than the sync they are told to receive).
+@pytest.mark.parametrize("held", [False, True], ids=["waiting", "never-began"])
+def test_workers_of_a_sync_cancelled_before_its_first_bucket_take_the_next(held: bool) -> None:
+    # Engine 1 cannot make its sink, so the sync is given up before its first bucket.
+    # Engine 0's workers either wait for it (they hear its abort, or their cancelled
+    # receive skips it) or never hear of it (held: their RPC was cancelled before reaching
+    # them, so its abort waits on their receivers, older than the sync they are told to
+    # receive next). Either way the next syncs apply on every worker.
     pair = [HeldBack([model(1)]), SinkFailsOnce([model(2)])]
     try:
-        with WeightSync(pair, f"shm://engine-held-{os.getpid()}", timeout=5) as sync:
+        with WeightSync(pair, f"shm://engine-cancelled-{os.getpid()}", timeout=5) as sync:
             sync.update(ss.named_tensors(model(0)))  # everyone joined
-            pair[0].held = pair[1].fail = True
+            pair[0].held, pair[1].fail = held, True
             with pytest.raises(ss.ConfigError, match="no sink this time"):
                 sync.update(_slow(model(0)))
             pair[0].held = pair[1].fail = False
-            for step in range(2):
+            for step in range(3):
                 trainer = perturbed(model(0), step)
                 report = sync.update(ss.named_tensors(trainer))
                 assert report.complete and report.receivers == 2, step
