@@ -583,3 +583,15 @@ def test_module_sink_copies_a_recognised_layout_in_one_plan() -> None:
     sink.prepare()
     with pytest.raises(ss.DtypeMismatchError, match="'w'"):
         sink.load(unpacker.feed(BucketHeader(3, 0, 0, 4096, bad), slot))
+
+
+def test_remembered_layouts_are_bounded_by_their_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sender sending ever new layouts cannot make a receiver keep them all.
+    monkeypatch.setattr(bucket_module, "_CHECKED_MAX", 10)
+    unpacker = Unpacker()
+    for sync in range(1, 6):
+        layout, slot = _packed({f"s{sync}t{i}": torch.ones(4) for i in range(4)})
+        unpacker.begin(sync)
+        assert len(unpacker.feed(BucketHeader(sync, 0, 0, 4096, layout), slot)) == 4
+        kept = unpacker._plans.values()
+        assert sum(len(plan) for plan in kept) <= 10

@@ -57,7 +57,7 @@ DEFAULT_MAX_TENSOR_BYTES: Final = 1 << 40
 #: has tensors, few enough that a sender sending ever new entries cannot exhaust memory.
 _CHECKED_MAX: Final = 1 << 18
 #: Layouts an :class:`Unpacker` remembers (then it starts over): more than a sync has
-#: buckets.
+#: buckets; and their entries, all together, at most ``_CHECKED_MAX``.
 _PLANS_MAX: Final = 1 << 12
 
 NamedTensor = tuple[str, torch.Tensor]
@@ -540,6 +540,7 @@ class Unpacker:
         self._checked: dict[Entry, tuple[torch.dtype, int, tuple[int, ...]]] = {}
         #: Layouts of plain entries already checked (under the same limit).
         self._plans: dict[Layout, LayoutPlan] = {}
+        self._planned = 0  # entries in those layouts
         self._checked_limit = max_tensor_bytes
         self._staging: torch.Tensor | None = None
         self._completed_here = False
@@ -581,7 +582,7 @@ class Unpacker:
             )
         if self._checked_limit != self.max_tensor_bytes or len(self._checked) > _CHECKED_MAX:
             self._checked = {}
-            self._plans = {}
+            self._plans, self._planned = {}, 0
             self._checked_limit = self.max_tensor_bytes
         layout = header.layout
         if not layout.extras and self._pending is None and self._patching is None:
@@ -589,9 +590,10 @@ class Unpacker:
             if plan is None:
                 # Checked entry by entry once; the entries themselves are not kept.
                 plan = LayoutPlan(layout, [self._check_entry(e)[0] for e in layout.entries()])
-                if len(self._plans) >= _PLANS_MAX:
-                    self._plans = {}
+                if len(self._plans) >= _PLANS_MAX or self._planned + len(plan) > _CHECKED_MAX:
+                    self._plans, self._planned = {}, 0
                 self._plans[layout] = plan
+                self._planned += len(plan)
             if plan.end > header.nbytes:
                 self._outside(plan, header)
             self._claim_all(plan)
