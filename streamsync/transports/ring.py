@@ -44,16 +44,7 @@ from streamsync.transports.base import (
 )
 from streamsync.transports.slots import SlotStore
 from streamsync.wire.bucket import Bucket
-from streamsync.wire.frames import (
-    Abort,
-    Ack,
-    BucketHeader,
-    Bye,
-    Done,
-    End,
-    Failed,
-    Message,
-)
+from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
 __all__ = ["RingReceiver", "RingSender", "SlotRing"]
 
