@@ -3,7 +3,7 @@ stream type, lazily, one tensor at a time."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,14 +30,14 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-async def _from_module(module: torch.nn.Module) -> AsyncIterator[NamedTensor]:
+def _from_module(module: torch.nn.Module) -> Iterator[NamedTensor]:
     # state_dict(keep_vars=True) only collects references: parameters and persistent
     # buffers by their state-dict names, nothing is copied until a tensor is consumed.
     for name, tensor in module.state_dict(keep_vars=True).items():
         yield name, full_tensor(tensor)
 
 
-async def _from_peft(model: Any, merged: bool) -> AsyncIterator[NamedTensor]:
+def _from_peft(model: Any, merged: bool) -> Iterator[NamedTensor]:
     # The base model's tensors under the base checkpoint's names; merged: each LoRA layer's
     # weight plus its active adapter's delta (computed one layer at a time, the model
     # untouched).
@@ -73,9 +73,19 @@ async def _from_peft(model: Any, merged: bool) -> AsyncIterator[NamedTensor]:
         yield name, tensor
 
 
-async def _from_iterable(pairs: Iterable[Any]) -> AsyncIterator[NamedTensor]:
+def _from_iterable(pairs: Iterable[Any]) -> Iterator[NamedTensor]:
     for item in pairs:
         yield _check(item)
+
+
+async def _stepped(pairs: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
+    try:
+        for pair in pairs:
+            yield pair
+    finally:
+        close = getattr(pairs, "close", None)
+        if close is not None:
+            close()
 
 
 async def _from_async(pairs: AsyncIterable[Any]) -> AsyncIterator[NamedTensor]:
@@ -140,6 +150,15 @@ def named_tensors(
         if not (isinstance(rank, int) and 0 <= rank < world):
             raise ConfigError(f"named_tensors(rank={rank!r}): use a rank in 0..{world - 1}")
         return _on_rank(named_tensors(obj, merged=merged), rank)
+    if isinstance(obj, AsyncIterable) and not merged:
+        return _from_async(obj)
+    return _stepped(plain_pairs(obj, merged=merged))
+
+
+def plain_pairs(obj: Any, *, merged: bool = False) -> Iterator[NamedTensor]:
+    """What :func:`named_tensors` yields, as a plain iterator, for every ``obj`` but an
+    async iterable (a ``TypeError`` for that): the senders' loop over a model's tensors
+    without an async step per tensor."""
     from streamsync.lora import is_peft_model
 
     if is_peft_model(obj):
@@ -153,8 +172,6 @@ def named_tensors(
         return _from_module(obj)
     if isinstance(obj, Mapping):
         return _from_iterable(obj.items())
-    if isinstance(obj, AsyncIterable):
-        return _from_async(obj)
     if isinstance(obj, Iterable) and not isinstance(obj, str | bytes | torch.Tensor):
         return _from_iterable(obj)
     raise TypeError(

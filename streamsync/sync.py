@@ -14,7 +14,7 @@ import msgspec
 
 from streamsync._delta import DeltaRun, baseline_of, choose, decline, trailing_cast
 from streamsync._log import log
-from streamsync.adapters.bucket import Bucketer
+from streamsync.adapters.bucket import Bucketer, bucket_pairs
 from streamsync.errors import (
     ConfigError,
     DeltaBaseError,
@@ -24,10 +24,10 @@ from streamsync.errors import (
     SyncInProgressError,
     WireFormatError,
 )
-from streamsync.pipeline import AdapterLike, Chain, reading
+from streamsync.pipeline import AdapterLike, Chain, Stage, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
 from streamsync.sink import Sink, TargetSink, VersionedSink, call_phase
-from streamsync.sources import named_tensors
+from streamsync.sources import named_tensors, plain_pairs
 from streamsync.transports import (
     Incoming,
     Receiver,
@@ -115,11 +115,10 @@ async def send(
         )
     sender = endpoint
     size = _bucket_size(sender, bucket_bytes)
-    stream = _stream(weights)
     sid = next(_sync_ids) if sync_id is None else sync_id
     if delta:
         return await _send_delta(
-            stream,
+            _stream(weights),
             sender,
             sid,
             pipeline,
@@ -130,8 +129,8 @@ async def send(
         )
     if (kept := baseline_of(sender, create=False)) is not None:
         kept.drop()  # this sync moves the receivers past it
-    chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
-    return await _send(chain(stream), sender, sid, timeout=timeout, checksum=checksum)
+    buckets = _buckets(weights, pipeline, size)
+    return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
 
 
 def next_sync_id() -> int:
@@ -155,6 +154,18 @@ def _stream(weights: Any) -> AsyncIterable[Any]:
     return weights if isinstance(weights, AsyncIterable) else named_tensors(weights)
 
 
+def _buckets(weights: Any, pipeline: AdapterLike | None, size: int) -> AsyncIterable[Bucket]:
+    """``weights`` through ``pipeline`` and the bucketer. A plain source (a model, a
+    mapping, an iterable of pairs) into the bucketer alone, or a ``cast`` fused into it,
+    is bucketed in a plain loop: one async step per bucket, not per tensor."""
+    chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
+    (stage, *rest) = chain.stages
+    plain = not isinstance(weights, AsyncIterable)
+    if plain and not rest and isinstance(stage, Stage) and stage.op is Bucketer:
+        return bucket_pairs(plain_pairs(weights), stage.bucket_bytes, cast=stage.cast)
+    return chain(_stream(weights))
+
+
 async def send_aside(
     weights: Any,
     sender: Sender,
@@ -169,9 +180,9 @@ async def send_aside(
     sender: like :func:`send`, but the receivers' weights, and so the sender's delta
     baseline, stay as they are (a receiver's sink reports the version it still holds)."""
     size = _bucket_size(sender, bucket_bytes)
-    chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
     sid = next(_sync_ids) if sync_id is None else sync_id
-    return await _send(chain(_stream(weights)), sender, sid, timeout=timeout, checksum=checksum)
+    buckets = _buckets(weights, pipeline, size)
+    return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
 
 
 async def _send_delta(
@@ -200,9 +211,13 @@ async def _send_delta(
         baseline.declined, baseline.judged = None, False  # asked for: measure again
     if baseline.declined is not None:
         # A delta costs more than it saves on this channel: plain dense syncs.
-        chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
         report = await _send(
-            chain(stream), sender, sync_id, timeout=timeout, checksum=checksum, begun=True
+            _buckets(stream, pipeline, size),
+            sender,
+            sync_id,
+            timeout=timeout,
+            checksum=checksum,
+            begun=True,
         )
         return msgspec.structs.replace(
             report,

@@ -1,11 +1,22 @@
-"""``named_tensors`` over modules, mappings and iterables."""
+"""``named_tensors`` over modules, mappings and iterables; the plain loop ``send`` buckets
+them with."""
 
 from __future__ import annotations
 
+import anyio
 import pytest
 import torch
+from conftest import WIRE_DTYPES, random_tensor
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamsync import named_tensors
+from streamsync.adapters import bucket, cast
+from streamsync.adapters.bucket import bucket_pairs
+from streamsync.errors import ConfigError
+from streamsync.pipeline import Chain, Stage
+from streamsync.sources import plain_pairs
+from streamsync.wire.bucket import Bucket
 
 
 class WithBuffers(torch.nn.Module):
@@ -62,3 +73,88 @@ async def test_bad_items_name_the_problem() -> None:
         [x async for x in named_tensors([(3, torch.ones(1))])]
     with pytest.raises(TypeError, match="named_tensors"):
         named_tensors(42)
+
+
+async def test_merged_is_refused_for_anything_but_a_peft_model() -> None:
+    async def gen():  # type: ignore[no-untyped-def]
+        yield "a", torch.ones(1)
+
+    for source in ({"a": torch.ones(1)}, gen()):
+        with pytest.raises(ConfigError, match="not a peft model"):
+            named_tensors(source, merged=True)
+
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.sampled_from(WIRE_DTYPES), shapes, st.booleans()), max_size=12),
+    bucket_bytes=st.integers(1024, 4096),
+    big=st.integers(0, 2000),
+    to_bf16=st.booleans(),
+)
+def test_the_plain_loop_makes_the_buckets_the_bucket_adapter_makes(
+    specs: list[tuple[torch.dtype, tuple[int, ...], bool]],
+    bucket_bytes: int,
+    big: int,
+    to_bf16: bool,
+) -> None:
+    # send() buckets a model, mapping or iterable in a plain loop (bucket_pairs); any other
+    # source goes through the bucket adapter. Both must give the same bytes in the same
+    # layouts: chunks, casts and non-contiguous tensors included.
+    tensors = {}
+    for i, (dtype, shape, transpose) in enumerate(specs):
+        t = random_tensor(shape, dtype, i)
+        tensors[f"t{i}"] = t.transpose(0, 1) if transpose and t.dim() >= 2 else t
+    tensors["big"] = random_tensor((big,), torch.float32, 99)
+    stages = (cast(torch.bfloat16), bucket(bucket_bytes)) if to_bf16 else (bucket(bucket_bytes),)
+    chain = Chain(*stages)
+    (fused,) = chain.stages
+    assert isinstance(fused, Stage)
+
+    async def both() -> tuple[list[Bucket], list[Bucket]]:
+        plain = [b async for b in bucket_pairs(plain_pairs(tensors), bucket_bytes, cast=fused.cast)]
+        streamed = [b async for b in chain(named_tensors(tensors))]
+        return plain, streamed
+
+    plain, streamed = anyio.run(both)
+    assert len(plain) == len(streamed)
+    for ours, theirs in zip(plain, streamed, strict=True):
+        a = torch.zeros(max(ours.nbytes, 1), dtype=torch.uint8)
+        b = torch.zeros(max(theirs.nbytes, 1), dtype=torch.uint8)
+        assert ours.pack_into(a) == theirs.pack_into(b)
+        assert ours.tensors == theirs.tensors
+        assert torch.equal(a, b)
+
+
+async def test_the_plain_loop_closes_its_source_when_stopped_early() -> None:
+    closed = []
+
+    def gen():  # type: ignore[no-untyped-def]
+        try:
+            for i in range(100):
+                yield f"t{i}", torch.ones(256)
+        finally:
+            closed.append(True)
+
+    pairs = gen()  # held here, so only the loop's own close can end it
+    buckets = bucket_pairs(pairs, 1024)
+    first = await anext(buckets)
+    assert first.names == ["t0"]
+    await buckets.aclose()
+    assert closed == [True]
+
+
+async def test_the_plain_loop_hands_on_each_bucket_as_it_fills() -> None:
+    made = []
+
+    def gen():  # type: ignore[no-untyped-def]
+        for i in range(10):
+            made.append(i)
+            yield f"t{i}", torch.ones(256)  # 1 KiB: one to a 1 KiB bucket
+
+    buckets = bucket_pairs(gen(), 1024)
+    await anext(buckets)
+    assert made == [0, 1]  # the second tensor closed the first bucket
+    await buckets.aclose()

@@ -8,7 +8,7 @@ chunks (receivers do the same through :class:`~streamsync.wire.bucket.Unpacker`)
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
 from streamsync.pipeline import NamedTensor, adapter
@@ -22,7 +22,7 @@ from streamsync.wire.bucket import (
 )
 from streamsync.wire.frames import BucketHeader
 
-__all__ = ["Bucketer", "bucket", "unbucket"]
+__all__ = ["Bucketer", "bucket", "bucket_pairs", "unbucket"]
 
 
 def _configure(
@@ -55,6 +55,32 @@ async def bucket(
             # not stay alive while the next one fills.
             del full
         del item, tensor
+    last = builder.flush()
+    if last is not None:
+        yield last
+
+
+async def bucket_pairs(
+    pairs: Iterator[NamedTensor], bucket_bytes: int, *, cast: CastRule | None = None
+) -> AsyncIterator[Bucket]:
+    """What ``bucket(bucket_bytes, cast=cast)`` makes of a plain iterator of named tensors,
+    built in a plain loop: one async step per bucket rather than per tensor. ``pairs`` is
+    closed however this ends."""
+    builder = BucketBuilder(bucket_bytes, cast=cast)
+    add = builder.add
+    try:
+        for name, tensor in pairs:
+            full = add(name, tensor)
+            if full:
+                del tensor
+                for done in full:
+                    yield done
+                    del done  # as in bucket(): a finished bucket goes before the next fills
+                del full
+    finally:
+        close = getattr(pairs, "close", None)
+        if close is not None:
+            close()
     last = builder.flush()
     if last is not None:
         yield last
