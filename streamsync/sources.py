@@ -82,6 +82,8 @@ async def _stepped(pairs: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
     try:
         for pair in pairs:
             yield pair
+            # Hold nothing of it while the next is made (a DTensor's gather, say).
+            del pair
     finally:
         close = getattr(pairs, "close", None)
         if close is not None:
