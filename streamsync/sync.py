@@ -531,7 +531,10 @@ async def _receive(
         if versioned is not None:
             versioned.version = None  # in flux until finalize succeeds
         await _phase(sync, "prepare", sink.prepare)
-        await _load_all(receiver, sink, incoming, sync, timeout)
+        # Handed over, not shared: _load_all holds the first bucket only while it loads it.
+        handed = [incoming]
+        del incoming
+        await _load_all(receiver, sink, handed, sync, timeout)
         result = await _phase(sync, "finalize", sink.finalize)
         if versioned is not None:
             versioned.version = sync.sync_id
@@ -565,9 +568,11 @@ async def _phase(sync: _Progress, name: str, fn: Callable[[], Any]) -> Any:
 
 
 async def _load_all(
-    receiver: Receiver, sink: Sink, incoming: Incoming, sync: _Progress, timeout: float
+    receiver: Receiver, sink: Sink, handed: list[Incoming], sync: _Progress, timeout: float
 ) -> None:
-    """Hand every bucket of the sync to the sink, releasing each slot, up to its end."""
+    """Hand every bucket of the sync to the sink, releasing each slot, up to its end
+    (``handed``: the sync's first message, taken out of it)."""
+    incoming = handed.pop()
     unpacker = receiver.state.unpacker
     target = sink.target if isinstance(sink, TargetSink) else None
     while True:
@@ -590,6 +595,9 @@ async def _load_all(
         sync.nbytes += msg.nbytes
         sync.buckets += 1
         sync.held = None
+        # Nothing of the bucket is held once its slot is given back: where its bytes are a
+        # message of their own (zmq), the sender's next bucket is allocated in its place.
+        del batch, incoming
         await receiver.release(msg)
         t0 = time.perf_counter()
         incoming = await receiver.receive(timeout=timeout)

@@ -414,6 +414,9 @@ class LinkedReceiver(RingReceiver):
                 self._queue_in.send_nowait((msg, data))
                 if isinstance(msg, Bye):
                     return
+                # The queue holds this bucket now: holding it here too, while the next
+                # one is awaited, would keep one more bucket alive (a zmq message).
+                del frame, payload, data
         except LinkLost as exc:
             self._queue_in.send_nowait(
                 PeerBrokenError(
