@@ -49,9 +49,9 @@ class Matrix:
         self.controls: dict[str, Any] = {}
         self.pipes: list[Any] = []
         self.seen: list[dict[str, Any]] = []
-        # zmq: heartbeats slower than the sync timeout, so that a silent peer is caught by
-        # the timeout (a heartbeat would catch it as PeerBrokenError after 3 x heartbeat).
-        self.options = {"heartbeat": 5.0} if transport.startswith(("zmq", "torch")) else {}
+        # No transport options: a frozen (SIGSTOPped) peer is caught by the timeout on every
+        # transport (over zmq its kernel still answers the keepalive probes).
+        self.options: dict[str, Any] = {}
 
     def url(self) -> str:
         tag = f"fault-{os.getpid()}-{next(_ids)}"

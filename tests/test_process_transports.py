@@ -386,3 +386,21 @@ async def test_a_zmq_receiver_ignores_the_drop_of_a_connection_before_its_sessio
     events.add(down, 7)  # the connection the Welcome came over dropped after it
     dialer._welcomed()
     assert dialer._dropped_at is not None
+
+
+@pytest.mark.parametrize("scheme", ["zmq+tcp", "zmq+ipc"])
+async def test_neither_zmq_side_sends_zeromq_heartbeats(scheme: str) -> None:
+    """libzmq 4.3.5 aborts a process whose pinging socket loses its pipe while the peer
+    hangs up (``zeromq._open``); a one-shot loop's receiver, which pinged, died of it under
+    load. Neither side pings; over tcp the kernel's keepalive finds a vanished machine."""
+    import zmq
+
+    url = f"{scheme}://127.0.0.1:0" if scheme == "zmq+tcp" else f"{scheme}://pings-{os.getpid()}"
+    async with open_sender(url, heartbeat=2.4) as tx, open_receiver(tx.url, heartbeat=2.4) as rx:
+        sockets = [tx.link._sock.sock, rx.link._sock.sock]  # type: ignore[attr-defined]
+        for sock in sockets:
+            assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 0
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == 2
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE_INTVL) == 2
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE_CNT) == 3

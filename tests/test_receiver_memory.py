@@ -21,28 +21,30 @@ async def test_a_zmq_receiver_holds_no_bucket_past_its_release() -> None:
     for name, tensor in weights.items():
         target.register_buffer(name, torch.zeros_like(tensor))
     alive_at_release: list[tuple[int, bool]] = []
-    async with ss.open_sender(url, slots=2, slot_bytes=8192) as tx:
-        async with ss.open_receiver(tx.url) as rx:
-            delivered: dict[int, weakref.ref[torch.Tensor]] = {}
-            fill, release = rx.view.fill, rx.release  # type: ignore[attr-defined]
+    async with (
+        ss.open_sender(url, slots=2, slot_bytes=8192) as tx,
+        ss.open_receiver(tx.url) as rx,
+    ):
+        delivered: dict[int, weakref.ref[torch.Tensor]] = {}
+        fill, release = rx.view.fill, rx.release  # type: ignore[attr-defined]
 
-            async def filled(header, payload, *, timeout):  # type: ignore[no-untyped-def]
-                data = await fill(header, payload, timeout=timeout)
-                delivered[header.seq] = weakref.ref(data)
-                return data
+        async def filled(header, payload, *, timeout):  # type: ignore[no-untyped-def]
+            data = await fill(header, payload, timeout=timeout)
+            delivered[header.seq] = weakref.ref(data)
+            return data
 
-            async def released(header) -> None:  # type: ignore[no-untyped-def]
-                alive_at_release.append((header.seq, delivered[header.seq]() is not None))
-                await release(header)
+        async def released(header) -> None:  # type: ignore[no-untyped-def]
+            alive_at_release.append((header.seq, delivered[header.seq]() is not None))
+            await release(header)
 
-            rx.view.fill = filled  # type: ignore[attr-defined]
-            rx.release = released  # type: ignore[method-assign]
-            for _ in range(2):  # a second sync on the same channel, too
-                alive_at_release.clear()
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(ss.receive, rx, ss.ModuleSink(target))
-                    await ss.send(weights, tx, bucket_bytes=8192, timeout=10)
-                assert len(alive_at_release) == 6  # two tensors to a bucket
-                assert alive_at_release == [(seq, False) for seq in range(6)]
+        rx.view.fill = filled  # type: ignore[attr-defined]
+        rx.release = released  # type: ignore[method-assign]
+        for _ in range(2):  # a second sync on the same channel, too
+            alive_at_release.clear()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ss.receive, rx, ss.ModuleSink(target))
+                await ss.send(weights, tx, bucket_bytes=8192, timeout=10)
+            assert len(alive_at_release) == 6  # two tensors to a bucket
+            assert alive_at_release == [(seq, False) for seq in range(6)]
     for name, tensor in weights.items():
         assert torch.equal(target.get_buffer(name), tensor), name

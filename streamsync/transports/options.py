@@ -156,8 +156,16 @@ SECRET = Option(
     in_url=False,
     check=_secret,
 )
-#: Seconds between heartbeats of the ZeroMQ control link (zmq and torch transports).
-HEARTBEAT = Option("heartbeat", float, 1.0, "seconds between heartbeats", minimum=0.01)
+#: The ZeroMQ link's keepalive over tcp (zmq and torch transports): seconds of silence
+#: before a probe and between probes, rounded to whole seconds of at least 1; 3 unanswered
+#: probes drop the connection.
+HEARTBEAT = Option(
+    "heartbeat",
+    float,
+    1.0,
+    "seconds between TCP keepalive probes (whole, at least 1)",
+    minimum=0.01,
+)
 #: The GPU of a CUDA transport (default: the current device).
 DEVICE = Option("device", object, None, "the GPU (default: the current device)", in_url=False)
 

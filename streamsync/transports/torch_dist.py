@@ -33,7 +33,7 @@ interface that reaches HOST (``GLOO_SOCKET_IFNAME`` overrides it). The broadcast
 neither encrypted nor authenticated (as ``zmq+tcp`` payloads are not).
 
 URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
-``connect_timeout``, ``heartbeat`` (the link's, seconds), ``device`` (nccl: this side's
+``connect_timeout``, ``heartbeat`` (the link's keepalive, seconds), ``device`` (nccl: this side's
 GPU, default the current device).
 """
 

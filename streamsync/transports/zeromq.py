@@ -4,8 +4,9 @@ Composes :class:`~streamsync.transports.slots.HostSlots` with a ZeroMQ link: a R
 sender (binds; fan-out by identity) and a DEALER per receiver, plain pyzmq sockets woken by
 anyio on their ``zmq.FD``. A bucket goes as a metadata frame and the slot's bytes, without
 copying; the slot is reused only after every receiver acked it. A dead peer is seen by
-socket monitors (at once for a killed process, after 3 heartbeats for a vanished machine:
-receivers ping, the sender only answers; see :func:`_open` for why).
+socket monitors: at once for a killed process, and over tcp by the kernel's keepalive
+probes for a vanished machine. Neither side sends ZeroMQ heartbeats (see :func:`_open` for
+why); a frozen peer is what every wait's ``timeout`` is for.
 
 Security: tcp binds 127.0.0.1 unless HOST says otherwise (``*``: every interface); a secret
 authenticates every message by HMAC (payloads are not encrypted). An ipc socket file is 0600
@@ -17,9 +18,10 @@ loop. ZeroMQ itself drops a peer whose greeting is not ZMTP or whose message exc
 ``MAXMSGSIZE``. (Random bytes often pass for ZMTP 1.0, whose messages carry no metadata:
 asking them for ``Peer-Address`` or ``SRCFD`` raises EINVAL; the serve loop contains it.)
 
-Options: every transport's, and ``heartbeat`` on both sides (seconds, default 1.0: how
-often a receiver pings; the sender drops a receiver silent for 3 of them). Port 0 binds a
-free port; the sender's ``url`` then names it.
+Options: every transport's, and ``heartbeat`` on both sides (seconds, default 1.0, whole
+seconds of at least 1 on the wire: a tcp connection silent that long is probed, and dropped
+after 3 unanswered probes, about 4 heartbeats). Port 0 binds a free port; the sender's
+``url`` then names it.
 """
 
 from __future__ import annotations
@@ -87,36 +89,43 @@ def zmq_address(scheme: str, target: str, *, bind: bool) -> str:
 
 
 def _open(
-    kind: int, *, hwm: int, heartbeat: float, pings: bool, events: int | None = None
+    kind: int, *, hwm: int, heartbeat: float, events: int | None = None
 ) -> tuple[Any, _Socket, _Socket]:
     """A ZeroMQ context, a tuned socket of ``kind`` in it, and its disconnect monitor.
 
-    Only receivers ping (``pings``): each PING tells the sender to drop the connection
-    after 3 heartbeats of silence (its TTL), and an unanswered PING drops it on the
-    receiver's side. The sender itself never pings, because a pinging socket can be aborted
-    by a stranger in libzmq 4.3.5 (bundled with pyzmq 27): when a connection's inbound pipe
-    is full (its peer sent more than ``RCVHWM`` messages unread, or claimed a routing id
-    already taken, so that the ROUTER never reads it), the engine stops reading; if the
-    peer then resets the connection, the engine marks an I/O error and waits for the pipe
-    to drain, but its heartbeat timer still fires ``out_event``, which asserts
-    ``!_io_error`` (src/stream_engine_base.cpp:310) and aborts the whole process. Nothing
-    but the timer calls ``out_event`` there; see zeromq/libzmq#3937, #4364, #4767 (open).
-    ``tests/test_strangers.py`` provokes it (a "taken routing id" stranger): a pinging
-    sender dies every time. The price of not pinging: such a parked connection is not
-    noticed when its peer hangs up, and keeps its descriptor and at most ``RCVHWM``
-    messages until the sender closes.
+    No ZeroMQ heartbeats, on either side: a socket that pings can be aborted by libzmq
+    4.3.5 (bundled with pyzmq 27). When a connection's inbound pipe is full or gone, the
+    engine stops reading; if the peer then hangs up, the engine marks an I/O error and
+    waits for the pipe to drain, but its heartbeat timer still fires ``out_event``, which
+    asserts ``!_io_error`` (src/stream_engine_base.cpp:310) and aborts the whole process.
+    Nothing but that timer calls ``out_event`` there; see zeromq/libzmq#3937, #4364, #4767
+    (open). Two ways in:
+
+    - on a sender, a stranger that claims a routing id already taken, so that the ROUTER
+      never reads its connection (``tests/test_strangers.py``: a pinging sender died every
+      time);
+    - on a receiver, closing its socket while the sender's last message (its goodbye) is
+      on the way and the sender then hangs up: the pipe is gone while the socket lingers
+      to deliver the receiver's own last words. A receiver that pinged died this way in a
+      one-shot loop under load (the README's first form, ``tests/test_one_shot_loops.py``).
+
+    A vanished machine is found by TCP keepalive instead (in the kernel, no libzmq timer):
+    probes after ``heartbeat`` seconds of silence, every ``heartbeat`` seconds, 3 unanswered
+    drop the connection, which the monitor reports. Over ipc both ends are on one machine,
+    where a dead process's socket closes at once. A frozen process still answers probes; a
+    wait on it ends at its ``timeout``.
     """
     import zmq
 
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(kind)
-    ms = max(1, int(heartbeat * 1000))
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    if pings:
-        sock.setsockopt(zmq.HEARTBEAT_IVL, ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ms)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ms)
+    seconds = max(1, round(heartbeat))
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, seconds)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, seconds)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
     sock.setsockopt(zmq.LINGER, 1000)
     watched = zmq.EVENT_DISCONNECTED if events is None else events
     return ctx, _Socket(sock), _Socket(sock.get_monitor_socket(watched))
@@ -230,7 +239,7 @@ class ZmqLink(SenderLink):
         import zmq
 
         self._ctx, self._sock, self._monitor = _open(
-            zmq.ROUTER, hwm=self.hwm, heartbeat=self.heartbeat, pings=False
+            zmq.ROUTER, hwm=self.hwm, heartbeat=self.heartbeat
         )
         sock = self._sock.sock
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable receiver raises
@@ -400,7 +409,6 @@ class ZmqDialer(ReceiverLink):
             zmq.DEALER,
             hwm=64,
             heartbeat=self.heartbeat,
-            pings=True,
             events=zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
         )
         self._sock.sock.connect(self.address)  # queued until the sender binds
