@@ -38,13 +38,15 @@ def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any
         source.register_buffer(f"t{i}", torch.randn(numel).bfloat16())
         target.register_buffer(f"t{i}", torch.empty(numel, dtype=torch.bfloat16))
 
-    def best(step: Callable[[], Any]) -> float:
-        times = []
+    def best(*steps: Callable[[], Any]) -> list[float]:
+        # Several steps are timed in turns, so that a busy moment hits each alike.
+        times: list[list[float]] = [[] for _ in steps]
         for _ in range(runs):
-            start = time.thread_time()
-            step()
-            times.append(time.thread_time() - start)
-        return min(times) * 1e6 / count
+            for step, taken in zip(steps, times, strict=True):
+                start = time.thread_time()
+                step()
+                taken.append(time.thread_time() - start)
+        return [min(taken) * 1e6 / count for taken in times]
 
     buckets: list[Bucket] = []
 
@@ -60,16 +62,17 @@ def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any
             pass
 
     steps: dict[str, float] = {}
-    steps["source + bucketer"] = best(lambda: anyio.run(produce))
-    streamed = best(lambda: anyio.run(produce_streamed))
+    steps["source + bucketer"], streamed = best(
+        lambda: anyio.run(produce), lambda: anyio.run(produce_streamed)
+    )
     (bucket,) = buckets
     slot = allocate_slot(bucket.nbytes)
-    steps["pack into the slot"] = best(lambda: bucket.pack_into(slot))
+    steps["pack into the slot"] = best(lambda: bucket.pack_into(slot))[0]
     header = BucketHeader(1, 0, 0, bucket.nbytes, bucket.pack_into(slot))
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(BucketHeader)
-    steps["header encode"] = best(lambda: encoder.encode(header))
+    steps["header encode"] = best(lambda: encoder.encode(header))[0]
     raw = encoder.encode(header)
-    steps["header decode"] = best(lambda: decoder.decode(raw))
+    steps["header decode"] = best(lambda: decoder.decode(raw))[0]
     unpacker = Unpacker()
 
     def feed() -> Any:
@@ -77,7 +80,7 @@ def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any
         return unpacker.feed(header, slot)
 
     feed()  # the checks are cached from the first sync on, as on a channel
-    steps["unpack"] = best(feed)
+    steps["unpack"] = best(feed)[0]
     views = feed()
     sink = ss.ModuleSink(target)
 
@@ -86,7 +89,7 @@ def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any
         sink.load(views)
         sink.finalize()
 
-    steps["ModuleSink"] = best(load)
+    steps["ModuleSink"] = best(load)[0]
     send = steps["source + bucketer"] + steps["pack into the slot"] + steps["header encode"]
     receive = steps["header decode"] + steps["unpack"] + steps["ModuleSink"]
     return {
