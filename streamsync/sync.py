@@ -201,7 +201,7 @@ async def _send_delta(
     try:
         await sender.wait_ready(timeout=timeout)
         held = await sender.begin(sync_id, timeout=timeout)
-    except Exception as exc:
+    except BaseException as exc:  # cancelled too: see _send
         with anyio.CancelScope(shield=True):
             await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
         raise
@@ -289,9 +289,10 @@ async def _send(
     try:
         if not begun:
             await sender.wait_ready(timeout=timeout)
-    except Exception as exc:
-        # The receivers that did come wait for this sync: they hear it is off (unless it
-        # was cancelled: see below).
+    except BaseException as exc:
+        # The receivers that did come wait for this sync: they hear it is off, cancelled
+        # too (as below). Unheard, a receive still waiting for it would take the next
+        # sync's buckets for its own, and the next receive would find none.
         with anyio.CancelScope(shield=True):
             await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
         raise

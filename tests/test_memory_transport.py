@@ -337,3 +337,37 @@ def test_a_survivors_timeout_is_not_blamed_for_a_lost_receiver(
             tx._check()
         wanted = "receiver 0 went away" if raised is ss.PeerBrokenError else "receiver 1 failed"
         assert wanted in str(caught.value)
+
+
+async def test_a_send_cancelled_while_receivers_join_tells_the_ones_waiting() -> None:
+    # WeightSync cancels its send when an engine fails, perhaps while the sender still
+    # waits for every receiver. A receiver already waiting for that sync must hear it is
+    # off: unheard, it would take the next sync's buckets for its own (an engine worker's
+    # stale receive did, under load), and the next receive would find none.
+    weights = {"w": torch.ones(4)}
+    async with (
+        ss.open_sender("memory://cancelled-join?receivers=2") as tx,
+        ss.open_receiver("memory://cancelled-join") as first,
+    ):
+        outcome: dict[str, BaseException | ss.SyncReport] = {}
+
+        async def waiting() -> None:
+            try:
+                outcome["rx"] = await ss.receive(first, Recorder(), timeout=30, sync_id=7)
+            except ss.StreamsyncError as exc:
+                outcome["rx"] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiting)
+            with anyio.move_on_after(0.3):  # the second receiver never comes
+                await ss.send(weights, tx, timeout=30, sync_id=7)
+        assert isinstance(outcome["rx"], ss.SenderAbortedError), outcome
+        assert "sync 7" in str(outcome["rx"])
+        async with ss.open_receiver("memory://cancelled-join") as second:
+            sinks = [Recorder(), Recorder()]
+            async with anyio.create_task_group() as tg:
+                for rx, sink in zip((first, second), sinks, strict=True):
+                    tg.start_soon(partial(ss.receive, rx, sink, timeout=10, sync_id=8))
+                report = await ss.send(weights, tx, timeout=10, sync_id=8)
+            assert report.complete and report.receivers == 2
+            assert [[n for n, _ in s.items] for s in sinks] == [["w"], ["w"]]
