@@ -79,7 +79,7 @@ async def _send_and_check(model: torch.nn.Module, rank: int) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, done: Any, left: Any) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -97,8 +97,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         out = anyio.run(_send_and_check, model, rank)
         out["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        done.wait(60)  # neither rank leaves the group while the other still uses it
     finally:
         dist.destroy_process_group()
+    left.wait(60)  # rank 0 hosts the store: it stays until rank 1 has left the group
+    # FSDP's module state keeps the group alive past destroy_process_group, so an ordinary
+    # exit tears gloo down during interpreter finalisation, where a gloo thread that still
+    # needs the GIL can abort the process (seen once in the audit). The results are on disk
+    # and the group is shut down: leave without finalisation.
+    os._exit(0)
 
 
 def _free_port() -> int:
@@ -112,7 +119,9 @@ def _free_port() -> int:
 def test_fsdp2_model_is_gathered_one_tensor_at_a_time_and_sent_from_one_rank(
     tmp_path: Path,
 ) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn = mp.get_context("spawn")
+    done, left = spawn.Barrier(WORLD), spawn.Barrier(WORLD)
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), done, left), nprocs=WORLD, join=True)
     rank0 = torch.load(tmp_path / "rank0.pt")
     rank1 = torch.load(tmp_path / "rank1.pt")
     assert rank0["sharded"] and rank1["sharded"]
