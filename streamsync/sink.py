@@ -156,6 +156,9 @@ class ModuleSink:
         #: Every name, sorted (the report of a sync that loaded them all).
         self._names = tuple(sorted(self._targets))
         self._loaded: set[str] = set()
+        #: The names of each bucket loaded by its plan (kept as the plan's tuple, not added
+        #: to ``_loaded`` name by name).
+        self._laid: list[tuple[str, ...]] = []
         self._unexpected: list[str] = []
         # Per bucket layout the receiver recognised, its moves into the module (or None:
         # that layout takes the general path); dropped with the receiver's own plan.
@@ -175,6 +178,7 @@ class ModuleSink:
 
     def prepare(self) -> None:
         self._loaded = set()
+        self._laid = []
         self._unexpected = []
 
     def _check(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor | None:
@@ -233,7 +237,7 @@ class ModuleSink:
             if planned is not None:
                 moves, names = planned
                 moves.run(0, tensors.data.data_ptr())
-                self._loaded.update(names)
+                self._laid.append(names)
                 return
         batch = CopyBatch()
         meta = self._meta
@@ -264,12 +268,19 @@ class ModuleSink:
         self._loaded.update(loaded)
 
     def finalize(self) -> LoadResult:
-        if len(self._loaded) == len(self._names) and self._loaded.issuperset(self._names):
-            # Every tensor came (the usual sync): the report is known without a pass.
+        laid = self._laid
+        # Every name loaded is the module's (``load`` checks each), and a sync's buckets
+        # share no name (the receiver's unpacker claims each once; one plan's bucket loaded
+        # twice is caught here): as many names as the module has is all of them, and the
+        # usual sync's report is known without a pass over the names.
+        if len(self._loaded) + sum(map(len, laid)) == len(self._names) and len(
+            {id(names) for names in laid}
+        ) == len(laid):
             return LoadResult(loaded=self._names, unexpected=tuple(self._unexpected))
-        done = {alias for name in self._loaded for alias in self._aliases.get(name, (name,))}
+        loaded = self._loaded.union(*laid)
+        done = {alias for name in loaded for alias in self._aliases.get(name, (name,))}
         return LoadResult(
-            loaded=tuple(sorted(self._loaded)),
+            loaded=tuple(sorted(loaded)),
             missing=tuple(sorted(n for n in self._targets if n not in done)),
             unexpected=tuple(self._unexpected),
         )

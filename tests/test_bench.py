@@ -289,6 +289,7 @@ def test_the_engine_table_gives_the_ratio_and_the_phases() -> None:
 
     row = {
         "bucket_bytes": 64 << 20,
+        "wire": "bf16",
         "buckets": 13,
         "reload_median_s": 0.5,
         "update_median_s": 0.6,
@@ -298,7 +299,10 @@ def test_the_engine_table_gives_the_ratio_and_the_phases() -> None:
     }
     engine = {"model": "dense-400m", "engine_bytes": 800 << 20, "build_seconds": 3.0, "runs": 3}
     table = format_engine_table({**engine, "rows": [row]})
-    assert "| 64 MiB | 13 | 0.500 | 0.600 | 1.20 | 1.40 | 0.100 | 0.200 | 0.010 | 0.050 |" in table
+    assert (
+        "| 64 MiB | bf16 | 13 | 0.500 | 0.600 | 1.20 | 1.40 | 0.100 | 0.200 | 0.010 | 0.050 |"
+        in table
+    )
 
 
 def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
@@ -424,3 +428,18 @@ def test_the_per_tensor_bench_times_every_step_of_both_sides() -> None:
     assert data["receive_us"] == pytest.approx(sum(list(steps.values())[3:]))
     table = format_per_tensor(data)
     assert "| **sending side** |" in table and "200 bf16 tensors of 4096 bytes" in table
+
+
+def test_the_cast_bound_measures_both_copies_in_every_round(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from streamsync.cli.bench import cast_bound
+
+    got = cast_bound.measure(1 << 20, 1)
+    assert all(0 < value < float("inf") for value in got.values()), got
+    monkeypatch.setattr(sys, "argv", ["cast_bound", "--mib", "1", "--rounds", "2", "--repeat", "1"])
+    cast_bound.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["1", "2"]

@@ -544,6 +544,10 @@ class Unpacker:
         self._checked_limit = max_tensor_bytes
         self._staging: torch.Tensor | None = None
         self._completed_here = False
+        #: The plans of the last sync whose every name was claimed through a plan, in the
+        #: order they came: each has no name twice and no name of another (checked then).
+        #: A sync that repeats them, or a prefix of them, needs no set of its names.
+        self._disjoint: tuple[LayoutPlan, ...] = ()
         self.begin(None)
 
     def begin(self, sync_id: int | None) -> None:
@@ -552,7 +556,11 @@ class Unpacker:
         self.touched: list[str] = []
         self._pending: _Pending | None = None
         self._patching: _Patching | None = None
-        self._names: set[str] = set()
+        #: The names claimed this sync; ``None`` while every claim was a plan that follows
+        #: ``_disjoint`` (the names are then those of ``_claimed``).
+        self._names: set[str] | None = None
+        #: The plans claimed this sync, in order; ``None`` once a name was claimed alone.
+        self._claimed: list[LayoutPlan] | None = []
         self._sync_id = sync_id
         self._seq = 0
         self._tensors = 0
@@ -584,6 +592,7 @@ class Unpacker:
             self._checked = {}
             self._plans, self._planned = {}, 0
             self._checked_limit = self.max_tensor_bytes
+            self._disjoint = ()
         layout = header.layout
         if not layout.extras and self._pending is None and self._patching is None:
             plan = self._plans.get(layout)
@@ -592,6 +601,7 @@ class Unpacker:
                 plan = LayoutPlan(layout, [self._check_entry(e)[0] for e in layout.entries()])
                 if len(self._plans) >= _PLANS_MAX or self._planned + len(plan) > _CHECKED_MAX:
                     self._plans, self._planned = {}, 0
+                    self._disjoint = ()
                 self._plans[layout] = plan
                 self._planned += len(plan)
             if plan.end > header.nbytes:
@@ -809,18 +819,39 @@ class Unpacker:
                 )
 
     def _claim_all(self, plan: LayoutPlan) -> None:
-        """Claim every name of a bucket at once."""
-        claimed = self._names
+        """Claim every name of a bucket at once: with no work per name when this sync's
+        plans so far are the last checked sync's, in its order (a trainer's every step)."""
+        plans = self._claimed
+        known = self._disjoint
+        if (
+            plans is not None
+            and self._names is None
+            and len(plans) < len(known)
+            and known[len(plans)] is plan
+        ):
+            plans.append(plan)
+            return
+        claimed = self._claimed_names()  # off the known sequence: a set of names from here
+        if plans is not None:
+            plans.append(plan)
         if plan.unique and claimed.isdisjoint(plan.names):
             claimed.update(plan.names)
             return
         for name in plan.names:  # one came twice: raise for the first, as claims one by one
             self._claim(name)
 
+    def _claimed_names(self) -> set[str]:
+        """The set of the names claimed this sync, made from its plans on first need."""
+        if self._names is None:
+            self._names = {name for plan in self._claimed or () for name in plan.names}
+        return self._names
+
     def _claim(self, name: str) -> None:
-        if name in self._names:
+        claimed = self._claimed_names()
+        self._claimed = None  # not every name of this sync is in a plan
+        if name in claimed:
             raise DuplicateTensorError(f"tensor {name!r} arrived twice in sync {self._sync_id}")
-        self._names.add(name)
+        claimed.add(name)
 
     def _feed_chunk(
         self,
@@ -936,3 +967,7 @@ class Unpacker:
                 f"sync {end.sync_id}: sender sent {end.buckets} buckets, {end.tensors} tensors, "
                 f"{end.nbytes} bytes; received {self._seq}, {self._tensors}, {self._nbytes}"
             )
+        if self._claimed and self._names is not None:
+            # Every name came in a plan, and the set found no name twice: the next sync
+            # that repeats these plans is known to be free of duplicates.
+            self._disjoint = tuple(self._claimed)

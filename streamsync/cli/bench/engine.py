@@ -4,11 +4,17 @@ A Qwen3 of about 400 MiB in bf16 (``dense-400m`` of :mod:`streamsync.testing.mod
 random weights, built locally in seconds) is served by an in-process vLLM engine in fp32.
 In the same run, alternating, each timed ``runs`` times after a warm-up:
 
-* **reload**: vLLM's ``worker.reload_weights(weights_iterator=...)`` from fp32 tensors
-  already in the engine's memory: the floor, with no transfer at all;
+* **reload**: vLLM's ``worker.reload_weights(weights_iterator=...)`` from tensors already in
+  the engine's process: the floor, with no transfer at all;
 * **update_weights**: :class:`~streamsync.vllm.WeightSync` over ``shm://`` from the trainer's
-  bf16 tensors, ``cast(float32)`` fused into packing (what the demo sends), for each bucket
-  size asked for.
+  bf16 tensors, for each bucket size asked for.
+
+Each pair runs for two wire dtypes, alternating within the pair:
+
+* ``fp32``: reload from fp32 tensors (what the engine holds); update with ``cast(float32)``
+  fused into packing (what the demo sends);
+* ``bf16``: reload from the trainer's bf16 tensors; update with no pipeline (the default):
+  both hand vLLM's weight loaders bf16, which they copy into the fp32 parameters.
 
 The ratio (update / reload, medians) is the figure; the sender's phases (waiting for a free
 slot, packing, publishing, the end: the receiver's last loads and ``finalize``) say where the
@@ -63,34 +69,33 @@ def run_engine_bench(
         note("vllm: starting the engine")
         llm = make_llm(str(Path(tmp) / "model"), dtype="float32")
         try:
-            in_memory = {n: t.float() for n, t in weights.items()}  # what the engine holds
-            nbytes = sum(t.nbytes for t in in_memory.values())
+            fp32 = {n: t.float() for n, t in weights.items()}  # what the engine holds
+            nbytes = sum(t.nbytes for t in fp32.values())
+            wires = {"fp32": (fp32, cast(torch.float32)), "bf16": (weights, None)}
 
-            def reload() -> float:
+            def reload(tensors: dict[str, torch.Tensor]) -> float:
                 start = time.perf_counter()
                 llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": iter(in_memory.items())}
+                    "reload_weights", kwargs={"weights_iterator": iter(tensors.items())}
                 )
                 return time.perf_counter() - start
 
-            reload()  # warm-up
+            reload(fp32)  # warm-up
             rows: list[dict[str, Any]] = []
-            for size in bucket_sizes:
-                note(f"vllm: update_weights, buckets of {size >> 20} MiB")
-                endpoint = f"shm://streamsync-bench-vllm-{os.getpid()}-{size}"
+            for size, wire in ((s, w) for s in bucket_sizes for w in wires):
+                note(f"vllm: update_weights, buckets of {size >> 20} MiB, {wire} on the wire")
+                in_memory, pipeline = wires[wire]
+                endpoint = f"shm://streamsync-bench-vllm-{os.getpid()}-{size}-{wire}"
                 ref: list[float] = []
                 ours: list[float] = []
                 phases: list[dict[str, float]] = []
                 with WeightSync(
-                    llm,
-                    endpoint,
-                    pipeline=cast(torch.float32),
-                    bucket_bytes=size,
-                    timeout=timeout,
+                    llm, endpoint, pipeline=pipeline, bucket_bytes=size, timeout=timeout
                 ) as channel:
                     channel.update(named_tensors(weights))  # warm-up: opens the ring
+                    reload(in_memory)
                     for _ in range(runs):
-                        ref.append(reload())
+                        ref.append(reload(in_memory))
                         start = time.perf_counter()
                         report = channel.update(named_tensors(weights))
                         ours.append(time.perf_counter() - start)
@@ -101,6 +106,8 @@ def run_engine_bench(
                 rows.append(
                     {
                         "bucket_bytes": size,
+                        "wire": wire,
+                        "wire_bytes": report.nbytes,
                         "buckets": report.buckets,
                         "reload_s": ref,
                         "update_s": ours,
@@ -119,7 +126,6 @@ def run_engine_bench(
     return {
         "model": KIND,
         "engine_bytes": nbytes,
-        "wire_bytes": nbytes,
         "build_seconds": build_s,
         "runs": runs,
         "rows": rows,
@@ -131,16 +137,19 @@ def format_engine_table(engine: dict[str, Any]) -> str:
     lines = [
         f"Into vLLM: {engine['model']} ({engine['engine_bytes'] / 2**20:.0f} MiB per sync in "
         f"fp32, built in {engine['build_seconds']:.1f} s), median of {engine['runs']} runs "
-        "after a warm-up, alternating with vLLM's reload_weights from in-memory tensors",
+        "after a warm-up, alternating with vLLM's reload_weights from in-memory tensors of "
+        "the wire's dtype (fp32: update_weights casts to fp32 while packing; bf16: the "
+        "trainer's tensors as they are, which vLLM's loaders copy into fp32)",
         "",
-        "| bucket | buckets | reload s | update_weights s | ratio | GB/s | wait | pack "
+        "| bucket | wire | buckets | reload s | update_weights s | ratio | GB/s | wait | pack "
         "| publish | end |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in engine["rows"]:
         ph = r["phases_s"]
         lines.append(
-            f"| {r['bucket_bytes'] >> 20} MiB | {r['buckets']} | {r['reload_median_s']:.3f} "
+            f"| {r['bucket_bytes'] >> 20} MiB | {r.get('wire', 'fp32')} | {r['buckets']} "
+            f"| {r['reload_median_s']:.3f} "
             f"| {r['update_median_s']:.3f} | {r['ratio']:.2f} | {r['update_gbps']:.2f} | "
             + " | ".join(f"{ph.get(k, 0.0):.3f}" for k in ("wait", "pack", "publish", "end"))
             + " |"
