@@ -598,9 +598,7 @@ def test_remembered_layouts_are_bounded_by_their_entries(monkeypatch: pytest.Mon
 
 
 # -- claims: a name once per sync, with no set per name when a sync repeats the last ---------
-def _sync(
-    unpacker: Unpacker, sync: int, buckets: list[tuple[Layout, torch.Tensor]], *, end: bool = True
-) -> None:
+def _sync(unpacker: Unpacker, sync: int, buckets: list[tuple[Layout, torch.Tensor]]) -> None:
     unpacker.begin(sync)
     tensors = nbytes = 0
     for seq, (layout, slot) in enumerate(buckets):
@@ -608,8 +606,7 @@ def _sync(
         fresh = Layout(*msgspec.structs.astuple(layout))
         tensors += len(unpacker.feed(BucketHeader(sync, seq, 0, 4096, fresh), slot))
         nbytes += 4096
-    if end:
-        unpacker.finish(End(sync, len(buckets), tensors, nbytes))
+    unpacker.finish(End(sync, len(buckets), tensors, nbytes))
 
 
 def test_a_repeated_sync_claims_its_names_without_a_set_of_them() -> None:
