@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -408,6 +410,34 @@ def test_the_lora_bench_syncs_an_adapter_and_the_full_model_into_vllm() -> None:
     assert data["adapter_bytes"] == 2 * per_layer * 4
     assert data["full_bytes"] > 10 * data["adapter_bytes"]
     assert len(data["full_s"]) == len(data["adapter_s"]) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_vllm_bench_runs_both_wires_against_the_reload_in_an_engine_of_its_own(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "streamsync", "bench", "--vllm-only", "--runs", "1"]
+    done = subprocess.run(
+        [*command, "--vllm-bucket-bytes", "64MiB", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    engine = json.loads(out.read_text())["engine"]
+    # vLLM's default: the engine core, and the worker with it, in a process of its own.
+    assert engine["engine_core"] == "own process"
+    rows = {row["wire"]: row for row in engine["rows"]}
+    assert list(rows) == ["fp32", "bf16"]
+    for row in rows.values():
+        assert len(row["reload_s"]) == len(row["update_s"]) == 1
+        assert row["ratio"] == row["update_s"][0] / row["reload_s"][0]
+    # The cast doubles the bytes on the wire: twice the buckets of 64 MiB.
+    assert rows["fp32"]["wire_bytes"] == 2 * rows["bf16"]["wire_bytes"]
+    assert "| 64 MiB | bf16 | 7 |" in done.stdout and "engine core in own process" in done.stdout
 
 
 def test_the_per_tensor_bench_times_every_step_of_both_sides() -> None:

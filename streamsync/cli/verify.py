@@ -48,19 +48,16 @@ class Outputs:
 
 def make_llm(path: str, *, dtype: str = "float32", **kwargs: Any) -> Any:
     """A small CPU engine on ``path`` with streamsync's worker extension (in-process when
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``kwargs`` go to ``LLM`` (another
+    ``worker_extension_cls`` among them)."""
     from vllm import LLM
 
-    options: dict[str, Any] = {"dtype": dtype, **kwargs}
-    return LLM(
-        model=path,
-        max_model_len=256,
-        enforce_eager=True,
-        max_num_seqs=4,
-        seed=0,
-        worker_extension_cls="streamsync.vllm.WorkerExtension",
-        **options,
-    )
+    options: dict[str, Any] = {
+        "dtype": dtype,
+        "worker_extension_cls": "streamsync.vllm.WorkerExtension",
+        **kwargs,
+    }
+    return LLM(model=path, max_model_len=256, enforce_eager=True, max_num_seqs=4, seed=0, **options)
 
 
 def sampling() -> Any:

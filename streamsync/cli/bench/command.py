@@ -109,7 +109,8 @@ def add_parser(subparsers: Any) -> None:
         "--vllm",
         action="store_true",
         help="also sync a ~400 MiB Qwen3 into a real vLLM engine (update_weights over shm) "
-        "against vLLM's own reload_weights from in-memory tensors, in the same run",
+        "against vLLM's own reload_weights from tensors in the worker's memory, in the "
+        "same run",
     )
     parser.add_argument(
         "--vllm-only",
@@ -123,6 +124,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="SIZE",
         help="bucket size of the vLLM comparison; repeatable (default: the library's, "
         f"{DEFAULT_BUCKET_BYTES >> 20}MiB)",
+    )
+    parser.add_argument(
+        "--vllm-in-process",
+        action="store_true",
+        help="run the vLLM comparison's engine core in this process (its trainer and worker "
+        "then share one interpreter); by default it runs in a process of its own, as vLLM "
+        "runs it",
     )
     parser.add_argument(
         "--lora",
@@ -214,7 +222,11 @@ def run(args: argparse.Namespace) -> int:
         sizes = args.vllm_bucket_bytes or [DEFAULT_BUCKET_BYTES]
         with tqdm(total=None, file=sys.stderr, disable=None, bar_format="{desc}") as bar:
             engine = run_engine_bench(
-                sizes, runs=args.runs, timeout=args.timeout, progress=bar.set_description
+                sizes,
+                runs=args.runs,
+                timeout=args.timeout,
+                in_process=args.vllm_in_process,
+                progress=bar.set_description,
             )
         data["engine"] = engine
         sys.stdout.write("\n" + format_engine_table(engine) + "\n")
@@ -344,6 +356,7 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += [f"--threads {args.threads}"] if args.threads is not None else []
     parts += ["--vllm-only"] if args.vllm_only else ["--vllm"] if args.vllm else []
     parts += [f"--vllm-bucket-bytes {b}" for b in args.vllm_bucket_bytes or ()]
+    parts += ["--vllm-in-process"] if getattr(args, "vllm_in_process", False) else []
     parts += [f"--json {args.json}"] if args.json else []
     parts += [f"--plot {args.plot}"] if args.plot else []
     return " ".join(parts)
