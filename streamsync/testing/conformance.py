@@ -370,7 +370,9 @@ class TransportConformance:
             async with self._tx(url) as tx:
                 async with self._rx(url) as rx:
                     await self._sync(tx, [rx], conformance_weights(0))
-                # The next sync waits for a receiver, and says who left when none comes...
+                # Once the sender has heard it leave, the next sync waits for a receiver,
+                # and says who left when none comes...
+                await self._present(tx, 0)
                 await _raises(
                     ss.SyncTimeoutError,
                     "a sync with its only receiver gone did not time out",

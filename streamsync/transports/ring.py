@@ -354,7 +354,9 @@ class RingSender(Sender):
             await self._publish(end, None)
 
             def ready() -> bool:
-                if self._members.issubset(self._reports):
+                # A member lost during the sync (require_all) fails it, even when the
+                # members left have all reported: the one that left may have been the only.
+                if self._lost is None and self._members.issubset(self._reports):
                     return True
                 self._check()
                 return False
