@@ -263,6 +263,36 @@ async def test_receiver_receives_messages_in_order() -> None:
         assert kinds == ["BucketHeader", "End"]
 
 
+async def test_a_sync_whose_only_receiver_leaves_after_its_end_fails() -> None:
+    # The receiver reads the whole sync, End included, and closes instead of reporting: the
+    # sender hears its goodbye while it waits for the reports. With no receiver left to
+    # report, the sync is not a success.
+    async with MemorySender("leaves", slot_bytes=4096) as sender:
+        receiver = MemoryReceiver("leaves")
+        await receiver.open()
+        got: dict[str, object] = {}
+
+        async def tx() -> None:
+            try:
+                got["report"] = await ss.send({"w": torch.ones(4)}, sender, timeout=5)
+            except ss.StreamsyncError as exc:
+                got["error"] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tx)
+            while True:
+                incoming = await receiver.receive(timeout=5)
+                if type(incoming.message).__name__ == "BucketHeader":
+                    await receiver.release(incoming.message)
+                    continue
+                assert type(incoming.message).__name__ == "End"
+                await receiver.aclose()
+                break
+        assert "report" not in got, got
+        assert isinstance(got["error"], ss.PeerBrokenError), got
+        assert "closed the channel" in str(got["error"])
+
+
 async def test_unknown_scheme_lists_valid_ones() -> None:
     with pytest.raises(ss.ConfigError, match="memory"):
         await ss.send({}, "carrier-pigeon://x")
