@@ -263,11 +263,12 @@ async def test_receiver_receives_messages_in_order() -> None:
         assert kinds == ["BucketHeader", "End"]
 
 
-async def test_a_sync_whose_only_receiver_leaves_after_its_end_fails() -> None:
+@pytest.mark.parametrize("require_all", [True, False])
+async def test_a_sync_whose_only_receiver_leaves_after_its_end_fails(require_all: bool) -> None:
     # The receiver reads the whole sync, End included, and closes instead of reporting: the
     # sender hears its goodbye while it waits for the reports. With no receiver left to
-    # report, the sync is not a success.
-    async with MemorySender("leaves", slot_bytes=4096) as sender:
+    # report, the sync is not a success, even when it may go on without some of them.
+    async with MemorySender("leaves", slot_bytes=4096, require_all=require_all) as sender:
         receiver = MemoryReceiver("leaves")
         await receiver.open()
         got: dict[str, object] = {}

@@ -368,6 +368,10 @@ class RingSender(Sender):
             )
             if self._failed is not None:
                 raise _receiver_failed(self._failed)
+            if not self._members:
+                # Without require_all every member left before reporting: none applied it.
+                gone = "; ".join(self._absent) or "no receiver reported"
+                raise PeerBrokenError(f"every receiver left sync {end.sync_id}: {gone}")
             return [r for r in self._reports.values() if isinstance(r, Done)]
         finally:
             self._finish_sync(end.sync_id)
