@@ -13,6 +13,7 @@ resources left after a SIGKILL, wrong or missing secrets, refused extra receiver
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing.connection
 import os
@@ -27,6 +28,7 @@ from fault_peers import NAMES, SLOT_BYTES, TIMEOUT
 
 import streamsync.wire.frames
 from streamsync.testing.peers import context, free_port
+from streamsync.transports.zeromq import zmq_address
 
 TRANSPORTS = ["shm", "zmq+tcp", "zmq+ipc", "torch+gloo"]
 LIMIT = 2 * TIMEOUT
@@ -49,6 +51,7 @@ class Matrix:
         self.controls: dict[str, Any] = {}
         self.pipes: list[Any] = []
         self.seen: list[dict[str, Any]] = []
+        self.urls: list[str] = []
         # No transport options: a frozen (SIGSTOPped) peer is caught by the timeout on every
         # transport (over zmq its kernel still answers the keepalive probes).
         self.options: dict[str, Any] = {}
@@ -57,7 +60,8 @@ class Matrix:
         tag = f"fault-{os.getpid()}-{next(_ids)}"
         if self.transport in ("zmq+tcp", "torch+gloo"):
             return f"{self.transport}://127.0.0.1:{free_port()}"
-        return f"{self.transport}://{tag}"
+        self.urls.append(f"{self.transport}://{tag}")
+        return self.urls[-1]
 
     def spawn(
         self, tag: str, role: str, *sessions: tuple[str, list[dict[str, Any]]], **args: Any
@@ -133,6 +137,11 @@ class Matrix:
                 proc.join(5)
         for conn in [*self.pipes, *self.controls.values()]:
             conn.close()
+        # A sender this matrix killed could not remove its socket file: the peers are gone.
+        for url in self.urls:
+            if url.startswith("zmq+ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(zmq_address("zmq+ipc", url[len("zmq+ipc://") :], bind=True)[6:])
 
 
 # -- what a fault must produce ---------------------------------------------------------------

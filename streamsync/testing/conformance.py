@@ -557,8 +557,13 @@ class TransportConformance:
         assert isinstance(exc, wanted), f"expected {wanted.__name__}, got {exc!r}"
         took = time.monotonic() - killed[0]
         assert took < 2 * self.timeout, f"the peer's death took {took:.1f} s to surface"
-        # A killed sender cannot remove a rendezvous file (its next bind reuses the path).
+        # A killed sender cannot remove a rendezvous file (its next bind reuses the path):
+        # the test removes what it left.
         self._check_gone(url, shm_before, paths=victim != "sender")
+        if victim == "sender":
+            for path in self.resource_paths(url):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def test_sigkill_of_the_receiver_mid_sync(self) -> None:
         async def send(url: str, peers: Peers, kill: Callable[[], None]) -> BaseException | None:
