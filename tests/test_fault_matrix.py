@@ -51,7 +51,7 @@ class Matrix:
         self.controls: dict[str, Any] = {}
         self.pipes: list[Any] = []
         self.seen: list[dict[str, Any]] = []
-        self.urls: list[str] = []
+        self.socket_files: list[str] = []  # zmq+ipc: what a killed sender leaves
         # No transport options: a frozen (SIGSTOPped) peer is caught by the timeout on every
         # transport (over zmq its kernel still answers the keepalive probes).
         self.options: dict[str, Any] = {}
@@ -60,8 +60,9 @@ class Matrix:
         tag = f"fault-{os.getpid()}-{next(_ids)}"
         if self.transport in ("zmq+tcp", "torch+gloo"):
             return f"{self.transport}://127.0.0.1:{free_port()}"
-        self.urls.append(f"{self.transport}://{tag}")
-        return self.urls[-1]
+        if self.transport == "zmq+ipc":
+            self.socket_files.append(zmq_address(self.transport, tag, bind=True)[len("ipc://") :])
+        return f"{self.transport}://{tag}"
 
     def spawn(
         self, tag: str, role: str, *sessions: tuple[str, list[dict[str, Any]]], **args: Any
@@ -138,10 +139,9 @@ class Matrix:
         for conn in [*self.pipes, *self.controls.values()]:
             conn.close()
         # A sender this matrix killed could not remove its socket file: the peers are gone.
-        for url in self.urls:
-            if url.startswith("zmq+ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(zmq_address("zmq+ipc", url[len("zmq+ipc://") :], bind=True)[6:])
+        for path in self.socket_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 # -- what a fault must produce ---------------------------------------------------------------
