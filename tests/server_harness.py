@@ -10,7 +10,6 @@ importing :mod:`streamsync.vllm.native`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -22,9 +21,9 @@ from typing import Any
 
 import pytest
 import requests
-from vllm_harness import PROMPTS
+from vllm_harness import PROMPTS, remove_vllm_segments, vllm_segments
 
-from streamsync.testing.peers import free_port, held_elsewhere
+from streamsync.testing.peers import free_port
 
 __all__ = ["ROOT", "Server", "plugin_dir", "start_server", "stop_server", "trainer_engine"]
 
@@ -129,7 +128,7 @@ def start_server(
         json.dumps({"backend": "streamsync"}),
         *extra,
     ]
-    before = _vllm_segments()
+    before = vllm_segments()
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", str(model), proc, log, before)
@@ -147,25 +146,16 @@ def start_server(
     pytest.fail(f"the vLLM server did not come up within {START_TIMEOUT:g} s:\n{server.tail()}")
 
 
-def _vllm_segments() -> frozenset[str]:
-    return frozenset(n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_"))
-
-
 def stop_server(server: Server) -> None:
-    """Stop the server as a deployment does (SIGTERM), then remove the shared-memory
-    segments of its tensor-parallel workers: vLLM's CPU communicator leaves them in
-    /dev/shm when its server stops (4 MiB per worker, by SIGTERM or SIGINT alike). Only
-    segments that appeared while it ran and that no live process holds are removed."""
+    """Stop the server as a deployment does (SIGTERM; SIGINT leaves the same), then remove
+    the shared-memory segments its tensor-parallel workers left."""
     server.proc.terminate()
     try:
         server.proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         server.proc.kill()
         server.proc.wait(timeout=30)
-    new = {f"/dev/shm/{n}" for n in _vllm_segments() - server.segments_before}
-    for path in new - held_elsewhere(new):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    remove_vllm_segments(server.segments_before)
 
 
 def trainer_engine(server: Server, source: Any, **options: Any) -> Any:

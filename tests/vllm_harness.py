@@ -3,6 +3,7 @@ outputs of the trainer's Transformers model."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from typing import Any
@@ -16,12 +17,13 @@ from streamsync.cli.verify import (
     PROMPTS,
     Outputs,
     engine_outputs,
-    make_llm,
     outputs_from,
     reference_outputs,
     sampling,
 )
+from streamsync.cli.verify import make_llm as _make_llm
 from streamsync.engine.loops import EventLoopThread
+from streamsync.testing.peers import held_elsewhere
 
 __all__ = [
     "LONG_PROMPT",
@@ -37,9 +39,11 @@ __all__ = [
     "make_llm",
     "outputs_from",
     "reference_outputs",
+    "remove_vllm_segments",
     "sampling",
     "shutdown",
     "sync",
+    "vllm_segments",
 ]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -47,8 +51,35 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engin
 TOL = 1e-5
 
 
+def vllm_segments() -> frozenset[str]:
+    """vLLM's CPU tensor-parallel shared-memory segments in /dev/shm now."""
+    return frozenset(n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_"))
+
+
+def remove_vllm_segments(before: frozenset[str]) -> None:
+    """Remove the segments vLLM's CPU tensor-parallel workers left behind (4 MiB each: its
+    communicator does not unlink them when its engine or server stops): those that appeared
+    since ``before`` and that no live process holds."""
+    new = {f"/dev/shm/{n}" for n in vllm_segments() - before}
+    for path in new - held_elsewhere(new):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+_SEGMENTS_BEFORE: dict[int, frozenset[str]] = {}
+
+
+def make_llm(*args: Any, **kwargs: Any) -> Any:
+    """:func:`streamsync.cli.verify.make_llm`; :func:`shutdown` cleans up after it."""
+    before = vllm_segments()
+    llm = _make_llm(*args, **kwargs)
+    _SEGMENTS_BEFORE[id(llm)] = before
+    return llm
+
+
 def shutdown(llm: Any) -> None:
     """Free an engine before the next one starts (2 cores, shared memory budget)."""
+    before = _SEGMENTS_BEFORE.pop(id(llm), None)
     import contextlib
 
     from vllm.distributed.parallel_state import (
@@ -64,6 +95,8 @@ def shutdown(llm: Any) -> None:
     destroy_model_parallel()
     destroy_distributed_environment()
     gc.collect()
+    if before is not None:
+        remove_vllm_segments(before)
 
 
 # The trainer's event loop lives for the whole session, as in a real training run: the
