@@ -4,12 +4,20 @@ Every byte a sync moves on the CPU (packing into a slot, a fused cast, reassembl
 ``ModuleSink``'s copies) goes through here. Two mechanisms, neither of which touches the
 process-wide torch thread count (``torch.get_num_threads()`` is never changed):
 
-* **Same dtype, both sides contiguous: a ``memmove``** (``ctypes.memmove``, which releases
-  the GIL). Small ones run inline on the calling thread, costing well under a microsecond
+* **Same dtype, both sides contiguous: a ``memmove``** (the compiled kernel of
+  :mod:`streamsync.wire.patch`, else ``ctypes.memmove``; both release the GIL). Small ones
+  run inline on the calling thread, many in one call, costing well under a microsecond
   each, so a bucket of thousands of small tensors pays no per-tensor fixed cost worth the
   name; large ones are split into pieces of at least :data:`PIECE_BYTES` across the pool.
-* **Anything else (a cast, a non-contiguous source or destination): ``Tensor.copy_`` on a
-  pool thread**, split into pieces across the pool when large. Each pool thread has set its
+  The kernel's copies of 64 KiB and more use non-temporal stores (they bypass the cache):
+  what a sync writes is not read again by the writing thread, and glibc's ``memmove``
+  streams only above a threshold derived from the cache size the CPU reports, which a VM
+  may report as its host's (48 MiB here: below it, glibc copied at about half the speed).
+* **fp32 to bf16, both contiguous (the fused cast): the kernel's cast** on the pool, which
+  rounds bit for bit as torch does and stores past the cache, about 1.5 times torch's
+  single-threaded ``copy_`` here; torch casts a piece that holds a NaN.
+* **Anything else (another cast, a non-contiguous source or destination): ``Tensor.copy_``
+  on a pool thread**, split into pieces across the pool when large. Each pool thread has set its
   own OpenMP thread count to 1 (``omp_set_num_threads`` changes the calling thread's
   setting only, and torch reads it per thread), so these copies run single-threaded and never
   open an OpenMP parallel region.
@@ -45,6 +53,8 @@ __all__ = [
     "CopyBatch",
     "MovePlan",
     "clone",
+    "kernel_cast",
+    "large_copy",
     "POOL_THREADS",
     "copy_tensors",
     "memmove_many",
@@ -185,6 +195,16 @@ def _memmove_batch() -> Callable[[int, int], Any] | None:
     return None if lib is None else lib.ss_memmove_many  # type: ignore[no-any-return]
 
 
+@functools.cache
+def large_copy() -> Callable[[int, int, int], Any]:
+    """How a large move (or a piece of one) is copied: the compiled kernel's ``ss_copy``,
+    which streams past the cache, else ``ctypes.memmove``."""
+    from streamsync.wire.patch import _library
+
+    lib = _library()
+    return ctypes.memmove if lib is None else lib.ss_copy  # type: ignore[no-any-return]
+
+
 #: Small moves below this count go through ctypes one by one (a batch costs an array).
 _BATCH_FROM = 4
 
@@ -205,7 +225,7 @@ def memmove_many(moves: Iterable[Move]) -> None:
             step = -(-nbytes // count)
             submit = _pool.get().submit
             for lo in range(0, nbytes, step):
-                futures.append(submit(memmove, dst + lo, src + lo, min(step, nbytes - lo)))
+                futures.append(submit(large_copy(), dst + lo, src + lo, min(step, nbytes - lo)))
         batch = _memmove_batch() if len(small) >= 3 * _BATCH_FROM else None
         if batch is not None:
             packed = array.array("q", small)
@@ -248,13 +268,14 @@ class MovePlan:
         try:
             if self._large:
                 submit = _pool.get().submit
+                copy = large_copy()
                 for dst, src, nbytes in self._large:
                     count = _pieces(nbytes)
                     step = -(-nbytes // count)
                     for lo in range(0, nbytes, step):
                         futures.append(
                             submit(
-                                ctypes.memmove,
+                                copy,
                                 dst_base + dst + lo,
                                 src_base + src + lo,
                                 min(step, nbytes - lo),
@@ -276,6 +297,37 @@ class MovePlan:
 def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     with torch.no_grad():  # grad mode is per thread
         dst.copy_(src)
+
+
+@functools.cache
+def _cast_kernel() -> Callable[[int, int, int], int] | None:
+    """The compiled kernel's fp32 -> bf16 cast (``ss_cast_f32_bf16``), or ``None``."""
+    from streamsync.wire.patch import _library
+
+    lib = _library()
+    return None if lib is None else lib.ss_cast_f32_bf16  # type: ignore[no-any-return]
+
+
+def kernel_cast(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for contiguous fp32 ``src`` and bf16 ``dst``: the compiled kernel,
+    which rounds as torch does and stores past the cache; a piece holding a NaN is cast by
+    torch (whose NaN bits differ between its own paths)."""
+    kernel = _cast_kernel()
+    if kernel is None or kernel(dst.data_ptr(), src.data_ptr(), dst.numel()) >= 0:
+        _torch_copy(dst, src)
+
+
+def _is_kernel_cast(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (
+        dst.dtype == torch.bfloat16
+        and src.dtype == torch.float32
+        and dst.is_cpu
+        and src.is_cpu
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and _cast_kernel() is not None
+    )
 
 
 def _split(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -342,7 +394,8 @@ class CopyBatch:
                     _torch_copy(dst, src)  # another device: its own streams, no OpenMP
                     continue
                 submit = _pool.get().submit
-                futures.extend(submit(_torch_copy, d, s) for d, s in _split(dst, src))
+                copy = kernel_cast if _is_kernel_cast(dst, src) else _torch_copy
+                futures.extend(submit(copy, d, s) for d, s in _split(dst, src))
             memmove_many(moves)
         finally:
             _wait(futures)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import streamsync as ss
 from streamsync import _copies as copies
@@ -268,3 +270,80 @@ def test_pack_and_unpack_across_pieces_chunks_and_tiny_tensors(
         want = tensor.to(torch.bfloat16) if cast and tensor.dtype == torch.float32 else tensor
         assert torch.equal(got[name], want), name
     assert ss.__version__
+
+
+# -- the compiled kernel's copies: streamed past the cache, and the fp32 -> bf16 cast -----------
+needs_kernel = pytest.mark.skipif(
+    __import__("streamsync.wire.patch", fromlist=["kernel"]).kernel() != "c",
+    reason="no C compiler here: the copies use ctypes.memmove and torch (tested above)",
+)
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    nbytes=st.integers(0, 300_000),
+    dst_at=st.integers(0, 31),
+    src_at=st.integers(0, 31),
+    seed=st.integers(0, 2**16),
+)
+def test_the_streaming_copy_moves_exactly_its_bytes(
+    nbytes: int, dst_at: int, src_at: int, seed: int
+) -> None:
+    # Sizes on both sides of the kernel's 64 KiB streaming threshold, any alignment: the
+    # bytes arrive and nothing around them is written, whether one copy or many in a batch.
+    src = _source(nbytes + 32, torch.uint8, seed=seed)
+    for run in (
+        lambda d, s: copies.large_copy()(d, s, nbytes),
+        lambda d, s: copies.memmove_many([(d, s, nbytes)] * 4),
+    ):
+        dst = torch.zeros(nbytes + 64, dtype=torch.uint8)
+        run(dst.data_ptr() + dst_at, src.data_ptr() + src_at)
+        assert torch.equal(dst[dst_at : dst_at + nbytes], src[src_at : src_at + nbytes])
+        assert not dst[:dst_at].any() and not dst[dst_at + nbytes :].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shift", [-4096, -1, 1, 4096])
+def test_the_streaming_copy_of_overlapping_ranges_is_a_memmove(shift: int) -> None:
+    nbytes = 1 << 20
+    buf = _source(nbytes + 8192, torch.uint8, seed=3)
+    want = buf.clone()
+    src = 4096
+    want[src + shift : src + shift + nbytes] = buf[src : src + nbytes].clone()
+    copies.large_copy()(buf.data_ptr() + src + shift, buf.data_ptr() + src, nbytes)
+    assert torch.equal(buf, want)
+
+
+_FLOAT_BITS = st.one_of(
+    st.integers(-(2**31), 2**31 - 1),  # any pattern: normals, denormals, infinities, NaNs
+    st.sampled_from([0x7F800000, -0x00800000, 0x7F7FFFFF, 0x00000001, 0x3F808000, 0x3F818000]),
+)
+
+
+@needs_kernel
+@settings(max_examples=200, deadline=None)
+@given(bits=st.lists(_FLOAT_BITS, max_size=70), at=st.integers(0, 7))
+def test_the_kernel_cast_rounds_every_float_as_torch_does(bits: list[int], at: int) -> None:
+    # Through copy_tensors, at any alignment of the destination: every number rounds to the
+    # very bf16 torch gives (ties to even, infinities, denormals); a NaN stays a NaN.
+    src = torch.tensor([0] * at + bits, dtype=torch.int32).view(torch.float32)[at:]
+    got = torch.full((len(bits) + at,), 7.0, dtype=torch.bfloat16)[at:]
+    copies.copy_tensors([(got, src)])
+    want = src.to(torch.bfloat16)
+    nan = torch.isnan(src)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert bool(torch.isnan(got[nan]).all())
+
+
+@needs_kernel
+def test_a_piece_of_a_cast_holding_a_nan_is_cast_by_torch() -> None:
+    # Large enough to be split across the pool; the NaN's piece is torch's, bit for bit.
+    src = _source(3 * PIECE // 4 + 5, torch.float32, seed=9)
+    src[len(src) // 2] = float("nan")
+    got = torch.empty(len(src), dtype=torch.bfloat16)
+    copies.copy_tensors([(got, src)])
+    pieces = copies._split(got, src)
+    assert len(pieces) == copies.POOL_THREADS
+    for g, s in pieces:
+        assert torch.equal(g.view(torch.int16), s.to(torch.bfloat16).view(torch.int16))

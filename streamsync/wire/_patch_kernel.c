@@ -1,8 +1,13 @@
-/* The one-pass comparison behind streamsync.wire.patch: built on first use with the
- * system's C compiler (cc -O3), called through ctypes (which releases the GIL, so pieces of
- * one tensor run on several threads). Without a compiler, torch does the same work. */
+/* The one-pass comparison behind streamsync.wire.patch, and the copies of
+ * streamsync._copies: built on first use with the system's C compiler (cc -O3), called
+ * through ctypes (which releases the GIL, so pieces of one tensor run on several threads).
+ * Without a compiler, torch and ctypes.memmove do the same work. */
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
 
 #define KERNELS(SUFFIX, T)                                                                   \
     static inline T load_##SUFFIX(const unsigned char *p) {                                 \
@@ -117,11 +122,108 @@ int64_t ss_check(const int32_t *pos32, const int64_t *pos64, int64_t k, int64_t 
     return -1;
 }
 
+/* Copies from this size up bypass the cache: a sync's destination (a slot another process
+ * reads, a model's weights) is not read again by this thread, and glibc's memmove only
+ * streams from a threshold it derives from the cache size it is told (48 MiB on a VM that
+ * reports a host's cache), below which it runs at about half the speed. */
+#define STREAM_FROM 65536
+
+/* memmove(dst, src, n), with non-temporal stores where the two do not overlap and n is at
+ * least STREAM_FROM. The closing sfence orders the stores before whatever tells the reader
+ * the bytes are there. */
+static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
+#if defined(__SSE2__)
+    uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+    if (n >= STREAM_FROM && (d + n <= s || s + n <= d)) {
+        size_t head = (size_t)(-d & 15u);
+        memcpy(dst, src, head);
+        dst += head;
+        src += head;
+        n -= head;
+        for (size_t blocks = n / 64; blocks; blocks--) {
+            _mm_prefetch((const char *)src + 1024, _MM_HINT_NTA);
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), e);
+            src += 64;
+            dst += 64;
+        }
+        n %= 64;
+        _mm_sfence();
+    }
+#endif
+    memmove(dst, src, n);
+}
+
+/* One copy (streamsync._copies, a large move or a piece of one). */
+void ss_copy(void *dst, const void *src, int64_t n) {
+    copy_bytes((unsigned char *)dst, (const unsigned char *)src, (size_t)n);
+}
+
+/* fp32 -> bf16 of `n` elements, rounding to nearest even (bit for bit what torch gives for
+ * every number), stored past the cache as ss_copy does. Returns -1 when done, or the index
+ * of the first block holding a NaN, where it stops (torch gives NaNs different bits on
+ * different paths, so the caller casts such a tensor with torch). */
+int64_t ss_cast_f32_bf16(unsigned char *dst, const unsigned char *src, int64_t n) {
+    int64_t i = 0;
+#if defined(__SSE2__)
+    for (; i < n && ((uintptr_t)(dst + 2 * i) & 15u); i++) {
+        uint32_t x;
+        memcpy(&x, src + 4 * i, 4);
+        if ((x & 0x7fffffffu) > 0x7f800000u) return i;
+        uint16_t c = bf16_of(x);
+        memcpy(dst + 2 * i, &c, 2);
+    }
+    const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000);
+    const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff);
+    for (; i + 16 <= n; i += 16) {
+        const unsigned char *p = src + 4 * i;
+        _mm_prefetch((const char *)p + 1024, _MM_HINT_NTA);
+        __m128i x0 = _mm_loadu_si128((const __m128i *)p);
+        __m128i x1 = _mm_loadu_si128((const __m128i *)(p + 16));
+        __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 32));
+        __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 48));
+        __m128i nan = _mm_or_si128(
+            _mm_or_si128(_mm_cmpgt_epi32(_mm_and_si128(x0, abs_mask), inf),
+                         _mm_cmpgt_epi32(_mm_and_si128(x1, abs_mask), inf)),
+            _mm_or_si128(_mm_cmpgt_epi32(_mm_and_si128(x2, abs_mask), inf),
+                         _mm_cmpgt_epi32(_mm_and_si128(x3, abs_mask), inf)));
+        if (_mm_movemask_epi8(nan)) {
+            _mm_sfence();
+            return i;
+        }
+        /* x + 0x7fff + (bit 16 of x), then the high half, sign-extended so that the
+         * saturating pack keeps every bit. */
+#define SS_ROUND(x) \
+    _mm_srai_epi32(_mm_add_epi32(_mm_add_epi32(x, bias), _mm_and_si128(_mm_srli_epi32(x, 16), one)), 16)
+        __m128i lo = _mm_packs_epi32(SS_ROUND(x0), SS_ROUND(x1));
+        __m128i hi = _mm_packs_epi32(SS_ROUND(x2), SS_ROUND(x3));
+#undef SS_ROUND
+        _mm_stream_si128((__m128i *)(dst + 2 * i), lo);
+        _mm_stream_si128((__m128i *)(dst + 2 * i + 16), hi);
+    }
+    _mm_sfence();
+#endif
+    for (; i < n; i++) {
+        uint32_t x;
+        memcpy(&x, src + 4 * i, 4);
+        if ((x & 0x7fffffffu) > 0x7f800000u) return i;
+        uint16_t c = bf16_of(x);
+        memcpy(dst + 2 * i, &c, 2);
+    }
+    return -1;
+}
+
 /* `n` copies, each (destination address, source address, bytes) in `moves`: the many small
  * memmoves of a bucket in one call (streamsync._copies.memmove_many). */
 void ss_memmove_many(const int64_t *moves, int64_t n) {
     for (int64_t j = 0; j < n; j++) {
-        memmove((void *)(intptr_t)moves[3 * j], (const void *)(intptr_t)moves[3 * j + 1],
-                (size_t)moves[3 * j + 2]);
+        copy_bytes((unsigned char *)(intptr_t)moves[3 * j],
+                   (const unsigned char *)(intptr_t)moves[3 * j + 1], (size_t)moves[3 * j + 2]);
     }
 }

@@ -134,6 +134,10 @@ def _library() -> Any:
         lib.ss_check.restype = i64
         lib.ss_memmove_many.argtypes = [p, i64]
         lib.ss_memmove_many.restype = None
+        lib.ss_copy.argtypes = [p, p, i64]
+        lib.ss_copy.restype = None
+        lib.ss_cast_f32_bf16.argtypes = [p, p, i64]
+        lib.ss_cast_f32_bf16.restype = i64
         return lib
     return None
 

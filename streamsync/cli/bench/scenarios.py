@@ -162,7 +162,10 @@ TRANSPORTS: dict[str, TransportSpec] = {
 BOUNDS = {
     "memcpy": "one memcpy of the model's tensors",
     "two_copy_serial": "two memcpys back to back in one process (memcpy / 2)",
-    "two_copy_parallel": "two memcpys at once, in two processes",
+    "two_copy_parallel": (
+        "two memcpys at once, in two processes, one thread each"
+        " (the faster of glibc's memmove and the library's streaming copy)"
+    ),
     "raw_pyzmq_ipc": "raw pyzmq PUSH/PULL over ipc, bucket-sized messages",
     "raw_pyzmq_tcp": "raw pyzmq PUSH/PULL over tcp loopback, bucket-sized messages",
     "verl_shm": "verl's shared-memory path (one buffer, ZMQ REQ/REP), dense bf16, best bucket",
