@@ -13,9 +13,10 @@ process-wide torch thread count (``torch.get_num_threads()`` is never changed):
   what a sync writes is not read again by the writing thread, and glibc's ``memmove``
   streams only above a threshold derived from the cache size the CPU reports, which a VM
   may report as its host's (48 MiB here: below it, glibc copied at about half the speed).
-* **fp32 to bf16, both contiguous (the fused cast): the kernel's cast** on the pool, which
-  rounds bit for bit as torch does and stores past the cache, about 1.5 times torch's
-  single-threaded ``copy_`` here; torch casts a piece that holds a NaN.
+* **fp32 to bf16 and back, both contiguous (the fused casts): the kernel's cast** on the
+  pool, bit for bit what torch gives (rounding to nearest even), stored past the cache:
+  about 1.5 times torch's single-threaded ``copy_`` here; torch casts an fp32 piece that
+  holds a NaN.
 * **Anything else (another cast, a non-contiguous source or destination): ``Tensor.copy_``
   on a pool thread**, split into pieces across the pool when large. Each pool thread has set its
   own OpenMP thread count to 1 (``omp_set_num_threads`` changes the calling thread's
@@ -299,34 +300,43 @@ def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+#: The casts the compiled kernel does, by (source, destination) dtype: its function's name,
+#: and whether it can refuse a piece (fp32 -> bf16 refuses one holding a NaN).
+_KERNEL_CASTS: Final = {
+    (torch.float32, torch.bfloat16): "ss_cast_f32_bf16",
+    (torch.bfloat16, torch.float32): "ss_cast_bf16_f32",
+}
+
+
 @functools.cache
-def _cast_kernel() -> Callable[[int, int, int], int] | None:
-    """The compiled kernel's fp32 -> bf16 cast (``ss_cast_f32_bf16``), or ``None``."""
+def _cast_kernel(src: torch.dtype, dst: torch.dtype) -> Callable[[int, int, int], Any] | None:
+    """The compiled kernel's cast from ``src`` to ``dst``, or ``None``."""
     from streamsync.wire.patch import _library
 
-    lib = _library()
-    return None if lib is None else lib.ss_cast_f32_bf16  # type: ignore[no-any-return]
+    name = _KERNEL_CASTS.get((src, dst))
+    lib = _library() if name is not None else None
+    return None if lib is None or name is None else getattr(lib, name)
 
 
 def kernel_cast(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for contiguous fp32 ``src`` and bf16 ``dst``: the compiled kernel,
-    which rounds as torch does and stores past the cache; a piece holding a NaN is cast by
-    torch (whose NaN bits differ between its own paths)."""
-    kernel = _cast_kernel()
-    if kernel is None or kernel(dst.data_ptr(), src.data_ptr(), dst.numel()) >= 0:
+    """``dst.copy_(src)`` for contiguous tensors of a pair the kernel casts (fp32 <-> bf16):
+    bit for bit what torch gives, stored past the cache. A piece that fp32 -> bf16 holds a
+    NaN in is cast by torch (whose NaN bits differ between its own paths), as is any piece
+    without the kernel."""
+    kernel = _cast_kernel(src.dtype, dst.dtype)
+    refused = kernel(dst.data_ptr(), src.data_ptr(), dst.numel()) if kernel is not None else 0
+    if refused is not None and refused >= 0:  # None: a cast that cannot refuse
         _torch_copy(dst, src)
 
 
 def _is_kernel_cast(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return (
-        dst.dtype == torch.bfloat16
-        and src.dtype == torch.float32
-        and dst.is_cpu
+        dst.is_cpu
         and src.is_cpu
         and dst.shape == src.shape
         and dst.is_contiguous()
         and src.is_contiguous()
-        and _cast_kernel() is not None
+        and _cast_kernel(src.dtype, dst.dtype) is not None
     )
 
 

@@ -337,6 +337,28 @@ def test_the_kernel_cast_rounds_every_float_as_torch_does(bits: list[int], at: i
 
 
 @needs_kernel
+@pytest.mark.parametrize("where", [0, 1, 15, 16, 999])
+def test_a_nan_anywhere_leaves_the_whole_cast_to_torch(where: int) -> None:
+    # First element included: the kernel's "stopped at 0" is not "done".
+    src = _source(1000, torch.float32, seed=where)
+    src[where] = float("nan")
+    got = torch.zeros(1000, dtype=torch.bfloat16)
+    copies.copy_tensors([(got, src)])
+    assert torch.equal(got.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+
+
+@needs_kernel
+@settings(max_examples=200, deadline=None)
+@given(halves=st.lists(st.integers(-(2**15), 2**15 - 1), max_size=70), at=st.integers(0, 7))
+def test_the_kernel_upcast_is_torchs_bit_for_bit(halves: list[int], at: int) -> None:
+    # bf16 -> fp32 of every pattern, NaNs too, at any alignment of the destination.
+    src = torch.tensor(halves, dtype=torch.int16).view(torch.bfloat16)
+    got = torch.full((len(halves) + at,), 7.0)[at:]
+    copies.copy_tensors([(got, src)])
+    assert torch.equal(got.view(torch.int32), src.to(torch.float32).view(torch.int32))
+
+
+@needs_kernel
 def test_a_piece_of_a_cast_holding_a_nan_is_cast_by_torch() -> None:
     # Large enough to be split across the pool; the NaN's piece is torch's, bit for bit.
     src = _source(3 * PIECE // 4 + 5, torch.float32, seed=9)

@@ -219,6 +219,38 @@ int64_t ss_cast_f32_bf16(unsigned char *dst, const unsigned char *src, int64_t n
     return -1;
 }
 
+/* bf16 -> fp32 of `n` elements (exact: the 16 bits become the high half, as in torch),
+ * stored past the cache as ss_copy does. */
+void ss_cast_bf16_f32(unsigned char *dst, const unsigned char *src, int64_t n) {
+    int64_t i = 0;
+#if defined(__SSE2__)
+    for (; i < n && ((uintptr_t)(dst + 4 * i) & 15u); i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * i, 2);
+        uint32_t x = (uint32_t)h << 16;
+        memcpy(dst + 4 * i, &x, 4);
+    }
+    const __m128i zero = _mm_setzero_si128();
+    for (; i + 16 <= n; i += 16) {
+        const unsigned char *p = src + 2 * i;
+        _mm_prefetch((const char *)p + 1024, _MM_HINT_NTA);
+        __m128i a = _mm_loadu_si128((const __m128i *)p);
+        __m128i b = _mm_loadu_si128((const __m128i *)(p + 16));
+        _mm_stream_si128((__m128i *)(dst + 4 * i), _mm_unpacklo_epi16(zero, a));
+        _mm_stream_si128((__m128i *)(dst + 4 * i + 16), _mm_unpackhi_epi16(zero, a));
+        _mm_stream_si128((__m128i *)(dst + 4 * i + 32), _mm_unpacklo_epi16(zero, b));
+        _mm_stream_si128((__m128i *)(dst + 4 * i + 48), _mm_unpackhi_epi16(zero, b));
+    }
+    _mm_sfence();
+#endif
+    for (; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * i, 2);
+        uint32_t x = (uint32_t)h << 16;
+        memcpy(dst + 4 * i, &x, 4);
+    }
+}
+
 /* `n` copies, each (destination address, source address, bytes) in `moves`: the many small
  * memmoves of a bucket in one call (streamsync._copies.memmove_many). */
 void ss_memmove_many(const int64_t *moves, int64_t n) {

@@ -138,6 +138,8 @@ def _library() -> Any:
         lib.ss_copy.restype = None
         lib.ss_cast_f32_bf16.argtypes = [p, p, i64]
         lib.ss_cast_f32_bf16.restype = i64
+        lib.ss_cast_bf16_f32.argtypes = [p, p, i64]
+        lib.ss_cast_bf16_f32.restype = None
         return lib
     return None
 
