@@ -1,7 +1,7 @@
 """The library's copies, with a parallelism it controls.
 
 Every byte a sync moves on the CPU (packing into a slot, a fused cast, reassembling chunks,
-``ModuleSink``'s copies) goes through here. Two mechanisms, neither of which touches the
+``ModuleSink``'s copies) goes through here. Three mechanisms, none of which touches the
 process-wide torch thread count (``torch.get_num_threads()`` is never changed):
 
 * **Same dtype, both sides contiguous: a ``memmove``** (the compiled kernel of
@@ -9,7 +9,7 @@ process-wide torch thread count (``torch.get_num_threads()`` is never changed):
   run inline on the calling thread, many in one call, costing well under a microsecond
   each, so a bucket of thousands of small tensors pays no per-tensor fixed cost worth the
   name; large ones are split into pieces of at least :data:`PIECE_BYTES` across the pool.
-  The kernel's copies of 64 KiB and more use non-temporal stores (they bypass the cache):
+  The kernel's copies of 4 KiB and more use non-temporal stores (they bypass the cache):
   what a sync writes is not read again by the writing thread, and glibc's ``memmove``
   streams only above a threshold derived from the cache size the CPU reports, which a VM
   may report as its host's (48 MiB here: below it, glibc copied at about half the speed).
@@ -300,8 +300,7 @@ def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-#: The casts the compiled kernel does, by (source, destination) dtype: its function's name,
-#: and whether it can refuse a piece (fp32 -> bf16 refuses one holding a NaN).
+#: The casts the compiled kernel does: its function for each (source, destination) dtype.
 _KERNEL_CASTS: Final = {
     (torch.float32, torch.bfloat16): "ss_cast_f32_bf16",
     (torch.bfloat16, torch.float32): "ss_cast_bf16_f32",
@@ -320,9 +319,9 @@ def _cast_kernel(src: torch.dtype, dst: torch.dtype) -> Callable[[int, int, int]
 
 def kernel_cast(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for contiguous tensors of a pair the kernel casts (fp32 <-> bf16):
-    bit for bit what torch gives, stored past the cache. A piece that fp32 -> bf16 holds a
-    NaN in is cast by torch (whose NaN bits differ between its own paths), as is any piece
-    without the kernel."""
+    bit for bit what torch gives, stored past the cache. Torch casts instead where there is
+    no kernel, and where the fp32 -> bf16 kernel refuses a piece for holding a NaN (torch's
+    NaN bits differ between its own paths)."""
     kernel = _cast_kernel(src.dtype, dst.dtype)
     refused = kernel(dst.data_ptr(), src.data_ptr(), dst.numel()) if kernel is not None else 0
     if refused is not None and refused >= 0:  # None: a cast that cannot refuse

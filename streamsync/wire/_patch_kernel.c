@@ -126,7 +126,7 @@ int64_t ss_check(const int32_t *pos32, const int64_t *pos64, int64_t k, int64_t 
  * reads, a model's weights) is not read again by this thread, and glibc's memmove only
  * streams from a threshold it derives from the cache size it is told (48 MiB on a VM that
  * reports a host's cache), below which it runs at about half the speed. */
-#define STREAM_FROM 65536
+#define STREAM_FROM 4096
 
 /* memmove(dst, src, n), with non-temporal stores where the two do not overlap and n is at
  * least STREAM_FROM. The closing sfence orders the stores before whatever tells the reader
