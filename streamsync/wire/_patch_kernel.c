@@ -129,8 +129,7 @@ int64_t ss_check(const int32_t *pos32, const int64_t *pos64, int64_t k, int64_t 
 #define STREAM_FROM 4096
 
 /* memmove(dst, src, n), with non-temporal stores where the two do not overlap and n is at
- * least STREAM_FROM. The closing sfence orders the stores before whatever tells the reader
- * the bytes are there. */
+ * least STREAM_FROM. The caller ends with fence(), once for all its copies. */
 static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
 #if defined(__SSE2__)
     uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
@@ -154,15 +153,22 @@ static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
             dst += 64;
         }
         n %= 64;
-        _mm_sfence();
     }
 #endif
     memmove(dst, src, n);
 }
 
+/* Orders the non-temporal stores before whatever tells the reader the bytes are there. */
+static inline void fence(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
 /* One copy (streamsync._copies, a large move or a piece of one). */
 void ss_copy(void *dst, const void *src, int64_t n) {
     copy_bytes((unsigned char *)dst, (const unsigned char *)src, (size_t)n);
+    fence();
 }
 
 /* fp32 -> bf16 of `n` elements, rounding to nearest even (bit for bit what torch gives for
@@ -258,4 +264,5 @@ void ss_memmove_many(const int64_t *moves, int64_t n) {
         copy_bytes((unsigned char *)(intptr_t)moves[3 * j],
                    (const unsigned char *)(intptr_t)moves[3 * j + 1], (size_t)moves[3 * j + 2]);
     }
+    fence();
 }
