@@ -203,6 +203,9 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
         "command",
     } <= set(data)
     assert {"memcpy", "two_copy_parallel"} <= set(data["bounds"])
+    pair = data["bounds"]["two_copy_parallel"]  # both copies measured, the faster kept
+    assert set(pair["by_copy"]) == {"memmove", "stream"}
+    assert pair["gbps"] == max(g for samples in pair["by_copy"].values() for g in samples)
     if "shm" in here:
         verl = data["bounds"]["verl_shm"]  # the baseline ran, moved the model and checked it
         assert verl["gbps"] > 0 and verl["bucket_bytes"] == 64 << 20
