@@ -171,6 +171,24 @@ void ss_copy(void *dst, const void *src, int64_t n) {
     fence();
 }
 
+/* Element i of the casts below, one at a time (before the aligned blocks, and after):
+ * fp32 -> bf16 returns 1, writing nothing, when the element is a NaN. */
+static inline int cast_f32_bf16_at(unsigned char *dst, const unsigned char *src, int64_t i) {
+    uint32_t x;
+    memcpy(&x, src + 4 * i, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 1;
+    uint16_t c = bf16_of(x);
+    memcpy(dst + 2 * i, &c, 2);
+    return 0;
+}
+
+static inline void cast_bf16_f32_at(unsigned char *dst, const unsigned char *src, int64_t i) {
+    uint16_t h;
+    memcpy(&h, src + 2 * i, 2);
+    uint32_t x = (uint32_t)h << 16;
+    memcpy(dst + 4 * i, &x, 4);
+}
+
 /* fp32 -> bf16 of `n` elements, rounding to nearest even (bit for bit what torch gives for
  * every number), stored past the cache as ss_copy does. Returns -1 when done, or the index
  * of the first block holding a NaN, where it stops (torch gives NaNs different bits on
@@ -179,11 +197,7 @@ int64_t ss_cast_f32_bf16(unsigned char *dst, const unsigned char *src, int64_t n
     int64_t i = 0;
 #if defined(__SSE2__)
     for (; i < n && ((uintptr_t)(dst + 2 * i) & 15u); i++) {
-        uint32_t x;
-        memcpy(&x, src + 4 * i, 4);
-        if ((x & 0x7fffffffu) > 0x7f800000u) return i;
-        uint16_t c = bf16_of(x);
-        memcpy(dst + 2 * i, &c, 2);
+        if (cast_f32_bf16_at(dst, src, i)) return i;
     }
     const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000);
     const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff);
@@ -216,11 +230,7 @@ int64_t ss_cast_f32_bf16(unsigned char *dst, const unsigned char *src, int64_t n
     _mm_sfence();
 #endif
     for (; i < n; i++) {
-        uint32_t x;
-        memcpy(&x, src + 4 * i, 4);
-        if ((x & 0x7fffffffu) > 0x7f800000u) return i;
-        uint16_t c = bf16_of(x);
-        memcpy(dst + 2 * i, &c, 2);
+        if (cast_f32_bf16_at(dst, src, i)) return i;
     }
     return -1;
 }
@@ -231,10 +241,7 @@ void ss_cast_bf16_f32(unsigned char *dst, const unsigned char *src, int64_t n) {
     int64_t i = 0;
 #if defined(__SSE2__)
     for (; i < n && ((uintptr_t)(dst + 4 * i) & 15u); i++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * i, 2);
-        uint32_t x = (uint32_t)h << 16;
-        memcpy(dst + 4 * i, &x, 4);
+        cast_bf16_f32_at(dst, src, i);
     }
     const __m128i zero = _mm_setzero_si128();
     for (; i + 16 <= n; i += 16) {
@@ -250,10 +257,7 @@ void ss_cast_bf16_f32(unsigned char *dst, const unsigned char *src, int64_t n) {
     _mm_sfence();
 #endif
     for (; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * i, 2);
-        uint32_t x = (uint32_t)h << 16;
-        memcpy(dst + 4 * i, &x, 4);
+        cast_bf16_f32_at(dst, src, i);
     }
 }
 
