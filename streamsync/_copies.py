@@ -187,23 +187,25 @@ def _pieces(nbytes: int) -> int:
 
 
 @functools.cache
+def _kernel(name: str) -> Callable[..., Any] | None:
+    """Function ``name`` of the compiled kernel (:func:`streamsync.wire.patch._library`),
+    or ``None`` without a C compiler."""
+    from streamsync.wire.patch import _library
+
+    lib = _library()
+    return None if lib is None else getattr(lib, name)
+
+
 def _memmove_batch() -> Callable[[int, int], Any] | None:
     """The compiled kernel's ``ss_memmove_many`` (many small moves in one call: a ctypes
     call costs about as much as moving 8 KiB), or ``None`` without a C compiler."""
-    from streamsync.wire.patch import _library
-
-    lib = _library()
-    return None if lib is None else lib.ss_memmove_many  # type: ignore[no-any-return]
+    return _kernel("ss_memmove_many")
 
 
-@functools.cache
 def large_copy() -> Callable[[int, int, int], Any]:
     """How a large move (or a piece of one) is copied: the compiled kernel's ``ss_copy``,
     which streams past the cache, else ``ctypes.memmove``."""
-    from streamsync.wire.patch import _library
-
-    lib = _library()
-    return ctypes.memmove if lib is None else lib.ss_copy  # type: ignore[no-any-return]
+    return _kernel("ss_copy") or ctypes.memmove
 
 
 #: Small moves below this count go through ctypes one by one (a batch costs an array).
@@ -307,14 +309,10 @@ _KERNEL_CASTS: Final = {
 }
 
 
-@functools.cache
 def _cast_kernel(src: torch.dtype, dst: torch.dtype) -> Callable[[int, int, int], Any] | None:
     """The compiled kernel's cast from ``src`` to ``dst``, or ``None``."""
-    from streamsync.wire.patch import _library
-
     name = _KERNEL_CASTS.get((src, dst))
-    lib = _library() if name is not None else None
-    return None if lib is None or name is None else getattr(lib, name)
+    return None if name is None else _kernel(name)
 
 
 def kernel_cast(dst: torch.Tensor, src: torch.Tensor) -> None:
