@@ -232,7 +232,7 @@ class ModuleSink:
         return plan
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
-        if isinstance(tensors, LaidOut):
+        if isinstance(tensors, LaidOut) and tensors.data.is_cpu:  # memmoves: host memory only
             planned = self._moves(tensors.plan)
             if planned is not None:
                 moves, names = planned

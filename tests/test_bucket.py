@@ -673,3 +673,32 @@ def test_module_sink_reports_each_name_once_when_a_bucket_comes_twice() -> None:
     sink.load(batch_a)
     sink.load(batch_a)
     assert sink.finalize() == ss.LoadResult(loaded=("a",), missing=("b",))
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["all-moves", "moves-and-a-cast"])
+def test_a_device_slot_gets_torch_copies_never_a_host_memmove(
+    monkeypatch: pytest.MonkeyPatch, cast: bool
+) -> None:
+    # cuda-ipc:// packs into a GPU slot: a memmove there writes to a device address from the
+    # host (a segfault on the first GPU run). The meta device stands in for the GPU here.
+    def build() -> bucket_module.Bucket:
+        rule = (
+            (lambda _name, dtype: torch.bfloat16 if dtype == torch.float32 else None)
+            if cast
+            else None
+        )
+        builder = BucketBuilder(4096, cast=rule)
+        for name, t in [("a", torch.randn(5)), ("b", torch.arange(7)), ("c", torch.ones(3, 2))]:
+            assert list(builder.add(name, t)) == []
+        done = builder.flush()
+        assert done is not None
+        return done
+
+    expected = build().pack_into(torch.empty(4096, dtype=torch.uint8))
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a host memmove into a device's slot")
+
+    monkeypatch.setattr(bucket_module, "MovePlan", refuse)
+    monkeypatch.setattr(bucket_module.CopyBatch, "move", refuse)
+    assert build().pack_into(torch.empty(4096, dtype=torch.uint8, device="meta")) == expected

@@ -19,7 +19,7 @@ import streamsync as ss
 from streamsync.testing.conformance import TransportConformance
 from streamsync.testing.peers import free_port
 from streamsync.transports import open_receiver, open_sender
-from streamsync.transports.cuda_ipc import local_device
+from streamsync.transports.cuda_ipc import local_device, remove_leftovers, wait_ended
 from streamsync.transports.zeromq import zmq_address
 
 # Real channels that wait out refusals and timeouts, a second or two each: in make test,
@@ -234,6 +234,54 @@ class TestCudaIpc(TransportConformance):
         return _url("cuda-ipc://" + tag + "-{tag}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_ipc_into_a_host_module_three_times() -> None:
+    # From the second sync the layout is recognised: ModuleSink's memmove plan must not read
+    # the GPU slot from the host (torch copies instead). The third is a delta whose patch is
+    # read from a host copy of the slot.
+    module = torch.nn.Linear(64, 32)
+    sent = {n: torch.randn_like(t) for n, t in module.state_dict().items()}
+    url = _url("cuda-ipc://{tag}")
+    async with (
+        open_sender(url, connect_timeout=5) as tx,
+        open_receiver(url, connect_timeout=5) as rx,
+    ):
+        for step in range(3):
+            if step == 2:
+                sent["weight"][0, :3] += 1  # a patch of three elements
+            out = await run_both(
+                rx=lambda: ss.receive(rx, ss.ModuleSink(module), timeout=30),
+                tx=lambda: ss.send(sent, tx, timeout=30, delta=True),
+            )
+            assert isinstance(out["tx"], ss.SyncReport), out
+            for name, tensor in module.state_dict().items():
+                assert torch.equal(tensor, sent[name]), (step, name)
+        assert out["tx"].delta is not None and out["tx"].delta.sparse == 1, out
+
+
+def test_leftovers_of_an_ended_sender_are_removed_and_a_live_ones_kept(tmp_path: Any) -> None:
+    # A SIGKILLed cuda-ipc sender leaves torch's reference count and the driver's event file
+    # in /dev/shm; the receiver removes them once that process has ended, and only then.
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    live = os.getpid()
+    names = {
+        ended.pid: [f"torch_{ended.pid}_123_0", f"cuda.shm.0.{ended.pid:x}.1"],
+        live: [f"torch_{live}_456_0", f"cuda.shm.0.{live:x}.1"],
+    }
+    for files in names.values():
+        for name in files:
+            (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "unrelated").write_bytes(b"x")
+    kept = {p.name for p in tmp_path.iterdir()} - set(names[ended.pid])
+    removed = remove_leftovers(ended.pid, f"/torch_{ended.pid}_123_0".encode(), str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == sorted(names[ended.pid])
+    assert remove_leftovers(live, f"/torch_{live}_456_0".encode(), str(tmp_path)) == []
+    # Another pid's count is never taken for this one's.
+    assert remove_leftovers(ended.pid, f"/torch_{live}_456_0".encode(), str(tmp_path)) == []
+    assert {p.name for p in tmp_path.iterdir()} == kept
+
+
 # -- torch+gloo / torch+nccl ------------------------------------------------------------
 async def test_torch_gloo_receiver_that_never_joins_times_out_everyone() -> None:
     # Two receivers expected, one comes and waits: the sender's join timeout ends the sync.
@@ -404,3 +452,13 @@ async def test_neither_zmq_side_sends_zeromq_heartbeats(scheme: str) -> None:
             assert sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == 2
             assert sock.getsockopt(zmq.TCP_KEEPALIVE_INTVL) == 2
             assert sock.getsockopt(zmq.TCP_KEEPALIVE_CNT) == 3
+
+
+def test_waiting_for_a_sender_to_end_returns_when_it_has() -> None:
+    # Not reaped here: a zombie has ended, as a SIGKILLed sender has before its parent waits.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        assert wait_ended(child.pid, 30.0)
+    finally:
+        child.wait()
+    assert not wait_ended(os.getpid(), 0.05)

@@ -73,7 +73,7 @@ def digest(name: str, tensor: torch.Tensor) -> str:
     """A digest of a named tensor's dtype, shape and exact bytes."""
     h = hashlib.sha256(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    h.update(flat.numpy().tobytes())
+    h.update((flat if flat.is_cpu else flat.cpu()).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -7,6 +7,12 @@ CUDA events, never a device-wide synchronise: a receiver's stream waits on the s
 interprocess event before reading it, and acks only after its sink's copies completed.
 Messages ride the unix link of ``shm://``. URL options: ``receivers``, ``slots``,
 ``slot_bytes``; keyword arguments: ``device`` (sender), ``secret``, ``connect_timeout``.
+
+A receiver in the sender's own process uses the sender's ring as it is (CUDA opens no handle
+in the process that exported it). A sender killed outright cannot remove the files torch and
+the CUDA driver keep in ``/dev/shm`` for its handles (``torch_<pid>_*``, the ring's reference
+count, and ``cuda.shm.*.<pid in hex>.*``, its interprocess events): a receiver that finds the
+sender's process gone when it closes removes them.
 """
 
 # torch's CUDA IPC helpers are untyped.
@@ -14,12 +20,16 @@ Messages ride the unix link of ``shm://``. URL options: ``receivers``, ``slots``
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import select
 from typing import Any
 
 import msgspec
 import torch
 
+from streamsync._log import log
 from streamsync.errors import ConfigError, WireFormatError
 from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import UnixDialer, UnixLink
@@ -34,6 +44,8 @@ __all__ = [
     "CudaSlots",
     "CudaView",
     "local_device",
+    "remove_leftovers",
+    "wait_ended",
     "TRANSPORT",
 ]
 
@@ -53,6 +65,64 @@ class CudaRing(msgspec.Struct, frozen=True, array_like=True):
     event_handle: bytes | None
     event_sync_required: bool
     slot_events: tuple[bytes, ...]
+
+
+#: This process's exported rings, by their description: a receiver in the same process
+#: takes the ring and its events from here.
+_OWN: dict[bytes, tuple[torch.Tensor, list[Any]]] = {}
+
+#: How long a receiver whose sender vanished waits for that process to end (it is exiting).
+_ENDING_S = 5.0
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie, not yet reaped by its parent, has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False  # cannot tell: leave its files alone
+    return state in ("Z", "X")
+
+
+def wait_ended(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for process ``pid`` to end; whether it has. A process
+    that was killed closes its sockets before it ends: a peer that saw the socket close
+    waits here for the rest."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return _gone(pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)  # readable once the process has ended
+        return bool(poller.poll(int(timeout * 1000))) or _gone(pid)
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(pid: int, ref_counter: bytes, shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove the ``shm_dir`` files that the ended sender ``pid`` left for its CUDA handles:
+    the ring's reference count (``ref_counter``, torch's name for it) and the driver's
+    event files. Only this uid's files, and only once ``pid`` has ended; returns the paths
+    removed."""
+    if pid <= 0 or not _gone(pid):
+        return []
+    name = os.path.basename(ref_counter.decode(errors="replace"))
+    paths = glob.glob(os.path.join(shm_dir, f"cuda.shm.*.{pid:x}.*"))
+    if name.startswith(f"torch_{pid}_"):
+        paths.append(os.path.join(shm_dir, name))
+    removed = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 def local_device(uuid: str, local_uuids: list[str], fallback: int) -> int:
@@ -115,6 +185,7 @@ class CudaSlots(SlotStore):
             )
         )
         torch.cuda.synchronize(self.device)  # the zeroed ring exists before anyone maps it
+        _OWN[self._handle] = (ring, self._events)
 
     def shared(self) -> Shared:
         return Shared(segment="cuda", layout=self._handle)
@@ -124,6 +195,7 @@ class CudaSlots(SlotStore):
         self._events[index].record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
+        _OWN.pop(self._handle, None)
         self._bufs = []
         self._events = []
         self._ring = None
@@ -132,11 +204,15 @@ class CudaSlots(SlotStore):
 class CudaView(SlotView):
     """Receiver side: the sender's ring rebuilt on the same physical device."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, link: UnixDialer) -> None:
+        self.url = link.url
+        self._link = link
         self.device: torch.device | None = None
         self._slots: list[torch.Tensor] = []
         self._events: list[Any] = []
+        #: Whose ring this is: the sender's pid and torch's name for the ring's count.
+        self._owner: tuple[int, bytes] | None = None
+        self._lost = False
 
     def attach(self, welcome: Welcome, fds: list[int]) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -155,9 +231,17 @@ class CudaView(SlotView):
             or len(ring.slot_events) != welcome.slots
         ):
             raise WireFormatError("the CUDA ring does not match its slot layout")
+        own = _OWN.get(welcome.layout)
+        if own is not None:
+            buf, events = own
+            self.device = buf.device
+            self._slots = list(buf.view(welcome.slots, welcome.slot_bytes).unbind(0))
+            self._events = events
+            return
         uuids = [_uuid(i) for i in range(torch.cuda.device_count())]
         index = local_device(ring.device_uuid, uuids, ring.device_index)
         self.device = torch.device("cuda", index)
+        self._owner = (self._link.peer_pid, ring.ref_counter_handle)
         buf = rebuild_cuda_tensor(
             torch.Tensor,
             torch.Size([ring.numel]),
@@ -189,9 +273,19 @@ class CudaView(SlotView):
         done.record(torch.cuda.current_stream(self.device))
         done.synchronize()
 
+    def lost(self) -> None:
+        self._lost = True
+
     def close(self) -> None:
         self._slots = []
         self._events = []
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            if self._lost:
+                wait_ended(owner[0], _ENDING_S)
+            removed = remove_leftovers(*owner)
+            if removed:
+                log("cuda_ipc.leftovers_removed", url=self.url, pid=owner[0], paths=removed)
 
 
 def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
@@ -204,7 +298,7 @@ def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
 
 def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
     link = UnixDialer("cuda-ipc", endpoint.target)
-    return LinkedReceiver(link, CudaView(link.url), **opts)
+    return LinkedReceiver(link, CudaView(link), **opts)
 
 
 #: ``cuda-ipc://NAME``: the entry point's object; the sender also takes ``device`` (its

@@ -352,6 +352,8 @@ class UnixDialer(ReceiverLink):
         self.url = f"{scheme}://{name}"
         self.address = unix_address(scheme, name)
         self._link: _Framed | None = None
+        #: The sender's pid, once connected (0 before).
+        self.peer_pid = 0
 
     async def connect(self) -> None:
         while True:
@@ -367,7 +369,7 @@ class UnixDialer(ReceiverLink):
                 sock.close()
                 raise
         self._link = _Framed(await UNIXSocketStream.from_socket(sock))
-        _check_owner(sock, self.url, "sender")
+        self.peer_pid = _check_owner(sock, self.url, "sender")
 
     async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
         assert self._link is not None

@@ -418,6 +418,7 @@ class LinkedReceiver(RingReceiver):
                 # one is awaited, would keep one more bucket alive (a zmq message).
                 del frame, payload, data
         except LinkLost as exc:
+            self.view.lost()
             self._queue_in.send_nowait(
                 PeerBrokenError(
                     f"{self.url}: the sender went away without closing the channel ({exc})"

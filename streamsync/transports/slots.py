@@ -91,6 +91,9 @@ class SlotView(ABC):
     def release(self, header: BucketHeader) -> None:  # noqa: B027 - optional hook
         """The sink is done with the bucket's bytes; its slot is acked next."""
 
+    def lost(self) -> None:  # noqa: B027 - optional hook
+        """The sender went away without closing the channel (its process may have died)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Let go of the slots."""
 

@@ -78,8 +78,8 @@ def allocate_slot(nbytes: int) -> torch.Tensor:
 
 
 def _digest(region: torch.Tensor) -> int:
-    """xxh3-64 of a uint8 tensor's bytes, read in place."""
-    return int(xxhash.xxh3_64_intdigest(region.numpy().data))
+    """xxh3-64 of a uint8 tensor's bytes, read in place (a device's, from a host copy)."""
+    return int(xxhash.xxh3_64_intdigest((region if region.is_cpu else region.cpu()).numpy().data))
 
 
 #: dtype -> (wire name, item size), filled as dtypes are first sent.
@@ -200,7 +200,10 @@ class Bucket:
                 f"slot of {buf.numel()} bytes is too small for a bucket of {self.nbytes}"
             )
         base = buf.data_ptr()
-        if 0 not in self.moves:
+        # A memmove reaches only host memory: into a device's slot (cuda-ipc://) every entry
+        # is a torch copy, a move's bytes as they are.
+        host = buf.is_cpu
+        if host and 0 not in self.moves:
             # The common case: every entry a plain memmove, in one batch.
             srcs = [t.data_ptr() for t in self.sources]
             MovePlan(self.offsets, srcs, self.sizes).run(base, 0)
@@ -210,8 +213,10 @@ class Bucket:
             for src, kind, move, offset, nbytes in zip(
                 self.sources, self.kinds, self.moves, self.offsets, self.sizes, strict=True
             ):
-                if move:
+                if move and host:
                     batch.move(base + offset, src.data_ptr(), nbytes)
+                elif move:
+                    batch.copy(buf[offset : offset + nbytes], src.reshape(-1).view(torch.uint8))
                 else:
                     region = buf[offset : offset + nbytes]
                     batch.copy(region.view(dtype_from_name(table[kind])).view(src.shape), src)
@@ -908,7 +913,9 @@ class Unpacker:
                 self.touched.append(entry.name)
             staging = pending.target
         else:
-            staging = self._grow_staging(entry.tensor_offset + entry.nbytes, pending.total)
+            staging = self._grow_staging(
+                entry.tensor_offset + entry.nbytes, pending.total, region.device
+            )
         copy_tensors([(staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes], region)])
         pending.next_chunk += 1
         pending.next_offset += entry.nbytes
@@ -927,8 +934,9 @@ class Unpacker:
         view = staging[: pending.total].view(pending.dtype).view(pending.shape)
         return (pending.name, view)
 
-    def _grow_staging(self, needed: int, total: int) -> torch.Tensor:
-        """The staging buffer, at least ``needed`` bytes long.
+    def _grow_staging(self, needed: int, total: int, device: torch.device) -> torch.Tensor:
+        """The staging buffer, at least ``needed`` bytes long, on ``device`` (the slots': a
+        GPU's for ``cuda-ipc://``, so chunks are not copied through the host).
 
         It grows with the bytes that actually arrived (at most doubling, never past the
         tensor's declared ``total``), never from the declared size alone: a header claiming
@@ -936,13 +944,18 @@ class Unpacker:
         the first sync only.
         """
         staging = self._staging
-        if staging is not None and staging.numel() >= needed:
+        if staging is not None and staging.numel() >= needed and staging.device == device:
             return staging
-        size = max(needed, min(total, 2 * (0 if staging is None else staging.numel())))
+        old = staging.numel() if staging is not None and staging.device == device else 0
+        size = max(needed, min(total, 2 * old))
         kept = self._pending.next_offset if self._pending is not None else 0
         if not kept:
             self._staging = staging = None  # free the old one before allocating the new one
-        grown = allocate_slot(size)
+        grown = (
+            allocate_slot(size)
+            if device.type == "cpu"
+            else torch.empty(size, dtype=torch.uint8, device=device)
+        )
         if staging is not None and kept:
             copy_tensors([(grown[:kept], staging[:kept])])
         self._staging = grown

@@ -258,9 +258,10 @@ def encode(patch: Patch, numel: int, itemsize: int, out: torch.Tensor) -> None:
 
 
 def decode(data: torch.Tensor, k: int, numel: int, itemsize: int) -> Patch:
-    """The positions and values of a patch entry's bytes (views into ``data``); the caller
-    has checked that ``data`` is :func:`patch_nbytes` long."""
-    raw = data.numpy()
+    """The positions and values of a patch entry's bytes (views into ``data``, or into a host
+    copy of a device's bytes); the caller has checked that ``data`` is :func:`patch_nbytes`
+    long."""
+    raw = (data if data.is_cpu else data.cpu()).numpy()
     pdt = position_dtype(numel)
     split = positions_nbytes(k, numel)
     pos = raw[: k * np.dtype(pdt).itemsize].view(pdt)
