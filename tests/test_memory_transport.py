@@ -12,6 +12,7 @@ from conftest import run_both
 import streamsync as ss
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink, fake_state_dict
 from streamsync.transports.memory import MemoryReceiver, MemorySender
+from streamsync.wire.frames import Abort, Failed
 
 
 class Recorder:
@@ -402,3 +403,17 @@ async def test_a_send_cancelled_while_receivers_join_tells_the_ones_waiting() ->
                 report = await ss.send(weights, tx, timeout=10, sync_id=8)
             assert report.complete and report.receivers == 2
             assert [[n for n, _ in s.items] for s in sinks] == [["w"], ["w"]]
+
+
+async def test_an_abort_after_every_receiver_closed_mid_sync_is_not_an_index_error() -> None:
+    # The last receiver to close clears the channel's roster; the sender's sync still counted
+    # it, and the abort that followed indexed the empty list (a race the overlapped send
+    # made likely: test_sink's partial-report test). The abort finds it gone and says why.
+    async with ss.open_sender("memory://roster") as tx, ss.open_receiver("memory://roster") as rx:
+        await tx.wait_ready(timeout=5)
+        await tx.begin(7, timeout=5)
+        # It failed the sync (a member that reported stays one), then closed.
+        tx.on_reply(Failed(7, 0, "ShapeMismatchError", "tensor 'c'"))
+        await rx.aclose()
+        with pytest.raises(ss.ReceiverFailedError, match="'c'"):
+            await tx.abort(Abort(7, "receiver 0 failed"))

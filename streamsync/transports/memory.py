@@ -114,9 +114,12 @@ class MemorySender(RingSender):
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:
         assert self._chan is not None
+        inboxes = self._chan.inboxes
         for index in sorted(self._members):
             try:
-                self._chan.inboxes[index].send_nowait(msg)
+                if index >= len(inboxes):  # every receiver closed: the roster was cleared
+                    raise anyio.ClosedResourceError
+                inboxes[index].send_nowait(msg)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self.on_left(
                     index, PeerBrokenError(f"memory://{self.name}: receiver {index} is gone")
