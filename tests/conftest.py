@@ -83,11 +83,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the engine tests' zmq+tcp)."""
-    from streamsync.testing.peers import free_port
-
-    return free_port()

@@ -129,7 +129,7 @@ def test_deltas_reach_the_drafter(tmp_path: Path) -> None:
 
 
 def test_deltas_into_a_tensor_parallel_engine(
-    tmp_path: Path, free_port: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """TP=2 (``mp`` executor, a core per worker): each worker keeps its own copies of the
     whole checkpoint tensors, patches them and loads its shard from them."""
@@ -141,7 +141,7 @@ def test_deltas_into_a_tensor_parallel_engine(
         str(tmp_path), dtype="bfloat16", tensor_parallel_size=2, distributed_executor_backend="mp"
     )
     try:
-        url = f"zmq+tcp://127.0.0.1:{free_port}"
+        url = "zmq+tcp://127.0.0.1:0"  # bound when the channel opens: no port to race for
         deltas_then_full(llm, trainer, url, cast(torch.bfloat16))
     finally:
         shutdown(llm)

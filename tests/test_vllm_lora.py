@@ -130,13 +130,13 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, torc
 
 
 def test_an_adapter_updated_three_times_serves_the_peft_model(
-    engine: tuple[Any, torch.nn.Module], free_port: int
+    engine: tuple[Any, torch.nn.Module],
 ) -> None:
     from streamsync.vllm import WeightSync
 
     llm, base = engine
     model = make_peft(base, seed=1)
-    endpoint = f"zmq+tcp://127.0.0.1:{free_port}"
+    endpoint = "zmq+tcp://127.0.0.1:0"  # bound when the channel opens
     with WeightSync(llm, endpoint, bucket_bytes=256 << 10, delta=True) as sync:
         # The peft model's base syncs as the plain model would (its own names, no adapter).
         train_base(model, seed=5)
@@ -184,7 +184,7 @@ def test_an_adapter_updated_three_times_serves_the_peft_model(
 
 
 def test_two_adapters_side_by_side_and_the_engines_limit(
-    engine: tuple[Any, torch.nn.Module], free_port: int
+    engine: tuple[Any, torch.nn.Module],
 ) -> None:
     from streamsync.vllm import WeightSync
 
@@ -192,7 +192,7 @@ def test_two_adapters_side_by_side_and_the_engines_limit(
     first = make_peft(base, seed=2)
     second = make_peft(base, seed=3)
     third = make_peft(base, seed=4)
-    with WeightSync(llm, f"zmq+tcp://127.0.0.1:{free_port}") as sync:
+    with WeightSync(llm, "zmq+tcp://127.0.0.1:0") as sync:
         sync.update(first)  # the base both adapters were trained on
         sync.update_lora("first", first)
         sync.update_lora("second", second)
@@ -230,14 +230,14 @@ def test_two_adapters_side_by_side_and_the_engines_limit(
 
 
 def test_bad_adapters_fail_by_name_and_the_previous_one_keeps_serving(
-    engine: tuple[Any, torch.nn.Module], free_port: int
+    engine: tuple[Any, torch.nn.Module],
 ) -> None:
     from streamsync.vllm import WeightSync
 
     llm, base = engine
     model = make_peft(base, seed=6)
     config = model.peft_config["default"]
-    with WeightSync(llm, f"zmq+tcp://127.0.0.1:{free_port}") as sync:
+    with WeightSync(llm, "zmq+tcp://127.0.0.1:0") as sync:
         sync.update(model)
         sync.update_lora("policy", model)
         want = reference_outputs(model, ALL)
@@ -280,7 +280,7 @@ def test_bad_adapters_fail_by_name_and_the_previous_one_keeps_serving(
         sync.remove_lora("policy")
 
 
-def test_an_engine_without_lora_is_told_by_name(tmp_path: Path, free_port: int) -> None:
+def test_an_engine_without_lora_is_told_by_name(tmp_path: Path) -> None:
     from streamsync.engine.channel import WeightSync as EngineWeightSync
     from streamsync.vllm import WeightSync
 
@@ -288,7 +288,7 @@ def test_an_engine_without_lora_is_told_by_name(tmp_path: Path, free_port: int) 
     model = make_peft(base, seed=1)
     llm = make_llm(str(tmp_path))
     try:
-        with WeightSync(llm, f"zmq+tcp://127.0.0.1:{free_port}") as sync:
+        with WeightSync(llm, "zmq+tcp://127.0.0.1:0") as sync:
             with pytest.raises(ss.LoraError, match="enable_lora=True"):
                 sync.update_lora("policy", model)
             # The workers say the same where the trainer cannot ask (over a server).
@@ -305,7 +305,7 @@ def test_an_engine_without_lora_is_told_by_name(tmp_path: Path, free_port: int) 
 
 
 def test_tensor_parallel_engine_serves_each_version(
-    tmp_path: Path, free_port: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from streamsync.vllm import WeightSync
 

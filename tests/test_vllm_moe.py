@@ -37,12 +37,12 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, torch.n
 @pytest.mark.parametrize("transport", ["shm", "zmq+tcp"])
 @pytest.mark.parametrize("expand", [False, True], ids=["packed", "expanded"])
 def test_moe_with_expander_on_and_off(
-    moe: tuple[Any, torch.nn.Module], expand: bool, transport: str, free_port: int
+    moe: tuple[Any, torch.nn.Module], expand: bool, transport: str
 ) -> None:
     from streamsync.adapters import expand_moe
 
     llm, trainer = moe
-    endpoint = {"shm": f"shm://moe-{os.getpid()}", "zmq+tcp": f"zmq+tcp://127.0.0.1:{free_port}"}
+    endpoint = {"shm": f"shm://moe-{os.getpid()}", "zmq+tcp": "zmq+tcp://127.0.0.1:0"}
     pipeline = expand_moe(when="always" if expand else "never", model_type="qwen3_moe")
     for step in range(3):
         perturb(trainer, seed=7 + step + 10 * expand + 100 * len(transport))

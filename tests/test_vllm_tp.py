@@ -36,7 +36,7 @@ ALL = [*PROMPTS, LONG_PROMPT]
     ("kind", "transport"), [("dense", "shm"), ("tied", "zmq+tcp"), ("moe", "shm")]
 )
 def test_tensor_parallel_engine_three_syncs(
-    kind: str, transport: str, tmp_path: Path, free_port: int, monkeypatch: pytest.MonkeyPatch
+    kind: str, transport: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from streamsync.adapters import expand_moe
     from streamsync.vllm import WeightSync
@@ -50,7 +50,7 @@ def test_tensor_parallel_engine_three_syncs(
     pipeline = expand_moe(when="always", model_type="qwen3_moe") if kind == "moe" else None
     endpoint = {
         "shm": f"shm://tp-{kind}-{os.getpid()}",
-        "zmq+tcp": f"zmq+tcp://127.0.0.1:{free_port}",
+        "zmq+tcp": "zmq+tcp://127.0.0.1:0",  # bound when the channel opens, after the engine
     }[transport]
     llm = make_llm(
         str(tmp_path),
