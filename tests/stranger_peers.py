@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -89,8 +90,15 @@ def _write_then_hang_up(transport: str, url: str, data: bytes) -> None:
     """Write ``data``, say we are done, and wait (bounded) for the sender to hang up, so
     that what was written is read (closing with unread data could reset it away)."""
     with contextlib.closing(_raw(transport, url)) as sock:
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            # The sender hung up first (ZeroMQ drops a peer whose first bytes are no
+            # greeting, a reset that can land before our shutdown): it read enough.
+            if exc.errno in (errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE):
+                return
+            raise
         deadline = time.monotonic() + 5.0
         with contextlib.suppress(OSError):
             while time.monotonic() < deadline:
