@@ -43,6 +43,7 @@ from streamsync.wire.bucket import (
     names_of,
 )
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
+from streamsync.wire.plan import plans_of
 
 __all__ = ["DEFAULT_TIMEOUT", "next_sync_id", "receive", "send", "send_aside"]
 
@@ -129,7 +130,7 @@ async def send(
         )
     if (kept := baseline_of(sender, create=False)) is not None:
         kept.drop()  # this sync moves the receivers past it
-    buckets = _buckets(weights, pipeline, size)
+    buckets = _buckets(weights, pipeline, size, sender)
     return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
 
 
@@ -154,15 +155,19 @@ def _stream(weights: Any) -> AsyncIterable[Any]:
     return weights if isinstance(weights, AsyncIterable) else named_tensors(weights)
 
 
-def _buckets(weights: Any, pipeline: AdapterLike | None, size: int) -> AsyncIterable[Bucket]:
+def _buckets(
+    weights: Any, pipeline: AdapterLike | None, size: int, sender: Sender | None = None
+) -> AsyncIterable[Bucket]:
     """``weights`` through ``pipeline`` and the bucketer. A plain source (a model, a
     mapping, an iterable of pairs) into the bucketer alone, or a ``cast`` fused into it,
-    is bucketed in a plain loop: one async step per bucket, not per tensor."""
+    is bucketed in a plain loop: one async step per bucket, not per tensor, and with the
+    bucket plans ``sender`` keeps for it (:mod:`streamsync.wire.plan`)."""
     chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
     (stage, *rest) = chain.stages
     plain = not isinstance(weights, AsyncIterable)
     if plain and not rest and isinstance(stage, Stage) and stage.op is Bucketer:
-        return bucket_pairs(plain_pairs(weights), stage.bucket_bytes, cast=stage.cast)
+        plans = plans_of(sender) if sender is not None else None
+        return bucket_pairs(plain_pairs(weights), stage.bucket_bytes, cast=stage.cast, plans=plans)
     return chain(_stream(weights))
 
 
@@ -181,7 +186,7 @@ async def send_aside(
     baseline, stay as they are (a receiver's sink reports the version it still holds)."""
     size = _bucket_size(sender, bucket_bytes)
     sid = next(_sync_ids) if sync_id is None else sync_id
-    buckets = _buckets(weights, pipeline, size)
+    buckets = _buckets(weights, pipeline, size, sender)
     return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
 
 

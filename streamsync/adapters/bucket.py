@@ -8,6 +8,7 @@ chunks (receivers do the same through :class:`~streamsync.wire.bucket.Unpacker`)
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from streamsync.wire.bucket import (
     Unpacker,
 )
 from streamsync.wire.frames import BucketHeader
+from streamsync.wire.plan import BucketPlans, PlanRun
 
 __all__ = ["Bucketer", "bucket", "bucket_pairs", "unbucket"]
 
@@ -61,27 +63,57 @@ async def bucket(
 
 
 async def bucket_pairs(
-    pairs: Iterator[NamedTensor], bucket_bytes: int, *, cast: CastRule | None = None
+    pairs: Iterator[NamedTensor],
+    bucket_bytes: int,
+    *,
+    cast: CastRule | None = None,
+    plans: BucketPlans | None = None,
 ) -> AsyncIterator[Bucket]:
     """What ``bucket(bucket_bytes, cast=cast)`` makes of a plain iterator of named tensors,
-    built in a plain loop: one async step per bucket rather than per tensor. ``pairs`` is
-    closed however this ends."""
+    built in a plain loop: one async step per bucket rather than per tensor. With ``plans``
+    (a sender's), the buckets of the last sync of the same source are filled again while
+    its tensors match them (:mod:`streamsync.wire.plan`), and what this sync makes is kept
+    for the next. ``pairs`` is closed however this ends."""
     builder = BucketBuilder(bucket_bytes, cast=cast)
     add = builder.add
+    run = PlanRun(plans, builder) if plans is not None else None
     try:
-        for name, tensor in pairs:
-            full = add(name, tensor)
-            if full:
-                del tensor
-                for done in full:
-                    yield done
-                    del done  # as in bucket(): a finished bucket goes before the next fills
-                del full
+        if run is None:
+            for name, tensor in pairs:
+                full = add(name, tensor)
+                if full:
+                    del tensor
+                    for done in full:
+                        yield done
+                        del done  # as in bucket(): a finished bucket goes before the next fills
+                    del full
+        else:
+            it = iter(pairs)
+            for done in run.replay(it):
+                yield done
+                del done
+            rest = itertools.chain((run.pending,), it) if run.pending is not None else it
+            run.pending = None
+            record, recorded = run.record, run.recorded
+            for name, tensor in rest:
+                record(name, tensor)
+                full = add(name, tensor)
+                if full:
+                    del tensor
+                    for done in full:
+                        recorded(done)
+                        yield done
+                        del done
+                    del full
     finally:
         close = getattr(pairs, "close", None)
         if close is not None:
             close()
     last = builder.flush()
+    if run is not None:
+        if last is not None:
+            run.recorded(last)
+        run.commit()
     if last is not None:
         yield last
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,19 +17,26 @@ from streamsync.wire.bucket import CastRule
 __all__ = ["cast"]
 
 
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    """The dtype to send a tensor as, from its name and dtype alone, or ``None``; equal for
+    equal arguments, so a sender recognises the same cast from one sync to the next."""
+
+    dtype: torch.dtype
+    only: Callable[[str], bool] | None
+
+    def __call__(self, name: str, source: torch.dtype) -> torch.dtype | None:
+        # Casting fp8 or integer tensors would destroy quantized weights and indices, and
+        # casting their float32 block scales (``*_scale_inv``) would too.
+        if source not in CASTABLE or source == self.dtype or name.endswith(SCALE_SUFFIX):
+            return None
+        return None if self.only is not None and not self.only(name) else self.dtype
+
+
 def _configure(dtype: torch.dtype, *, only: Callable[[str], bool] | None = None) -> dict[str, Any]:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"cast(dtype): {dtype!r} is not a torch.dtype")
-
-    def rule(name: str, source: torch.dtype) -> torch.dtype | None:
-        """The dtype to send ``name`` as, from its name and dtype alone, or ``None``."""
-        # Casting fp8 or integer tensors would destroy quantized weights and indices, and
-        # casting their float32 block scales (``*_scale_inv``) would too.
-        if source not in CASTABLE or source == dtype or name.endswith(SCALE_SUFFIX):
-            return None
-        return None if only is not None and not only(name) else dtype
-
-    return {"rule": rule}
+    return {"rule": _Rule(dtype, only)}
 
 
 def _into_bucket(stage: Stage, following: Adapter) -> Adapter | None:

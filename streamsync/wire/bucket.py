@@ -104,6 +104,7 @@ class Bucket:
         "dims",
         "dtypes",
         "extras",
+        "fixed_layout",
         "holds_tail",
         "kinds",
         "moves",
@@ -138,6 +139,19 @@ class Bucket:
         self.holds_tail = False
         #: A delta sync's base version (``BucketHeader.base``).
         self.base: int | None = None
+        #: Its layout, made once for a replayed plan's bucket (:mod:`streamsync.wire.plan`).
+        self.fixed_layout: Layout | None = None
+
+    def refilled(self, sources: list[torch.Tensor]) -> Bucket:
+        """A bucket with these columns (shared, not copied: a finished bucket's columns no
+        longer change) and ``sources``, one per entry."""
+        twin = Bucket.__new__(Bucket)
+        for slot in Bucket.__slots__:
+            setattr(twin, slot, getattr(self, slot))
+        twin.sources = sources
+        twin.base = None
+        twin.fixed_layout = None
+        return twin
 
     def append(
         self,
@@ -174,6 +188,8 @@ class Bucket:
 
     def layout(self, checksums: Sequence[int] | None = None) -> Layout:
         """The bucket's layout, with each entry's checksum when ``checksums`` is given."""
+        if checksums is None and self.fixed_layout is not None:
+            return self.fixed_layout
         extras = []
         for i in range(len(self.names)) if checksums is not None else sorted(self.extras):
             chunk, chunks, tensor_offset, patch = self.extras.get(i, (0, 1, 0, 0))
@@ -274,6 +290,18 @@ class BucketBuilder:
         self.bucket_bytes = bucket_bytes
         self._cast = cast
         self._current = Bucket()
+
+    @property
+    def cast_rule(self) -> CastRule | None:
+        """The fused cast, if any."""
+        return self._cast
+
+    def resume(self, bucket: Bucket) -> None:
+        """Go on filling ``bucket`` (nothing placed yet is lost: the builder's current
+        bucket must be empty)."""
+        if self._current.names:
+            raise RuntimeError("BucketBuilder.resume: the current bucket is not empty")
+        self._current = bucket
 
     def add(self, name: str, tensor: torch.Tensor) -> Sequence[Bucket]:
         """Add one tensor; returns the buckets that became full (usually none: a plain

@@ -1,0 +1,304 @@
+"""Bucket plans a sender keeps between syncs (``streamsync.wire.plan``): a source that
+matches the last sync's is bucketed by refilling its buckets; one that differs anywhere is
+bucketed correctly all the same, and its new shape becomes the plan."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+from unittest import mock
+
+import anyio
+import pytest
+import torch
+from conftest import WIRE_DTYPES, random_tensor
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import streamsync as ss
+from streamsync.adapters import cast
+from streamsync.adapters.bucket import bucket_pairs
+from streamsync.pipeline import Chain, Stage
+from streamsync.sources import plain_pairs
+from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, Unpacker
+from streamsync.wire.frames import BucketHeader
+from streamsync.wire.plan import PLANS_PER_SENDER, BucketPlans, plans_of
+
+Spec = tuple[str, torch.dtype, tuple[int, ...], bool]
+
+
+def _tensors(specs: list[Spec], seed: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, (name, dtype, shape, transpose) in enumerate(specs):
+        t = random_tensor(shape, dtype, seed * 1000 + i)
+        out[name] = t.transpose(0, 1) if transpose and t.dim() >= 2 else t
+    return out
+
+
+def _bucketed(
+    tensors: dict[str, torch.Tensor],
+    bucket_bytes: int,
+    rule: CastRule | None,
+    plans: BucketPlans | None,
+) -> list[Bucket]:
+    async def run() -> list[Bucket]:
+        pairs = plain_pairs(tensors)
+        return [b async for b in bucket_pairs(pairs, bucket_bytes, cast=rule, plans=plans)]
+
+    return anyio.run(run)
+
+
+def _packed(buckets: list[Bucket]) -> list[tuple[Any, bytes, int]]:
+    out = []
+    for b in buckets:
+        buf = torch.zeros(max(b.nbytes, 1), dtype=torch.uint8)
+        layout = b.pack_into(buf)
+        out.append((layout, bytes(buf.numpy()), b.tensors))
+    return out
+
+
+def _unpacked(buckets: list[Bucket], bucket_bytes: int) -> dict[str, torch.Tensor]:
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    got: dict[str, torch.Tensor] = {}
+    for seq, b in enumerate(buckets):
+        assert b.nbytes <= bucket_bytes
+        buf = torch.zeros(max(b.nbytes, 1), dtype=torch.uint8)
+        layout = b.pack_into(buf)
+        header = BucketHeader(1, seq, 0, buf.numel(), layout)
+        for name, view in unpacker.feed(header, buf):
+            assert name not in got
+            got[name] = view.clone()
+    assert sum(b.tensors for b in buckets) == len(got)
+    return got
+
+
+def _expected(tensors: dict[str, torch.Tensor], rule: CastRule | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        dtype = rule(name, t.dtype) if rule is not None else None
+        out[name] = t.to(dtype) if dtype is not None else t
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert got[name].shape == t.shape, name
+        assert torch.equal(_bytes(got[name]), _bytes(t)), name
+
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+specs = st.lists(
+    st.tuples(st.sampled_from(WIRE_DTYPES), shapes, st.booleans()), min_size=0, max_size=10
+).map(lambda xs: [(f"t{i}", d, s, tr) for i, (d, s, tr) in enumerate(xs)])
+
+
+def _mutate(base: list[Spec], change: str, at: int, dtype: torch.dtype) -> list[Spec]:
+    if not base and change != "append":
+        return base
+    i = at % max(len(base), 1)
+    out = list(base)
+    name, old_dtype, shape, transpose = out[i] if base else ("x", dtype, (3,), False)
+    if change == "dtype":
+        out[i] = (name, dtype, shape, transpose)
+    elif change == "shape":
+        out[i] = (name, old_dtype, (*shape, 2), transpose)
+    elif change == "name":
+        out[i] = (name + "_renamed", old_dtype, shape, transpose)
+    elif change == "layout":
+        out[i] = (name, old_dtype, shape, not transpose)
+    elif change == "drop":
+        del out[i]
+    elif change == "append":
+        out.append(("appended", dtype, (5, 3), False))
+    elif change == "insert":
+        out.insert(i, ("inserted", dtype, (7,), False))
+    return out
+
+
+@pytest.mark.parametrize(
+    "change", ["none", "dtype", "shape", "name", "layout", "drop", "append", "insert", "big"]
+)
+@settings(max_examples=30, deadline=None)
+@given(
+    base=specs,
+    big=st.integers(0, 3000),
+    bucket_bytes=st.sampled_from([1024, 2048, 4096]),
+    to_bf16=st.booleans(),
+    at=st.integers(0, 20),
+    dtype=st.sampled_from(WIRE_DTYPES),
+)
+def test_every_sync_delivers_its_source_whatever_changed_since_the_plan(
+    change: str,
+    base: list[Spec],
+    big: int,
+    bucket_bytes: int,
+    to_bf16: bool,
+    at: int,
+    dtype: torch.dtype,
+) -> None:
+    # Three syncs on one sender's plans: the first records, the second replays or departs
+    # from the plan at the changed tensor, the third replays what the second recorded. A
+    # "big" tensor is chunked across buckets (up to 12 KiB of fp32 into 1-4 KiB buckets).
+    rule = (
+        Chain(cast(torch.bfloat16), ss.adapters.bucket(bucket_bytes)).stages[0].cast
+        if to_bf16
+        else None
+    )
+    first = [*base[: at % (len(base) + 1)], ("big", torch.float32, (big,), False)]
+    first += base[at % (len(base) + 1) :]
+    if change == "big":
+        second = [(n, d, (big + 7,), t) if n == "big" else (n, d, s, t) for n, d, s, t in first]
+    elif change == "none":
+        second = first
+    else:
+        second = _mutate(first, change, at, dtype)
+    plans = BucketPlans()
+    added: list[str] = []
+    original = BucketBuilder.add
+
+    def add(self: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
+        added.append(name)
+        return original(self, name, tensor)
+
+    for seed, spec in enumerate([first, second, second]):
+        tensors = _tensors(spec, seed)
+        del added[:]
+        with mock.patch.object(BucketBuilder, "add", add):
+            buckets = _bucketed(tensors, bucket_bytes, rule, plans)
+        _same(_unpacked(buckets, bucket_bytes), _expected(tensors, rule))
+        if seed == 2 or (seed == 1 and change == "none"):
+            # The same layout again: nothing placed anew, and the very buckets a fresh
+            # build makes.
+            assert added == []
+            assert _packed(buckets) == _packed(_bucketed(tensors, bucket_bytes, rule, None))
+        elif seed == 0:
+            assert added == list(tensors)
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.got: dict[str, torch.Tensor] = {}
+
+    def prepare(self) -> None:
+        pass
+
+    def load(self, tensors: Any) -> None:
+        for name, view in tensors:
+            self.got[name] = view.clone()
+
+    def finalize(self) -> None:
+        pass
+
+
+def _counting_adds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    added: list[str] = []
+    original = BucketBuilder.add
+
+    def add(self: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
+        added.append(name)
+        return original(self, name, tensor)
+
+    monkeypatch.setattr(BucketBuilder, "add", add)
+    return added
+
+
+async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    added = _counting_adds(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    targets = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    sink = ss.ModuleSink(targets)
+    names = list(model.state_dict())
+
+    async def sync(tx: Any, rx: Any) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ss.receive, rx, sink)
+            await ss.send(model, tx, bucket_bytes=4096)
+
+    async with ss.open_sender("memory://plans") as tx, ss.open_receiver("memory://plans") as rx:
+        await sync(tx, rx)
+        assert added == names  # the first sync builds its buckets
+        del added[:]
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        await sync(tx, rx)
+        assert added == []  # the second fills the same buckets: nothing placed again
+        assert torch.equal(targets[0].weight, model[0].weight)
+        # A parameter whose data is replaced by a transposed copy (same shape, not
+        # contiguous): the plan no longer holds from there on.
+        with torch.no_grad():
+            model[1].weight.data = model[1].weight.data.t().contiguous().t() + 1
+        assert not model[1].weight.is_contiguous()
+        await sync(tx, rx)
+        assert added == names[2:]
+        for name, want in model.state_dict().items():
+            assert torch.equal(targets.state_dict()[name], want), name
+        del added[:]
+        await sync(tx, rx)
+        assert added == []  # and the new shape is the plan from then on
+        assert len(plans_of(tx)) == 1
+
+
+async def test_a_cast_given_afresh_each_sync_is_the_same_cast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    added = _counting_adds(monkeypatch)
+    weights = {f"w{i}": torch.randn(300) for i in range(20)}
+    sink = _Collect()
+    got = sink.got
+
+    async def sync(tx: Any, rx: Any) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ss.receive, rx, sink)
+            await ss.send(weights, tx, pipeline=cast(torch.bfloat16), bucket_bytes=2048)
+
+    async with ss.open_sender("memory://cast") as tx, ss.open_receiver("memory://cast") as rx:
+        await sync(tx, rx)
+        assert len(added) == 20
+        weights = {k: v * 2 for k, v in weights.items()}  # new tensors, same names
+        await sync(tx, rx)
+        assert len(added) == 20  # replayed
+        for k, v in weights.items():
+            assert torch.equal(got[k], v.bfloat16())
+    assert cast(torch.bfloat16).rule == cast(torch.bfloat16).rule  # type: ignore[attr-defined]
+    assert cast(torch.bfloat16).rule != cast(torch.float16).rule  # type: ignore[attr-defined]
+
+
+def test_plans_are_kept_per_source_and_the_oldest_goes_first() -> None:
+    plans = BucketPlans()
+    for i in range(PLANS_PER_SENDER + 2):
+        _bucketed({f"source{i}.w": torch.ones(4)}, 1024, None, plans)
+    assert len(plans) == PLANS_PER_SENDER
+    # A bucket size of its own is a plan of its own.
+    _bucketed({f"source{PLANS_PER_SENDER + 1}.w": torch.ones(4)}, 2048, None, plans)
+    assert len(plans) == PLANS_PER_SENDER
+
+
+def test_a_plan_holds_no_tensor() -> None:
+    plans = BucketPlans()
+    tensors = {f"w{i}": torch.ones(100) for i in range(10)}
+    alive = [weakref.ref(t) for t in tensors.values()]
+    _bucketed(tensors, 1024, None, plans)
+    _bucketed(tensors, 1024, None, plans)
+    del tensors
+    assert all(r() is None for r in alive)
+
+
+def test_a_stage_without_a_cast_and_one_with_are_different_plans() -> None:
+    plans = BucketPlans()
+    tensors = {"w": torch.ones(8)}
+    stage = Chain(cast(torch.bfloat16), ss.adapters.bucket(1024)).stages[0]
+    assert isinstance(stage, Stage)
+    plain = _packed(_bucketed(tensors, 1024, None, plans))
+    casted = _packed(_bucketed(tensors, 1024, stage.cast, plans))
+    assert plain != casted
+    assert casted == _packed(_bucketed(tensors, 1024, stage.cast, plans))
+    assert len(plans) == 2
