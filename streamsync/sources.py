@@ -74,7 +74,14 @@ def _from_peft(model: Any, merged: bool) -> Iterator[NamedTensor]:
 
 
 def _from_iterable(pairs: Iterable[Any]) -> Iterator[NamedTensor]:
+    tensor_type = torch.Tensor
     for item in pairs:
+        # The common case checked in line: a (str, plain tensor) pair with nothing to detach.
+        if type(item) is tuple and len(item) == 2:
+            name, tensor = item
+            if type(name) is str and type(tensor) is tensor_type and not tensor.requires_grad:
+                yield item
+                continue
         yield _check(item)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import array
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -124,9 +124,10 @@ class Bucket:
         #: Per entry, its dtype's position in ``dtypes``.
         self.kinds = bytearray()
         self.ndims = bytearray()
-        self.dims: list[int] = []
-        self.offsets: list[int] = []
-        self.sizes: list[int] = []
+        # Lists while built; a kept plan's as ``array("q")``.
+        self.dims: MutableSequence[int] = []
+        self.offsets: MutableSequence[int] = []
+        self.sizes: MutableSequence[int] = []
         #: Per entry, the tensor holding its bytes (before conversion).
         self.sources: list[torch.Tensor] = []
         #: Per entry, 1 where its bytes are a plain memmove from its source.

@@ -18,6 +18,7 @@ columns; never a tensor.
 
 from __future__ import annotations
 
+import array
 import itertools
 import weakref
 from collections.abc import Iterator
@@ -137,6 +138,7 @@ class PlanRun:
         self._complete = False  # the whole plan was replayed, and the source ended with it
         self._first: str | None = None
         self._flat: torch.Tensor | None = None
+        self._shapes: dict[torch.Size, torch.Size] = {}
         #: The pair the replay stopped at (for the builder to place first), if any.
         self.pending: NamedTensor | None = None
         #: Buckets replayed in this sync.
@@ -145,15 +147,21 @@ class PlanRun:
     def record(self, name: str, tensor: torch.Tensor) -> None:
         """Note a tensor the builder is about to place."""
         new = self._new
+        shape = tensor.shape
         new.names.append(name)
         new.dtypes.append(tensor.dtype)
-        new.shapes.append(tensor.shape)
+        new.shapes.append(self._shapes.setdefault(shape, shape))  # one object per shape
         new.held.append(_held(tensor))
 
     def recorded(self, bucket: Bucket) -> None:
         """Note a bucket the builder made (before it is packed)."""
         count = len(bucket.names) - sum(1 for e in bucket.extras.values() if e[0] > 0)
-        self._new.buckets.append(_Planned(bucket.refilled([]), self._tensors, count))
+        kept = bucket.refilled([])
+        # Kept for many syncs: machine integers, not an int object per entry.
+        kept.offsets = array.array("q", bucket.offsets)
+        kept.sizes = array.array("q", bucket.sizes)
+        kept.dims = array.array("q", bucket.dims)
+        self._new.buckets.append(_Planned(kept, self._tensors, count))
         self._tensors += count
 
     def commit(self) -> None:
