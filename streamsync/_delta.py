@@ -59,9 +59,17 @@ _baselines: weakref.WeakKeyDictionary[Any, Baseline] = weakref.WeakKeyDictionary
 
 def baseline_of(sender: Any, *, create: bool = True) -> Baseline | None:
     """The baseline kept for an open sender (created empty on first use)."""
-    found = _baselines.get(sender)
-    if found is None and create:
-        found = _baselines[sender] = Baseline()
+    try:
+        found = _baselines.get(sender)
+        if found is None and create:
+            found = _baselines[sender] = Baseline()
+    except TypeError:
+        if not create:
+            return None  # no baseline can have been kept for it
+        raise ConfigError(
+            f"delta syncs keep a baseline per sender, and a {type(sender).__name__} cannot "
+            "be weakly referenced and hashed: give its class __weakref__ (and __hash__)"
+        ) from None
     return found
 
 

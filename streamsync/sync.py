@@ -203,6 +203,7 @@ async def _send_delta(
 ) -> SyncReport:
     """A delta-tracked sync: diffed against the sender's baseline when every member holds
     its version, else full (and recorded as the next baseline)."""
+    baseline = baseline_of(sender)  # a ConfigError before anything is begun
     try:
         await sender.wait_ready(timeout=timeout)
         held = await sender.begin(sync_id, timeout=timeout)
@@ -210,7 +211,6 @@ async def _send_delta(
         with anyio.CancelScope(shield=True):
             await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
         raise
-    baseline = baseline_of(sender)
     assert baseline is not None
     if full:
         baseline.declined, baseline.judged = None, False  # asked for: measure again

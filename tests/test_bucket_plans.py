@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import streamsync as ss
 from streamsync.adapters import cast
 from streamsync.adapters.bucket import bucket_pairs
+from streamsync.errors import ConfigError
 from streamsync.pipeline import Chain, Stage
 from streamsync.sources import plain_pairs
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, Unpacker
@@ -302,3 +303,40 @@ def test_a_stage_without_a_cast_and_one_with_are_different_plans() -> None:
     assert plain != casted
     assert casted == _packed(_bucketed(tensors, 1024, stage.cast, plans))
     assert len(plans) == 2
+
+
+async def test_a_sender_that_cannot_keep_plans_still_sends_and_is_told_it_cannot_delta() -> None:
+    class Slotted:
+        """A sender of one's own whose class has no ``__weakref__``."""
+
+        __slots__ = ("_inner",)
+
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    weights = {f"w{i}": torch.randn(50) for i in range(5)}
+    sink = _Collect()
+    async with (
+        ss.open_sender("memory://slotted") as opened,
+        ss.open_receiver("memory://slotted") as rx,
+    ):
+        tx = Slotted(opened)
+        assert plans_of(tx) is None
+        for _ in range(2):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ss.receive, rx, sink)
+                await ss.send(weights, tx, bucket_bytes=1024)  # type: ignore[arg-type]
+            for k, v in weights.items():
+                assert torch.equal(sink.got[k], v)
+            weights = {k: v + 1 for k, v in weights.items()}
+        with pytest.raises(ConfigError, match="Slotted cannot be weakly referenced"):
+            await ss.send(weights, tx, delta=True)  # type: ignore[arg-type]
+        # Refused before anything began: the next sync goes through.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ss.receive, rx, sink)
+            await ss.send(weights, tx, bucket_bytes=1024)  # type: ignore[arg-type]
+        for k, v in weights.items():
+            assert torch.equal(sink.got[k], v)

@@ -103,11 +103,16 @@ class BucketPlans:
 _by_sender: weakref.WeakKeyDictionary[Any, BucketPlans] = weakref.WeakKeyDictionary()
 
 
-def plans_of(sender: Any) -> BucketPlans:
-    """The plans kept for an open sender (empty at first; dropped with the sender)."""
-    found = _by_sender.get(sender)
-    if found is None:
-        found = _by_sender[sender] = BucketPlans()
+def plans_of(sender: Any) -> BucketPlans | None:
+    """The plans kept for an open sender (empty at first; dropped with the sender), or
+    ``None`` for a sender that cannot be weakly referenced and hashed (a transport of
+    one's own may define such a class): its syncs are bucketed afresh."""
+    try:
+        found = _by_sender.get(sender)
+        if found is None:
+            found = _by_sender[sender] = BucketPlans()
+    except TypeError:
+        return None
     return found
 
 
