@@ -74,7 +74,8 @@ class Model(torch.nn.Module):
 class PeerSink:
     """A strict :class:`~streamsync.ModuleSink` that records what it applied, tells the
     test when it loads bucket ``event_at`` (and when it has applied bucket ``loaded_at``)
-    and can dawdle there; ``started`` is set once it has been given its first bucket."""
+    and can dawdle there (``linger`` seconds, or ``hold``: until the test says go);
+    ``started`` is set once it has been given its first bucket."""
 
     def __init__(self, model: Model, spec: dict[str, Any], results: Any, tag: str) -> None:
         self.inner = ss.ModuleSink(model)
@@ -103,6 +104,9 @@ class PeerSink:
             await anyio.sleep(self.spec["slow"])
         if bucket == self.spec.get("event_at") and self.spec.get("linger"):
             await anyio.sleep(self.spec["linger"])
+        if bucket == self.spec.get("event_at") and self.spec.get("hold"):
+            # Hold this bucket (and its slot) until the test has done what it does here.
+            await _go(self.spec["_control"])
 
     def finalize(self) -> ss.LoadResult:
         return self.inner.finalize()

@@ -214,10 +214,11 @@ def kill_receiver(m: Matrix) -> None:
 
 def silent_sender(m: Matrix) -> None:
     url = m.url()
-    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}, {"seed": 1}]))
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "hold": True}, {"seed": 1}]))
     m.spawn("tx", "sender", (url, [{}, {"seed": 1}]))
     m.event("rx", "loading")
     stopped = m.signal("tx", signal.SIGSTOP)
+    m.go("rx")  # the receiver held bucket 2 (and its slot) until the sender was stopped
     rx = failed(m.outcome("rx"), "SyncTimeoutError", since=stopped)
     partial(rx)
     prefix(rx, 3)
@@ -229,10 +230,11 @@ def silent_sender(m: Matrix) -> None:
 
 def silent_receiver(m: Matrix) -> None:
     url = m.url()
-    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}, {"seed": 1}]))
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "hold": True}, {"seed": 1}]))
     m.spawn("tx", "sender", (url, [{}, {"seed": 1, "wait_go": True}]))
     m.event("rx", "loading")
     stopped = m.signal("rx", signal.SIGSTOP)
+    m.go("rx")  # read once it is resumed: it held bucket 2 until it was stopped
     tx = failed(m.outcome("tx"), "SyncTimeoutError", since=stopped)
     assert "free slot" in tx["message"], repr(tx)
     resumed = m.signal("rx", signal.SIGCONT)
@@ -253,10 +255,11 @@ def silent_sender_breaks_the_group(m: Matrix) -> None:
     as in ``silent_sender``; which one happens is a race, so the next sync uses a fresh
     channel either way.)"""
     url, fresh = m.url(), m.url()
-    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}]), (fresh, [{"seed": 1}]))
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "hold": True}]), (fresh, [{"seed": 1}]))
     m.spawn("tx", "sender", (url, [{}]), (fresh, [{"seed": 1}]))
     m.event("rx", "loading")
     stopped = m.signal("tx", signal.SIGSTOP)
+    m.go("rx")  # the receiver held bucket 2 (and its slot) until the sender was stopped
     rx = failed(m.outcome("rx"), "SyncTimeoutError", since=stopped)
     partial(rx)
     prefix(rx, 3)
@@ -273,10 +276,11 @@ def silent_receiver_breaks_the_group(m: Matrix) -> None:
     it), and a broadcast that timed out leaves the process group unusable: the sync fails as
     with every transport, and the next one runs on a fresh channel."""
     url, fresh = m.url(), m.url()
-    m.spawn("rx", "receiver", (url, [{"event_at": 2, "linger": 0.3}]), (fresh, [{"seed": 1}]))
+    m.spawn("rx", "receiver", (url, [{"event_at": 2, "hold": True}]), (fresh, [{"seed": 1}]))
     m.spawn("tx", "sender", (url, [{}]), (fresh, [{"seed": 1}]))
     m.event("rx", "loading")
     stopped = m.signal("rx", signal.SIGSTOP)
+    m.go("rx")  # read once it is resumed: it held bucket 2 until it was stopped
     failed(m.outcome("tx"), "SyncTimeoutError", since=stopped)
     resumed = m.signal("rx", signal.SIGCONT)
     rx = m.outcome("rx")

@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -303,6 +304,46 @@ async def test_torch_gloo_receiver_that_never_joins_times_out_everyone() -> None
     assert isinstance(out["rx"], ss.SenderAbortedError), out
     assert "1 of 2 receivers joined" in str(out["rx"]), out
     assert out["rx"].report.loaded == () and out["rx"].report.buckets == 0, out
+
+
+async def test_torch_gloo_store_opens_whatever_the_sync_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The sender's store connects its own client to the server it starts. Under load that
+    # took longer than a 0.3 s sync timeout, and the send failed with torch's
+    # DistNetworkError instead of timing out waiting for its receivers.
+    import torch._C._distributed_c10d as c10d
+
+    real = c10d.TCPStore
+    opened: list[tuple[timedelta, Any]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        store = real(*args, **kwargs)
+        if kwargs.get("is_master"):
+            opened.append((kwargs["timeout"], store))
+        return store
+
+    monkeypatch.setattr(c10d, "TCPStore", recording)
+    with pytest.raises(ss.SyncTimeoutError):
+        await ss.send({"w": torch.ones(1)}, "torch+gloo://127.0.0.1:0", timeout=0.3)
+    ((opened_with, store),) = opened
+    assert opened_with >= timedelta(seconds=30)
+    assert store.timeout == timedelta(seconds=0.3)  # then it waits as long as the sync
+
+
+async def test_torch_gloo_store_that_cannot_open_is_a_named_error_and_leaks_no_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch._C._distributed_c10d as c10d
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise torch.distributed.DistNetworkError("the client socket has timed out")
+
+    monkeypatch.setattr(c10d, "TCPStore", failing)
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(ss.PeerBrokenError, match="could not open its rendezvous store"):
+        await ss.send({"w": torch.ones(1)}, "torch+gloo://127.0.0.1:0", timeout=0.3)
+    assert sorted(os.listdir("/proc/self/fd")) == before
 
 
 def test_torch_bad_urls_name_what_is_valid() -> None:

@@ -92,6 +92,22 @@ _CONTROL_KEY = "streamsync/control-port"
 _MARKER = struct.Struct("<IQ")
 #: Longest wait for a stuck broadcast to give up its group when a channel closes.
 _CLOSE_S = 1.0
+#: Seconds a sender's store gets to open (its own client connects to it) however short the
+#: sync's timeout.
+OPEN_STORE_S = 30.0
+
+
+def _close_if_ours(fd: int, ours: os.stat_result) -> None:
+    """Close the listening socket handed to a store that failed, unless the store closed it
+    already (then ``fd`` is closed, or by now another file's)."""
+    try:
+        now = os.fstat(fd)
+    except OSError:
+        return
+    if (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino):
+        os.close(fd)
+
+
 BACKENDS = {"torch+gloo": "gloo", "torch+nccl": "nccl"}
 
 
@@ -179,22 +195,32 @@ class GroupLink(SenderLink):
         listener = _listen(self.url, self.host, self.port)
         self.port = listener.getsockname()[1]
         fd = listener.detach()
+        ours = os.fstat(fd)
         host = "127.0.0.1" if self.host in ("*", "0.0.0.0") else self.host
 
         def serve_store() -> Any:
-            return TCPStore(
+            # The master's own client connects to the server it starts: setup, not a wait
+            # for a peer, so it gets at least OPEN_STORE_S (a loaded machine can take more
+            # than a short sync timeout); then the store waits as long as the sync would.
+            store = TCPStore(
                 host,
                 self.port,
                 is_master=True,
                 wait_for_workers=False,
-                timeout=as_timedelta(self.timeout),
+                timeout=as_timedelta(max(self.timeout, OPEN_STORE_S)),
                 master_listen_fd=fd,
             )
+            store.set_timeout(as_timedelta(self.timeout))
+            return store
 
         try:
             store = await _in_thread(serve_store)
-        except BaseException:
-            os.close(fd)
+        except BaseException as exc:
+            _close_if_ours(fd, ours)
+            if isinstance(exc, RuntimeError):  # DistNetworkError, DistStoreError
+                raise PeerBrokenError(
+                    f"{self.url}: could not open its rendezvous store on {host}:{self.port} ({exc})"
+                ) from None
             raise
         self.member.store = store
         self.port = int(store.port)
