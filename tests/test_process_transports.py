@@ -20,7 +20,12 @@ import streamsync as ss
 from streamsync.testing.conformance import TransportConformance
 from streamsync.testing.peers import free_port
 from streamsync.transports import open_receiver, open_sender
-from streamsync.transports.cuda_ipc import local_device, remove_leftovers, wait_ended
+from streamsync.transports.cuda_ipc import (
+    local_device,
+    remove_leftovers,
+    remove_own_event_files,
+    wait_ended,
+)
 from streamsync.transports.zeromq import zmq_address
 
 # Real channels that wait out refusals and timeouts, a second or two each: in make test,
@@ -281,6 +286,19 @@ def test_leftovers_of_an_ended_sender_are_removed_and_a_live_ones_kept(tmp_path:
     # Another pid's count is never taken for this one's.
     assert remove_leftovers(ended.pid, f"/torch_{live}_456_0".encode(), str(tmp_path)) == []
     assert {p.name for p in tmp_path.iterdir()} == kept
+
+
+def test_an_exiting_process_removes_its_own_driver_event_files_only(tmp_path: Any) -> None:
+    # The CUDA driver never removes a process's interprocess-event file, even at a normal
+    # exit; an exiting cuda-ipc peer removes its own (the count is torch's to remove).
+    me, other = os.getpid(), os.getppid()
+    for name in (f"cuda.shm.0.{me:x}.1", f"cuda.shm.0.{other:x}.1", f"torch_{me}_1_0"):
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_own_event_files(str(tmp_path))
+    assert [os.path.basename(p) for p in removed] == [f"cuda.shm.0.{me:x}.1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"cuda.shm.0.{other:x}.1", f"torch_{me}_1_0"]
+    )
 
 
 # -- torch+gloo / torch+nccl ------------------------------------------------------------

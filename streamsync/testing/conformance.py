@@ -162,6 +162,7 @@ class TransportConformance:
             out = asyncio.run(self._in_process(url, receivers=1, syncs=2))
             assert out == [[_expected(0), _expected(1)]]
             return
+        shm_before = _shm_entries()
         with self._peers() as peers:
             self._spawn(peers, "receiver", url=url, syncs=2)
             self._spawn(peers, "sender", url=url, syncs=2)
@@ -169,6 +170,9 @@ class TransportConformance:
             assert done["sender"]["ok"], done["sender"]
             assert done["receiver"]["ok"], done["receiver"]
             assert done["receiver"]["syncs"] == [_expected(0), _expected(1)]
+        # Both children have exited (a forkserver child ends with os._exit): what they left
+        # in /dev/shm, their CUDA driver's files included, stays there.
+        self._check_gone(url, shm_before)
 
     def test_fan_out_to_two_receivers(self) -> None:
         url = self.make_url("fanout")

@@ -12,7 +12,11 @@ A receiver in the sender's own process uses the sender's ring as it is (CUDA ope
 in the process that exported it). A sender killed outright cannot remove the files torch and
 the CUDA driver keep in ``/dev/shm`` for its handles (``torch_<pid>_*``, the ring's reference
 count, and ``cuda.shm.*.<pid in hex>.*``, its interprocess events): a receiver that finds the
-sender's process gone when it closes removes them.
+sender's process gone when it closes removes them. The driver never removes its event file,
+not even at a normal exit: a process that opened a ``cuda-ipc://`` sender or receiver removes
+its own when it exits (through :mod:`multiprocessing`'s exit hook, which also runs in
+multiprocessing's children, which end with ``os._exit``). A closing sender collects its ring
+at once if every receiver has let go of it.
 """
 
 # torch's CUDA IPC helpers are untyped.
@@ -24,6 +28,7 @@ import contextlib
 import glob
 import os
 import select
+from multiprocessing import util
 from typing import Any
 
 import msgspec
@@ -45,6 +50,7 @@ __all__ = [
     "CudaView",
     "local_device",
     "remove_leftovers",
+    "remove_own_event_files",
     "wait_ended",
     "TRANSPORT",
 ]
@@ -105,6 +111,20 @@ def wait_ended(pid: int, timeout: float) -> bool:
         os.close(fd)
 
 
+def _remove_owned(paths: list[str]) -> list[str]:
+    removed = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def _event_files(pid: int, shm_dir: str) -> list[str]:
+    return glob.glob(os.path.join(shm_dir, f"cuda.shm.*.{pid:x}.*"))
+
+
 def remove_leftovers(pid: int, ref_counter: bytes, shm_dir: str = "/dev/shm") -> list[str]:
     """Remove the ``shm_dir`` files that the ended sender ``pid`` left for its CUDA handles:
     the ring's reference count (``ref_counter``, torch's name for it) and the driver's
@@ -113,16 +133,29 @@ def remove_leftovers(pid: int, ref_counter: bytes, shm_dir: str = "/dev/shm") ->
     if pid <= 0 or not _gone(pid):
         return []
     name = os.path.basename(ref_counter.decode(errors="replace"))
-    paths = glob.glob(os.path.join(shm_dir, f"cuda.shm.*.{pid:x}.*"))
+    paths = _event_files(pid, shm_dir)
     if name.startswith(f"torch_{pid}_"):
         paths.append(os.path.join(shm_dir, name))
-    removed = []
-    for path in paths:
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(path)
-    return removed
+    return _remove_owned(paths)
+
+
+def remove_own_event_files(shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove the driver's event files of this process (this uid's only); what an exiting
+    process that used ``cuda-ipc://`` runs last. Returns the paths removed."""
+    with contextlib.suppress(Exception):  # torch frees the blocks whose receivers let go
+        torch.cuda.ipc_collect()
+    return _remove_owned(_event_files(os.getpid(), shm_dir))
+
+
+#: The pid whose exit hook is registered (a forked child registers its own).
+_HOOKED: list[int] = []
+
+
+def _remove_at_exit() -> None:
+    if _HOOKED[-1:] != [os.getpid()]:
+        _HOOKED[:] = [os.getpid()]
+        # Lowest priority: after multiprocessing's own finalizers and joins.
+        util.Finalize(None, remove_own_event_files, exitpriority=-(2**30))
 
 
 def local_device(uuid: str, local_uuids: list[str], fallback: int) -> int:
@@ -160,6 +193,7 @@ class CudaSlots(SlotStore):
         from torch.multiprocessing.reductions import reduce_tensor
 
         self.device = cuda_device(self.url, self._device_arg, instead="shm://")
+        _remove_at_exit()
         index = self.device.index
         ring = torch.zeros(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
         self._ring = ring
@@ -199,6 +233,9 @@ class CudaSlots(SlotStore):
         self._bufs = []
         self._events = []
         self._ring = None
+        if self.device is not None:  # the ring and its count, if no receiver still maps it
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.ipc_collect()
 
 
 class CudaView(SlotView):
@@ -220,6 +257,7 @@ class CudaView(SlotView):
         for fd in fds:
             os.close(fd)
         cuda_device(self.url, None, instead="shm://")  # CUDA is there
+        _remove_at_exit()
         if fds or welcome.segment != "cuda":
             raise WireFormatError("the sender did not describe a CUDA ring")
         try:
