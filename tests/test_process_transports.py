@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
+import socket
 import stat
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import torch
 from conftest import run_both
 
 import streamsync as ss
+from streamsync.testing import peers
 from streamsync.testing.conformance import TransportConformance
 from streamsync.testing.peers import free_port
 from streamsync.transports import open_receiver, open_sender
@@ -299,6 +302,21 @@ def test_an_exiting_process_removes_its_own_driver_event_files_only(tmp_path: An
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"cuda.shm.0.{other:x}.1", f"torch_{me}_1_0"]
     )
+
+
+def test_free_ports_are_outside_the_range_outgoing_connections_take() -> None:
+    # Any process's next outgoing connection may take a port bind(0) just returned; the
+    # tests' ports come from below that range, and are free when handed out.
+    low, high = peers._ephemeral_range()
+    rng = random.Random(7)
+    for _ in range(50):
+        port = free_port(rng=rng)
+        assert peers.LOWEST_PORT <= port < low, (port, low, high)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_port(rng=random.Random(11))))
+    with taken:
+        # The same draw finds that port taken and moves on.
+        assert free_port(rng=random.Random(11)) != taken.getsockname()[1]
 
 
 # -- torch+gloo / torch+nccl ------------------------------------------------------------

@@ -14,6 +14,7 @@ import contextlib
 import multiprocessing
 import os
 import queue
+import random
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -22,8 +23,39 @@ from typing import Any
 __all__ = ["Peers", "context", "free_port", "held_elsewhere"]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now."""
+#: The lowest port :func:`free_port` picks (above the well-known and registered-service
+#: ports most machines run something on).
+LOWEST_PORT = 20000
+
+
+def _ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections and to ``bind(port 0)``."""
+    with contextlib.suppress(OSError, ValueError), open(path) as fh:
+        low, high = (int(x) for x in fh.read().split()[:2])
+        return low, high
+    return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", *, rng: random.Random | None = None) -> int:
+    """A TCP port on ``host`` that nothing is bound to right now, for a peer that binds it
+    a moment later in another process.
+
+    Picked at random *below* the kernel's ephemeral range: a port from ``bind(port 0)`` is
+    one the kernel may hand to any process's next outgoing connection before the peer binds
+    it (a test once failed that way with "Address already in use"); one outside that range
+    only an explicit bind can take. Falls back to ``bind(port 0)`` if the range leaves no
+    room or nothing there is free."""
+    rng = rng or random.SystemRandom()
+    low = _ephemeral_range()[0]
+    if low - LOWEST_PORT >= 1000:
+        for _ in range(64):
+            port = rng.randrange(LOWEST_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
