@@ -40,6 +40,7 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -261,6 +262,14 @@ class MovePlan:
         self._small = np.ascontiguousarray(moves[~large])
         #: Bytes moved per run.
         self.nbytes = int(moves[:, 2].sum())
+        # The small moves split into runs of about equal bytes, one per thread (the last on
+        # the calling thread): thousands of small tensors are as many bytes as a few large.
+        sizes = np.cumsum(self._small[:, 2]) if len(self._small) else np.zeros(0, np.int64)
+        total = int(sizes[-1]) if len(sizes) else 0
+        parts = _pieces(total) if total >= 2 * PIECE_BYTES else 1
+        cuts = np.searchsorted(sizes, [total * k // parts for k in range(1, parts)], side="right")
+        bounds = [0, *sorted({int(c) for c in cuts if 0 < c < len(self._small)})]
+        self._runs = list(itertools.pairwise([*bounds, len(self._small)]))
 
     def __len__(self) -> int:
         return len(self._small) + len(self._large)
@@ -287,14 +296,22 @@ class MovePlan:
             small = self._small
             if len(small):
                 moves = small + np.array([dst_base, src_base, 0], dtype=np.int64)
-                batch = _memmove_batch()
-                if batch is not None:
-                    batch(moves.ctypes.data, len(moves))
-                else:
-                    for dst, src, nbytes in moves.tolist():
-                        ctypes.memmove(dst, src, nbytes)
+                *others, (lo, hi) = self._runs
+                for a, b in others:
+                    futures.append(_pool.get().submit(_move_batch, moves[a:b]))
+                _move_batch(moves[lo:hi])
         finally:
             _wait(futures)
+
+
+def _move_batch(moves: np.ndarray) -> None:
+    """Do the ``(dst, src, nbytes)`` rows of a contiguous int64 array of moves."""
+    batch = _memmove_batch()
+    if batch is not None:
+        batch(moves.ctypes.data, len(moves))
+    else:
+        for dst, src, nbytes in moves.tolist():
+            ctypes.memmove(dst, src, nbytes)
 
 
 def _torch_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -3,7 +3,7 @@ stream type, lazily, one tensor at a time."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -12,6 +12,9 @@ from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, reading
 
 __all__ = ["full_tensor", "named_tensors"]
+
+#: Turns items of a source into named tensors, checking each.
+Checker = Callable[[Iterator[Any]], Iterator[NamedTensor]]
 
 
 #: Tensor classes that are whole as they are (asking them for ``full_tensor`` costs a
@@ -71,6 +74,21 @@ def _from_peft(model: Any, merged: bool) -> Iterator[NamedTensor]:
                     delta = full_tensor(layer.get_delta_weight(active))
                     tensor = (tensor + delta.to(tensor.dtype)).to(tensor.dtype)
         yield name, tensor
+
+
+def unchecked_pairs(obj: Any) -> tuple[Iterator[Any], Checker | None]:
+    """:func:`plain_pairs` of ``obj`` in two parts: its items, and the function that turns
+    them into named tensors (``None`` where the items already are). A mapping's or an
+    iterable's items are checked there; a bucket plan's replay checks a plain pair itself,
+    without a generator step per tensor."""
+    from streamsync.lora import is_peft_model
+
+    if not is_peft_model(obj) and not isinstance(obj, torch.nn.Module):
+        if isinstance(obj, Mapping):
+            return iter(obj.items()), _from_iterable
+        if isinstance(obj, Iterable) and not isinstance(obj, str | bytes | torch.Tensor):
+            return iter(obj), _from_iterable
+    return plain_pairs(obj), None
 
 
 def _from_iterable(pairs: Iterable[Any]) -> Iterator[NamedTensor]:

@@ -27,7 +27,7 @@ from streamsync.errors import (
 from streamsync.pipeline import AdapterLike, Chain, Stage, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
 from streamsync.sink import Sink, TargetSink, VersionedSink, call_phase
-from streamsync.sources import named_tensors, plain_pairs
+from streamsync.sources import named_tensors, unchecked_pairs
 from streamsync.transports import (
     Incoming,
     Receiver,
@@ -167,7 +167,8 @@ def _buckets(
     plain = not isinstance(weights, AsyncIterable)
     if plain and not rest and isinstance(stage, Stage) and stage.op is Bucketer:
         plans = plans_of(sender) if sender is not None else None
-        return bucket_pairs(plain_pairs(weights), stage.bucket_bytes, cast=stage.cast, plans=plans)
+        items, check = unchecked_pairs(weights)
+        return bucket_pairs(items, stage.bucket_bytes, cast=stage.cast, plans=plans, check=check)
     return chain(_stream(weights))
 
 

@@ -20,7 +20,7 @@ from streamsync.adapters import cast
 from streamsync.adapters.bucket import bucket_pairs
 from streamsync.errors import ConfigError
 from streamsync.pipeline import Chain, Stage
-from streamsync.sources import plain_pairs
+from streamsync.sources import plain_pairs, unchecked_pairs
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, Unpacker
 from streamsync.wire.frames import BucketHeader
 from streamsync.wire.plan import PLANS_PER_SENDER, BucketPlans, plans_of
@@ -41,10 +41,17 @@ def _bucketed(
     bucket_bytes: int,
     rule: CastRule | None,
     plans: BucketPlans | None,
+    checked: bool = True,
 ) -> list[Bucket]:
+    # checked: the pairs a model yields (named tensors already); else a mapping's items as
+    # send() gives them, checked by the replay or by the source's check.
     async def run() -> list[Bucket]:
-        pairs = plain_pairs(tensors)
-        return [b async for b in bucket_pairs(pairs, bucket_bytes, cast=rule, plans=plans)]
+        if checked:
+            pairs, check = plain_pairs(tensors), None
+        else:
+            pairs, check = unchecked_pairs(tensors)
+        buckets = bucket_pairs(pairs, bucket_bytes, cast=rule, plans=plans, check=check)
+        return [b async for b in buckets]
 
     return anyio.run(run)
 
@@ -134,6 +141,7 @@ def _mutate(base: list[Spec], change: str, at: int, dtype: torch.dtype) -> list[
     to_bf16=st.booleans(),
     at=st.integers(0, 20),
     dtype=st.sampled_from(WIRE_DTYPES),
+    checked=st.booleans(),
 )
 def test_every_sync_delivers_its_source_whatever_changed_since_the_plan(
     change: str,
@@ -143,6 +151,7 @@ def test_every_sync_delivers_its_source_whatever_changed_since_the_plan(
     to_bf16: bool,
     at: int,
     dtype: torch.dtype,
+    checked: bool,
 ) -> None:
     # Three syncs on one sender's plans: the first records, the second replays or departs
     # from the plan at the changed tensor, the third replays what the second recorded. A
@@ -172,7 +181,7 @@ def test_every_sync_delivers_its_source_whatever_changed_since_the_plan(
         tensors = _tensors(spec, seed)
         del added[:]
         with mock.patch.object(BucketBuilder, "add", add):
-            buckets = _bucketed(tensors, bucket_bytes, rule, plans)
+            buckets = _bucketed(tensors, bucket_bytes, rule, plans, checked)
         _same(_unpacked(buckets, bucket_bytes), _expected(tensors, rule))
         if seed == 2 or (seed == 1 and change == "none"):
             # The same layout again: nothing placed anew, and the very buckets a fresh
@@ -181,6 +190,43 @@ def test_every_sync_delivers_its_source_whatever_changed_since_the_plan(
             assert _packed(buckets) == _packed(_bucketed(tensors, bucket_bytes, rule, None))
         elif seed == 0:
             assert added == list(tensors)
+
+
+def test_items_not_yet_checked_replay_only_while_plain_and_bad_ones_are_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # send() hands a mapping's items to the replay unchecked: a tensor that needs detaching
+    # (a parameter, one that requires grad) ends the replay there and is sent detached; an
+    # item that is no (str, tensor) pair is the source's clear error, whatever the plan.
+    added = _counting_adds(monkeypatch)
+    plans = BucketPlans()
+    tensors = {f"w{i}": torch.randn(128) for i in range(6)}
+    names = list(tensors)
+    _bucketed(tensors, 1024, None, plans, checked=False)
+    assert added == names
+    for swapped in (
+        torch.nn.Parameter(tensors["w3"] + 1),
+        (tensors["w3"] + 2).requires_grad_(),
+    ):
+        del added[:]
+        source = {**tensors, "w3": swapped}
+        got = _unpacked(_bucketed(source, 1024, None, plans, checked=False), 1024)
+        assert added == names[3:]  # the replay stops at w3: from there on, placed anew
+        _same(got, {n: t.detach() for n, t in source.items()})
+    bad: list[tuple[Any, str]] = [
+        ({**tensors, "w4": [1.0, 2.0]}, "tensor 'w4' is a list"),
+        ({**tensors, 5: tensors["w5"]}, "tensor name 5 is a int"),
+    ]
+    for source, message in bad:
+        with pytest.raises(TypeError, match=message):
+            _bucketed(source, 1024, None, plans, checked=False)
+
+    async def run(items: list[Any]) -> list[Bucket]:
+        pairs, check = unchecked_pairs(items)
+        return [b async for b in bucket_pairs(pairs, 1024, plans=plans, check=check)]
+
+    with pytest.raises(TypeError, match="expected \\(name, tensor\\) pairs, got tuple"):
+        anyio.run(run, [*tensors.items(), ("w6",)])
 
 
 class _Collect:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamsync.pipeline import NamedTensor, adapter
 from streamsync.wire.bucket import (
@@ -23,6 +23,9 @@ from streamsync.wire.bucket import (
 )
 from streamsync.wire.frames import BucketHeader
 from streamsync.wire.plan import BucketPlans, PlanRun
+
+if TYPE_CHECKING:
+    from streamsync.sources import Checker
 
 __all__ = ["Bucketer", "bucket", "bucket_pairs", "unbucket"]
 
@@ -63,23 +66,26 @@ async def bucket(
 
 
 async def bucket_pairs(
-    pairs: Iterator[NamedTensor],
+    pairs: Iterator[Any],
     bucket_bytes: int,
     *,
     cast: CastRule | None = None,
     plans: BucketPlans | None = None,
+    check: Checker | None = None,
 ) -> AsyncIterator[Bucket]:
     """What ``bucket(bucket_bytes, cast=cast)`` makes of a plain iterator of named tensors,
     built in a plain loop: one async step per bucket rather than per tensor. With ``plans``
     (a sender's), the buckets of the last sync of the same source are filled again while
     its tensors match them (:mod:`streamsync.wire.plan`), and what this sync makes is kept
-    for the next. ``pairs`` is closed however this ends."""
+    for the next. With ``check``, ``pairs`` are items not yet checked
+    (:func:`~streamsync.sources.unchecked_pairs`): the replay takes the plain ones as they
+    are, ``check`` the rest. ``pairs`` is closed however this ends."""
     builder = BucketBuilder(bucket_bytes, cast=cast)
     add = builder.add
-    run = PlanRun(plans, builder) if plans is not None else None
+    run = PlanRun(plans, builder, checked=check is None) if plans is not None else None
     try:
         if run is None:
-            for name, tensor in pairs:
+            for name, tensor in check(pairs) if check is not None else pairs:
                 full = add(name, tensor)
                 if full:
                     del tensor
@@ -92,8 +98,12 @@ async def bucket_pairs(
             for done in run.replay(it):
                 yield done
                 del done
-            rest = itertools.chain((run.pending,), it) if run.pending is not None else it
+            rest: Iterator[Any] = (
+                itertools.chain((run.pending,), it) if run.pending is not None else it
+            )
             run.pending = None
+            if check is not None:
+                rest = check(rest)
             record, recorded = run.record, run.recorded
             for name, tensor in rest:
                 record(name, tensor)

@@ -113,6 +113,18 @@ def plans_of(sender: Any) -> BucketPlans | None:
     return found
 
 
+def _plain(item: Any) -> bool:
+    """Whether an item not yet checked is a pair of a name and a plain tensor that needs no
+    detaching (what a checked source would pass on as it is)."""
+    return (
+        type(item) is tuple
+        and len(item) == 2
+        and type(item[0]) is str
+        and type(item[1]) is torch.Tensor
+        and not item[1].requires_grad
+    )
+
+
 class _Miss(Exception):
     """The source no longer matches the plan (internal)."""
 
@@ -124,9 +136,13 @@ class PlanRun:
     :meth:`commit` keeps the whole as the plan for the next sync.
     """
 
-    def __init__(self, plans: BucketPlans, builder: BucketBuilder) -> None:
+    def __init__(self, plans: BucketPlans, builder: BucketBuilder, *, checked: bool = True) -> None:
         self._plans = plans
         self._builder = builder
+        #: Whether the pairs given to :meth:`replay` are checked named tensors; if not, only
+        #: a tuple of a name and a plain tensor not requiring grad can match (the caller
+        #: checks the pair the replay stopped at, and the rest).
+        self._checked = checked
         #: The plan replayed, and how many of its tensors this sync matched.
         self._base: _Plan | None = None
         self._matched = 0
@@ -183,7 +199,7 @@ class PlanRun:
         builder = self._builder
         return (builder.bucket_bytes, builder.cast_rule, self._first)
 
-    def replay(self, pairs: Iterator[NamedTensor]) -> Iterator[Bucket]:
+    def replay(self, pairs: Iterator[Any]) -> Iterator[Bucket]:
         """The plan's buckets, filled from ``pairs``, while they match it. At the first
         mismatch (or a source longer or shorter than the plan) :attr:`pending` holds the
         pair not yet placed and the builder's current bucket what was checked of its
@@ -192,6 +208,9 @@ class PlanRun:
         tensor of the next one is known to match (that tensor is what closed it)."""
         head = next(pairs, None)
         if head is None:
+            return
+        if not self._checked and not _plain(head):
+            self.pending = head  # the caller's check says what is wrong with it
             return
         self._first = head[0]
         plan = self._plans._get(self._key())
@@ -262,6 +281,8 @@ class PlanRun:
             return self._fill_chunked(plan, bucket, pairs, sources, start, end, index)
         hi = index + (end - start)
         add = sources.append
+        unchecked = not self._checked
+        plain = torch.Tensor
         # ``pairs`` last: zip stops at the plan's end without reading a pair past it.
         for cn, dt, sh, held, pair in zip(
             plan.names[index:hi],
@@ -271,9 +292,14 @@ class PlanRun:
             pairs,
             strict=False,
         ):
-            name, tensor = pair
+            try:
+                name, tensor = pair
+            except (TypeError, ValueError):
+                self.pending = pair
+                raise _Miss from None
             if (
                 name != cn
+                or (unchecked and (type(tensor) is not plain or tensor.requires_grad))
                 or tensor.dtype is not dt
                 or tensor.shape != sh
                 or not (
@@ -305,6 +331,9 @@ class PlanRun:
             if extra is None or extra[0] == 0:
                 pair = next(pairs, None)
                 if pair is None:
+                    raise _Miss
+                if not (self._checked or _plain(pair)):
+                    self.pending = pair
                     raise _Miss
                 name, tensor = pair
                 if (
