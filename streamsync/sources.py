@@ -76,21 +76,6 @@ def _from_peft(model: Any, merged: bool) -> Iterator[NamedTensor]:
         yield name, tensor
 
 
-def unchecked_pairs(obj: Any) -> tuple[Iterator[Any], Checker | None]:
-    """:func:`plain_pairs` of ``obj`` in two parts: its items, and the function that turns
-    them into named tensors (``None`` where the items already are). A mapping's or an
-    iterable's items are checked there; a bucket plan's replay checks a plain pair itself,
-    without a generator step per tensor."""
-    from streamsync.lora import is_peft_model
-
-    if not is_peft_model(obj) and not isinstance(obj, torch.nn.Module):
-        if isinstance(obj, Mapping):
-            return iter(obj.items()), _from_iterable
-        if isinstance(obj, Iterable) and not isinstance(obj, str | bytes | torch.Tensor):
-            return iter(obj), _from_iterable
-    return plain_pairs(obj), None
-
-
 def _from_iterable(pairs: Iterable[Any]) -> Iterator[NamedTensor]:
     tensor_type = torch.Tensor
     for item in pairs:
@@ -182,19 +167,38 @@ def named_tensors(
     return _stepped(plain_pairs(obj, merged=merged))
 
 
-def plain_pairs(obj: Any, *, merged: bool = False) -> Iterator[NamedTensor]:
-    """What :func:`named_tensors` yields, as a plain iterator, for every ``obj`` but an
-    async iterable (a ``TypeError`` for that): the senders' loop over a model's tensors
-    without an async step per tensor."""
+def unchecked_pairs(obj: Any, *, merged: bool = False) -> tuple[Iterator[Any], Checker | None]:
+    """:func:`plain_pairs` of ``obj`` in two parts: its items, and the function that turns
+    them into named tensors (``None`` where the items already are). A mapping's or an
+    iterable's items are checked there; a bucket plan's replay checks a plain pair itself,
+    without a generator step per tensor."""
     from streamsync.lora import is_peft_model
 
     if is_peft_model(obj):
-        return _from_peft(obj, merged)
+        return _from_peft(obj, merged), None
     if merged:
         raise ConfigError(
             f"named_tensors(merged=True) merges a peft model's adapter; "
             f"{type(obj).__name__} is not a peft model"
         )
+    if isinstance(obj, torch.nn.Module):
+        return _from_module(obj), None
+    if isinstance(obj, Mapping):
+        return iter(obj.items()), _from_iterable
+    if isinstance(obj, Iterable) and not isinstance(obj, str | bytes | torch.Tensor):
+        return iter(obj), _from_iterable
+    raise TypeError(
+        f"named_tensors() takes an nn.Module, a mapping of tensors or an iterable of "
+        f"(name, tensor) pairs, not {type(obj).__name__}"
+    )
+
+
+def plain_pairs(obj: Any, *, merged: bool = False) -> Iterator[NamedTensor]:
+    """What :func:`named_tensors` yields, as a plain iterator, for every ``obj`` but an
+    async iterable (a ``TypeError`` for that): the senders' loop over a model's tensors
+    without an async step per tensor."""
+    items, check = unchecked_pairs(obj, merged=merged)
+    return check(items) if check is not None else items
     if isinstance(obj, torch.nn.Module):
         return _from_module(obj)
     if isinstance(obj, Mapping):
