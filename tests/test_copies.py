@@ -281,25 +281,30 @@ needs_kernel = pytest.mark.skipif(
 
 
 @needs_kernel
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     nbytes=st.one_of(st.integers(0, 8192), st.integers(0, 300_000)),
-    dst_at=st.integers(0, 31),
-    src_at=st.integers(0, 31),
+    ahead=st.one_of(st.integers(0, 320), st.integers(3776, 4095), st.integers(0, 4095)),
+    src_at=st.integers(0, 4095),
     seed=st.integers(0, 2**16),
 )
 def test_the_streaming_copy_moves_exactly_its_bytes(
-    nbytes: int, dst_at: int, src_at: int, seed: int
+    nbytes: int, ahead: int, src_at: int, seed: int
 ) -> None:
-    # Sizes on both sides of the kernel's 4 KiB streaming threshold, any alignment: the
-    # bytes arrive and nothing around them is written, whether one copy or many in a batch.
-    src = _source(nbytes + 32, torch.uint8, seed=seed)
+    # Sizes on both sides of the kernel's 4 KiB streaming threshold, any alignment, and the
+    # destination any distance past the source modulo 4 KiB (where it is a little past, the
+    # kernel copies downwards): the bytes arrive and nothing around them is written, whether
+    # one copy or many in a batch.
+    src = _source(nbytes + 4096, torch.uint8, seed=seed)
+    source = src.data_ptr() + src_at
     for run in (
         lambda d, s: copies.large_copy()(d, s, nbytes),
         lambda d, s: copies.memmove_many([(d, s, nbytes)] * 4),
     ):
-        dst = torch.zeros(nbytes + 64, dtype=torch.uint8)
-        run(dst.data_ptr() + dst_at, src.data_ptr() + src_at)
+        dst = torch.zeros(nbytes + 8192, dtype=torch.uint8)
+        dst_at = (source + ahead - dst.data_ptr()) % 4096
+        run(dst.data_ptr() + dst_at, source)
+        assert (dst.data_ptr() + dst_at - source) % 4096 == ahead
         assert torch.equal(dst[dst_at : dst_at + nbytes], src[src_at : src_at + nbytes])
         assert not dst[:dst_at].any() and not dst[dst_at + nbytes :].any()
 

@@ -128,12 +128,41 @@ int64_t ss_check(const int32_t *pos32, const int64_t *pos64, int64_t k, int64_t 
  * reports a host's cache), below which it runs at about half the speed. */
 #define STREAM_FROM 4096
 
+/* A copy whose destination sits up to this many bytes past its source, modulo 4 KiB, runs
+ * downwards: going up, each block's loads would share their low 12 address bits with the
+ * stores just issued, which the CPU takes for a dependency and waits on ("4K aliasing").
+ * That is the receiver's usual case: a slot's page-aligned entry copied into a tensor that
+ * torch's allocator placed 64 bytes into a page. glibc's memmove makes the same choice. */
+#define ALIAS_WINDOW 256
+
 /* memmove(dst, src, n), with non-temporal stores where the two do not overlap and n is at
  * least STREAM_FROM. The caller ends with fence(), once for all its copies. */
 static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
 #if defined(__SSE2__)
     uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
     if (n >= STREAM_FROM && (d + n <= s || s + n <= d)) {
+        size_t ahead = (size_t)((d - s) & 4095u);
+        if (ahead && ahead < ALIAS_WINDOW) {
+            size_t tail = (size_t)((d + n) & 15u);
+            n -= tail;
+            memcpy(dst + n, src + n, tail);
+            for (size_t blocks = n / 64; blocks; blocks--) {
+                n -= 64;
+                const unsigned char *p = src + n;
+                unsigned char *q = dst + n;
+                _mm_prefetch((const char *)p - 1024, _MM_HINT_NTA);
+                __m128i a = _mm_loadu_si128((const __m128i *)p);
+                __m128i b = _mm_loadu_si128((const __m128i *)(p + 16));
+                __m128i c = _mm_loadu_si128((const __m128i *)(p + 32));
+                __m128i e = _mm_loadu_si128((const __m128i *)(p + 48));
+                _mm_stream_si128((__m128i *)q, a);
+                _mm_stream_si128((__m128i *)(q + 16), b);
+                _mm_stream_si128((__m128i *)(q + 32), c);
+                _mm_stream_si128((__m128i *)(q + 48), e);
+            }
+            memcpy(dst, src, n);
+            return;
+        }
         size_t head = (size_t)(-d & 15u);
         memcpy(dst, src, head);
         dst += head;
@@ -199,24 +228,25 @@ int64_t ss_cast_f32_bf16(unsigned char *dst, const unsigned char *src, int64_t n
     for (; i < n && ((uintptr_t)(dst + 2 * i) & 15u); i++) {
         if (cast_f32_bf16_at(dst, src, i)) return i;
     }
-    const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000);
     const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff);
     for (; i + 16 <= n; i += 16) {
         const unsigned char *p = src + 4 * i;
-        _mm_prefetch((const char *)p + 1024, _MM_HINT_NTA);
-        __m128i x0 = _mm_loadu_si128((const __m128i *)p);
-        __m128i x1 = _mm_loadu_si128((const __m128i *)(p + 16));
-        __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 32));
-        __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 48));
-        __m128i nan = _mm_or_si128(
-            _mm_or_si128(_mm_cmpgt_epi32(_mm_and_si128(x0, abs_mask), inf),
-                         _mm_cmpgt_epi32(_mm_and_si128(x1, abs_mask), inf)),
-            _mm_or_si128(_mm_cmpgt_epi32(_mm_and_si128(x2, abs_mask), inf),
-                         _mm_cmpgt_epi32(_mm_and_si128(x3, abs_mask), inf)));
-        if (_mm_movemask_epi8(nan)) {
+        /* A page ahead: the cast reads twice the bytes it writes, and one thread keeps up
+         * with its reads only when they are asked for that early. */
+        _mm_prefetch((const char *)p + 4096, _MM_HINT_NTA);
+        __m128 f0 = _mm_loadu_ps((const float *)p);
+        __m128 f1 = _mm_loadu_ps((const float *)(p + 16));
+        __m128 f2 = _mm_loadu_ps((const float *)(p + 32));
+        __m128 f3 = _mm_loadu_ps((const float *)(p + 48));
+        /* NaN: the only value unordered with itself. */
+        __m128 nan = _mm_or_ps(_mm_or_ps(_mm_cmpunord_ps(f0, f0), _mm_cmpunord_ps(f1, f1)),
+                               _mm_or_ps(_mm_cmpunord_ps(f2, f2), _mm_cmpunord_ps(f3, f3)));
+        if (_mm_movemask_ps(nan)) {
             _mm_sfence();
             return i;
         }
+        __m128i x0 = _mm_castps_si128(f0), x1 = _mm_castps_si128(f1);
+        __m128i x2 = _mm_castps_si128(f2), x3 = _mm_castps_si128(f3);
         /* x + 0x7fff + (bit 16 of x), then the high half, sign-extended so that the
          * saturating pack keeps every bit. */
 #define SS_ROUND(x) \
