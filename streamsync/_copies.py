@@ -251,7 +251,9 @@ class MovePlan:
     addresses). Built once (per bucket layout, say), it runs without Python work per move:
     the small moves in one call of the compiled kernel, the large ones split on the pool."""
 
-    def __init__(self, dst: Addresses, src: Addresses, nbytes: Addresses) -> None:
+    def __init__(
+        self, dst: Addresses, src: Addresses, nbytes: Addresses, *, spread_small: bool = True
+    ) -> None:
         moves = np.stack(
             [np.asarray(dst, np.int64), np.asarray(src, np.int64), np.asarray(nbytes, np.int64)],
             axis=1,
@@ -262,11 +264,13 @@ class MovePlan:
         self._small = np.ascontiguousarray(moves[~large])
         #: Bytes moved per run.
         self.nbytes = int(moves[:, 2].sum())
-        # The small moves split into runs of about equal bytes, one per thread (the last on
-        # the calling thread): thousands of small tensors are as many bytes as a few large.
+        # With ``spread_small``, the small moves split into runs of about equal bytes, one
+        # per thread (the last on the calling thread): thousands of small tensors are as many
+        # bytes as a few large. A sender's gather into one slot gains from that; a receiver's
+        # scatter into thousands of tensors runs faster on the calling thread alone.
         sizes = np.cumsum(self._small[:, 2]) if len(self._small) else np.zeros(0, np.int64)
         total = int(sizes[-1]) if len(sizes) else 0
-        parts = _pieces(total) if total >= 2 * PIECE_BYTES else 1
+        parts = _pieces(total) if spread_small and total >= 2 * PIECE_BYTES else 1
         cuts = np.searchsorted(sizes, [total * k // parts for k in range(1, parts)], side="right")
         bounds = [0, *sorted({int(c) for c in cuts if 0 < c < len(self._small)})]
         self._runs = list(itertools.pairwise([*bounds, len(self._small)]))

@@ -227,7 +227,7 @@ class ModuleSink:
                 break
             dst.append(known[2])
         else:
-            plan = MovePlan(dst, layout.offsets, layout.nbytes), layout.names
+            plan = MovePlan(dst, layout.offsets, layout.nbytes, spread_small=False), layout.names
         self._plans[layout] = plan
         return plan
 

@@ -476,3 +476,22 @@ def test_the_cast_bound_measures_both_copies_in_every_round(
     cast_bound.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["1", "2"]
+
+
+def test_the_copy_placement_times_both_copies_at_every_distance(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from streamsync.cli.bench import copy_placement
+
+    got = copy_placement.measure(1 << 20)
+    assert set(got) == {"glibc", "library"}
+    for by_distance in got.values():
+        assert list(by_distance) == list(copy_placement.DISTANCES)
+        assert all(0 < gbps < float("inf") for gbps in by_distance.values()), by_distance
+    monkeypatch.setattr(sys, "argv", ["copy_placement", "--mib", "1", "--rounds", "2"])
+    copy_placement.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    cells = [(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows[1:]]
+    assert cells == [("1", "glibc"), ("1", "library"), ("2", "glibc"), ("2", "library")]

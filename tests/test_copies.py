@@ -382,25 +382,31 @@ def test_a_piece_of_a_cast_holding_a_nan_is_cast_by_torch() -> None:
     sizes=st.lists(st.integers(0, 600_000), min_size=1, max_size=80),
     gaps=st.integers(0, 64),
     dst_base=st.integers(0, 4096),
+    spread=st.booleans(),
 )
 def test_a_move_plan_of_many_small_moves_splits_them_across_threads_and_moves_every_byte(
-    sizes: list[int], gaps: int, dst_base: int
+    sizes: list[int], gaps: int, dst_base: int, spread: bool
 ) -> None:
     # Small moves (each under INLINE_BYTES) past 2 x PIECE_BYTES in all run on the pool
-    # and the caller, a run of about equal bytes each; every byte lands where it should.
+    # and the caller, a run of about equal bytes each, unless the plan keeps them on the
+    # caller (spread_small=False, a receiver's); every byte lands where it should.
     offsets, at = [], 0
     for n in sizes:
         offsets.append(at)
         at += n + gaps
     src = torch.randint(0, 256, (max(at, 1),), dtype=torch.uint8)
     dst = torch.zeros(max(at, 1) + dst_base, dtype=torch.uint8)
-    plan = copies.MovePlan(offsets, [src.data_ptr() + o for o in offsets], sizes)
+    plan = copies.MovePlan(
+        offsets, [src.data_ptr() + o for o in offsets], sizes, spread_small=spread
+    )
     total = sum(sizes)
     runs, moved = plan._runs, len([n for n in sizes if n])
     assert runs[0][0] == 0 and runs[-1][1] == moved  # the runs cover every move once
     assert all(x[1] == y[0] for x, y in itertools.pairwise(runs))
     assert all(a < b for a, b in runs) or moved == 0
-    if total >= 2 * copies.PIECE_BYTES and copies.POOL_THREADS > 1:
+    if not spread:
+        assert len(runs) == 1
+    elif total >= 2 * copies.PIECE_BYTES and copies.POOL_THREADS > 1:
         assert len(runs) > 1
     plan.run(dst.data_ptr() + dst_base, 0)
     for o, n in zip(offsets, sizes, strict=True):
