@@ -135,6 +135,20 @@ int64_t ss_check(const int32_t *pos32, const int64_t *pos64, int64_t k, int64_t 
  * torch's allocator placed 64 bytes into a page. glibc's memmove makes the same choice. */
 #define ALIAS_WINDOW 256
 
+#if defined(__SSE2__)
+/* 64 bytes from `src` to the 16-byte aligned `dst`, stored past the cache. */
+static inline void stream64(unsigned char *dst, const unsigned char *src) {
+    __m128i a = _mm_loadu_si128((const __m128i *)src);
+    __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+    __m128i e = _mm_loadu_si128((const __m128i *)(src + 48));
+    _mm_stream_si128((__m128i *)dst, a);
+    _mm_stream_si128((__m128i *)(dst + 16), b);
+    _mm_stream_si128((__m128i *)(dst + 32), c);
+    _mm_stream_si128((__m128i *)(dst + 48), e);
+}
+#endif
+
 /* memmove(dst, src, n), with non-temporal stores where the two do not overlap and n is at
  * least STREAM_FROM. The caller ends with fence(), once for all its copies. */
 static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
@@ -148,17 +162,8 @@ static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
             memcpy(dst + n, src + n, tail);
             for (size_t blocks = n / 64; blocks; blocks--) {
                 n -= 64;
-                const unsigned char *p = src + n;
-                unsigned char *q = dst + n;
-                _mm_prefetch((const char *)p - 1024, _MM_HINT_NTA);
-                __m128i a = _mm_loadu_si128((const __m128i *)p);
-                __m128i b = _mm_loadu_si128((const __m128i *)(p + 16));
-                __m128i c = _mm_loadu_si128((const __m128i *)(p + 32));
-                __m128i e = _mm_loadu_si128((const __m128i *)(p + 48));
-                _mm_stream_si128((__m128i *)q, a);
-                _mm_stream_si128((__m128i *)(q + 16), b);
-                _mm_stream_si128((__m128i *)(q + 32), c);
-                _mm_stream_si128((__m128i *)(q + 48), e);
+                _mm_prefetch((const char *)src + n - 1024, _MM_HINT_NTA);
+                stream64(dst + n, src + n);
             }
             memcpy(dst, src, n);
             return;
@@ -170,14 +175,7 @@ static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
         n -= head;
         for (size_t blocks = n / 64; blocks; blocks--) {
             _mm_prefetch((const char *)src + 1024, _MM_HINT_NTA);
-            __m128i a = _mm_loadu_si128((const __m128i *)src);
-            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(src + 48));
-            _mm_stream_si128((__m128i *)dst, a);
-            _mm_stream_si128((__m128i *)(dst + 16), b);
-            _mm_stream_si128((__m128i *)(dst + 32), c);
-            _mm_stream_si128((__m128i *)(dst + 48), e);
+            stream64(dst, src);
             src += 64;
             dst += 64;
         }
