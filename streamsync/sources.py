@@ -199,13 +199,3 @@ def plain_pairs(obj: Any, *, merged: bool = False) -> Iterator[NamedTensor]:
     without an async step per tensor."""
     items, check = unchecked_pairs(obj, merged=merged)
     return check(items) if check is not None else items
-    if isinstance(obj, torch.nn.Module):
-        return _from_module(obj)
-    if isinstance(obj, Mapping):
-        return _from_iterable(obj.items())
-    if isinstance(obj, Iterable) and not isinstance(obj, str | bytes | torch.Tensor):
-        return _from_iterable(obj)
-    raise TypeError(
-        f"named_tensors() takes an nn.Module, a mapping of tensors or an iterable of "
-        f"(name, tensor) pairs, not {type(obj).__name__}"
-    )
