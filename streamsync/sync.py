@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import time
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ from streamsync.transports import (
     open_receiver,
     open_sender,
 )
+from streamsync.transports.base import ReceiverState
 from streamsync.wire.bucket import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MAX_TENSOR_BYTES,
@@ -43,7 +45,7 @@ from streamsync.wire.bucket import (
     names_of,
 )
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
-from streamsync.wire.plan import plans_of
+from streamsync.wire.plan import BucketPlans, plans_of
 
 __all__ = ["DEFAULT_TIMEOUT", "next_sync_id", "receive", "send", "send_aside"]
 
@@ -306,6 +308,7 @@ async def _send(
     start = time.perf_counter()
     seq = tensors = nbytes = 0
     source_s = send_s = 0.0
+    sent: list[Sequence[str]] = []  # each bucket's names: what a ``Done.carried`` stands for
     try:
         async with reading(buckets) as items:
             try:
@@ -322,6 +325,7 @@ async def _send(
                     seq += 1
                     tensors += bucket.tensors
                     nbytes += bucket.nbytes
+                    sent.append(bucket.names)
                     del bucket  # packed: its source tensors may go before the next one fills
             except BaseException as exc:
                 # Cancelled too (WeightSync cancels the send when an engine fails): the
@@ -349,7 +353,7 @@ async def _send(
             phases["publish"] = after.publish_seconds - before.publish_seconds
         t2 = time.perf_counter()
         end = End(sync_id, seq, tensors, nbytes, base, unchanged())
-        dones = await sender.end(end, timeout=timeout)
+        dones = _filled(await sender.end(end, timeout=timeout), sent, plans_of(sender))
     except BaseException as exc:
         # Complete the partial report a receiver's failure carries with what this side sent.
         report = getattr(exc, "report", None)
@@ -394,6 +398,28 @@ async def _send(
             refused=attendance.refused,
         )
     )
+
+
+def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans | None) -> list[Done]:
+    """``dones`` with the names of each that says it loaded what the sync carried: ``sent``
+    sorted, each once (kept with the sender's plans for the next sync that sends the same
+    lists, as a trainer's replayed plans do)."""
+    if not any(d.carried for d in dones):
+        return dones
+    memo = kept.sent if kept is not None else None
+    if memo is not None and len(memo[0]) == len(sent) and all(map(_same, memo[0], sent)):
+        carried = memo[1]
+    else:
+        carried = _sorted_once(itertools.chain.from_iterable(sent))
+        if kept is not None:
+            kept.sent = (sent, carried)
+    return [
+        msgspec.structs.replace(d, loaded=carried, carried=False) if d.carried else d for d in dones
+    ]
+
+
+def _same(a: Sequence[str], b: Sequence[str]) -> bool:
+    return a is b or a == b
 
 
 def _union(names: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
@@ -550,19 +576,45 @@ async def _receive(
         raise
     loaded = result if isinstance(result, LoadResult) else LoadResult(loaded=tuple(sync.applied))
     report = _receive_report(sync, loaded, True)
+    carried = _loaded_is_carried(state, sync.applied, loaded.loaded)
     await receiver.reply(
         Done(
             sync.sync_id,
             receiver.index,
             report.tensors,
             sync.nbytes,
-            loaded.loaded,
+            () if carried else loaded.loaded,
             loaded.missing,
             versioned.version if versioned is not None else None,
+            carried=carried,
         )
     )
     state.last_sync_id = sync.sync_id
     return _done(report)
+
+
+def _loaded_is_carried(state: ReceiverState, applied: list[str], loaded: tuple[str, ...]) -> bool:
+    """Whether ``loaded`` is the names this sync carried (``applied``), sorted, each once:
+    ``Done`` then leaves them to the sender. Sorted once for a sync that carried the last
+    one's names, in its order, and got the same answer from the sink (a trainer's every
+    step): comparing the lists costs a pointer per name where they are the same strings."""
+    memo = state.carried
+    if memo is not None:
+        known_applied, known_loaded, verdict = memo
+        if (known_loaded is loaded or known_loaded == loaded) and known_applied == applied:
+            return verdict
+    verdict = _sorted_once(applied) == loaded
+    state.carried = (applied, loaded, verdict)
+    return verdict
+
+
+def _sorted_once(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` sorted, each once (a chunked tensor's name comes with each of its chunks).
+    A sync's names come in runs already in order, which the sort merges."""
+    ordered = sorted(names)
+    if all(map(operator.ne, ordered, itertools.islice(ordered, 1, None))):
+        return tuple(ordered)
+    return tuple(name for name, _ in itertools.groupby(ordered))
 
 
 async def _phase(sync: _Progress, name: str, fn: Callable[[], Any]) -> Any:

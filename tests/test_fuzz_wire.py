@@ -120,7 +120,15 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(End, sync_id=edgy_ints, buckets=edgy_ints, tensors=edgy_ints, nbytes=edgy_ints),
     st.builds(Abort, sync_id=edgy_ints, reason=st.text(max_size=10)),
     st.builds(Ack, sync_id=edgy_ints, seq=edgy_ints, slot=edgy_ints, receiver=edgy_ints),
-    st.builds(Done, sync_id=edgy_ints, receiver=edgy_ints, tensors=edgy_ints, nbytes=edgy_ints),
+    st.builds(
+        Done,
+        sync_id=edgy_ints,
+        receiver=edgy_ints,
+        tensors=edgy_ints,
+        nbytes=edgy_ints,
+        loaded=st.lists(st.text(max_size=8), max_size=3).map(tuple),
+        carried=st.booleans(),
+    ),
     st.builds(Failed, sync_id=edgy_ints, receiver=edgy_ints, error=st.text(), message=st.text()),
     st.builds(Bye, reason=st.text(max_size=10)),
 )

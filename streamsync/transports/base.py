@@ -152,6 +152,9 @@ class ReceiverState:
     abandoned: bool = False
     #: A ``receive`` is waiting for its sync's first message.
     waiting: bool = False
+    #: What the last ``Done`` was worked out from: the names its sync carried, the sink's
+    #: loaded names, and whether those were the same, sorted (see ``Done.carried``).
+    carried: tuple[list[str], tuple[str, ...], bool] | None = None
 
 
 class Receiver(_Resource):

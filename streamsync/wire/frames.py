@@ -43,7 +43,7 @@ __all__ = [
 #: 2: the receiver confirms its ``Welcome`` with ``Joined``; refusals may say "busy".
 #: 3: delta syncs (``Entry.patch``, ``base`` on buckets and ``End``, ``Done.held``).
 #: 4: a bucket's entries travel as columns (``BucketHeader.layout``).
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 
 # Upper bounds applied to untrusted metadata before anything is allocated from it.
 MAX_NAME_LEN: Final = 4096
@@ -319,6 +319,10 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     #: The version the receiver's sink now holds (this sync's id), or ``None`` when the sink
     #: cannot take a delta: the sender sends it full syncs.
     held: int | None = None
+    #: ``loaded`` is the names this sync carried, sorted, each once: it then travels empty and
+    #: the sender, which sent those names, fills it in (tens of thousands of names are
+    #: milliseconds to encode and decode, and megabytes held, per receiver and sync).
+    carried: bool = False
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):

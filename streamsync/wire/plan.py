@@ -21,7 +21,7 @@ from __future__ import annotations
 import array
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -83,6 +83,9 @@ class BucketPlans:
 
     def __init__(self) -> None:
         self._plans: dict[_Key, _Plan] = {}
+        #: The names the sender's last sync sent with a ``Done.carried`` answer, per bucket,
+        #: and them sorted, each once: a sync that sends the same lists again reuses them.
+        self.sent: tuple[list[Sequence[str]], tuple[str, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self._plans)

@@ -1,0 +1,175 @@
+"""A receiver's ``Done`` leaves out the names it loaded when they are the names its sync
+carried (``Done.carried``): the sender fills them in from what it sent, and every report
+says what it said before: the same names, per receiver and together."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+from unittest import mock
+
+import anyio
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import streamsync as ss
+import streamsync.sync
+from streamsync.report import LoadResult
+from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink, fake_state_dict
+from streamsync.transports.base import Receiver
+from streamsync.wire.frames import Done, Failed
+
+BUCKET = 4096
+
+
+def _model(extra: int = 0) -> torch.nn.Module:
+    """Many small tensors (several per bucket, each bucket a plan) and one larger than a
+    bucket (its name comes with each of its chunks)."""
+    module = torch.nn.Module()
+    for i in range(24 + extra):
+        module.register_parameter(f"layer{i}_weight", torch.nn.Parameter(torch.zeros(64)))
+    module.register_buffer("z_big", torch.zeros(3 * BUCKET // 4))
+    return module
+
+
+def _weights(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(t.shape, generator=gen) for n, t in module.state_dict().items()}
+
+
+def _replies(receiver: Receiver) -> list[Done | Failed]:
+    """What ``receiver`` sends back, kept as it goes on the wire."""
+    sent: list[Done | Failed] = []
+    reply = receiver.reply
+
+    async def keep(report: Done | Failed) -> None:
+        sent.append(report)
+        await reply(report)
+
+    receiver.reply = keep  # type: ignore[method-assign]
+    return sent
+
+
+async def _syncs(
+    url: str, weights: list[dict[str, torch.Tensor]], sinks: list[Any]
+) -> list[tuple[ss.SyncReport, list[ss.SyncReport], list[Done]]]:
+    """Send each of ``weights`` in turn to one receiver per sink over one channel; per
+    sync, the sender's report, the receivers' and the ``Done`` each of them sent."""
+    out: list[tuple[ss.SyncReport, list[ss.SyncReport], list[Done]]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        sender = await stack.enter_async_context(ss.open_sender(f"{url}?receivers={len(sinks)}"))
+        receivers = [await stack.enter_async_context(ss.open_receiver(url)) for _ in sinks]
+        wires = [_replies(r) for r in receivers]
+        for step in weights:
+            got: dict[int, ss.SyncReport] = {}
+
+            async def rx(k: int) -> None:
+                got[k] = await ss.receive(receivers[k], sinks[k], timeout=5)  # noqa: B023
+
+            async with anyio.create_task_group() as tg:
+                for k in range(len(sinks)):
+                    tg.start_soon(rx, k)
+                sent = await ss.send(step, sender, bucket_bytes=BUCKET, timeout=5)
+            dones = [w[-1] for w in wires]
+            assert all(isinstance(d, Done) for d in dones), dones
+            out.append((sent, [got[k] for k in range(len(sinks))], dones))  # type: ignore[misc]
+    return out
+
+
+async def test_a_receiver_that_loaded_every_name_sent_leaves_them_to_the_sender() -> None:
+    module = _model()
+    steps = [_weights(module, seed) for seed in range(4)]
+    steps.insert(2, {n: t for n, t in steps[2].items() if n != "layer5_weight"})
+    with mock.patch.object(
+        streamsync.sync, "_sorted_once", wraps=streamsync.sync._sorted_once
+    ) as sorts:
+        syncs = await _syncs("memory://done-all", steps, [ss.ModuleSink(module)])
+    for step, (sent, (got,), (done,)) in zip(steps, syncs, strict=True):
+        names = tuple(sorted(step))
+        assert done.carried and done.loaded == (), done
+        assert got.loaded == names
+        assert sent.loaded == names  # filled in by the sender, each name once
+        missing = tuple(sorted(set(module.state_dict()) - set(step)))
+        assert sent.instances == {"receiver0": LoadResult(loaded=names, missing=missing)}
+    # Each side sorts a sync's names once, and again only when they changed: syncs 1, 3
+    # (without layer5_weight) and 4 (with it again) sort; 2 and 5 repeat the sync before.
+    assert sorts.call_count == 2 * 3, sorts.call_args_list
+    for name, want in steps[-1].items():
+        assert torch.equal(module.state_dict()[name], want), name
+
+
+async def test_a_change_of_names_or_of_the_sinks_answer_is_worked_out_again() -> None:
+    module = _model(extra=3)
+    full = _weights(module, 0)
+    fewer = {n: t for n, t in full.items() if not n.startswith("layer2")}  # other buckets
+
+    class Answers(ss.ModuleSink):
+        """Reports, from the second sync on, one name less than it loaded."""
+
+        syncs = 0
+
+        def finalize(self) -> LoadResult:
+            result = super().finalize()
+            self.syncs += 1
+            if self.syncs >= 2:
+                return LoadResult(loaded=result.loaded[1:], unexpected=result.unexpected)
+            return result
+
+    sink = Answers(module, strict=False)
+    syncs = await _syncs("memory://done-change", [full, full, fewer], [sink])
+    (s1, (r1,), (d1,)), (s2, (r2,), (d2,)), (s3, (r3,), (d3,)) = syncs
+    assert d1.carried and s1.loaded == r1.loaded == tuple(sorted(full))
+    # Same plans as the first sync, but the sink answered otherwise: its names travel.
+    assert not d2.carried and d2.loaded == r2.loaded == tuple(sorted(full))[1:]
+    assert s2.loaded == r2.loaded
+    assert not d3.carried and s3.loaded == r3.loaded == tuple(sorted(fewer))[1:]
+
+
+async def test_a_sink_with_more_names_or_other_names_than_the_wire() -> None:
+    cfg = FakeConfig()
+    weights = fake_state_dict(cfg)
+    renamed = {name.replace(".", "_"): t for name, t in weights.items()}
+    # A module with one tensor more than is sent: it loaded what was sent, and misses one.
+    module = torch.nn.Module()
+    for name, t in renamed.items():
+        module.register_buffer(name, torch.zeros_like(t))
+    module.register_buffer("unsent", torch.zeros(4))
+    [(sent, (got,), (done,))] = await _syncs(
+        "memory://done-more", [renamed], [ss.ModuleSink(module, strict=False)]
+    )
+    assert done.carried and done.loaded == () and done.missing == ("unsent",)
+    assert sent.loaded == got.loaded == tuple(sorted(renamed))
+    assert sent.missing == got.missing == ("unsent",)
+    # A sink whose names are not the wire's (vLLM's stacked parameters) sends them.
+    vllm = FakeVllmModel(cfg)
+    [(sent, (got,), (done,))] = await _syncs(
+        "memory://done-vllm", [weights], [LoadWeightsSink(vllm)]
+    )
+    assert not done.carried and done.loaded == got.loaded != ()
+    assert "model.layers.0.self_attn.qkv_proj.weight" in done.loaded
+    assert sent.loaded == got.loaded
+
+
+async def test_two_receivers_one_that_leaves_names_out_and_one_that_sends_them() -> None:
+    module = _model()
+    weights = _weights(module, 1)
+    fewer = torch.nn.Module()  # lacks one name sent: it loads the others
+    for name, t in module.state_dict().items():
+        if name != "layer3_weight":
+            fewer.register_buffer(name, torch.zeros_like(t))
+    sinks = [ss.ModuleSink(module), ss.ModuleSink(fewer, strict=False)]
+    [(sent, got, dones)] = await _syncs("memory://done-two", [weights], sinks)
+    assert dones[0].carried and not dones[1].carried
+    assert got[0].loaded == tuple(sorted(weights))
+    assert dones[1].loaded == got[1].loaded == tuple(sorted(set(weights) - {"layer3_weight"}))
+    assert sent.instances == {
+        "receiver0": LoadResult(loaded=got[0].loaded),
+        "receiver1": LoadResult(loaded=got[1].loaded),
+    }
+    assert sent.loaded == tuple(sorted(weights))
+
+
+@given(st.lists(st.text(alphabet="ab.0", max_size=4), max_size=30))
+def test_sorted_once_is_the_sorted_set(names: list[str]) -> None:
+    assert streamsync.sync._sorted_once(names) == tuple(sorted(set(names)))
