@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, runtime_checkable
@@ -128,8 +129,10 @@ class ModuleSink:
     def __init__(self, module: torch.nn.Module, *, strict: bool = True) -> None:
         self.module = module
         self.strict = strict
+        # Interned, as the receiver's unpacker interns the names of the layouts it keeps: a
+        # name is one string on this side, however many plans and reports hold it.
         self._targets: dict[str, torch.Tensor] = {
-            name: t.detach() for name, t in module.state_dict(keep_vars=True).items()
+            sys.intern(name): t.detach() for name, t in module.state_dict(keep_vars=True).items()
         }
         # Tied weights share storage under several names: loading one loads them all.
         by_storage: dict[tuple[int, tuple[int, ...], torch.dtype], list[str]] = {}

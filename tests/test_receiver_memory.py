@@ -48,3 +48,26 @@ async def test_a_zmq_receiver_holds_no_bucket_past_its_release() -> None:
             assert alive_at_release == [(seq, False) for seq in range(6)]
     for name, tensor in weights.items():
         assert torch.equal(target.get_buffer(name), tensor), name
+
+
+async def test_a_receiver_keeps_one_string_per_name_in_its_plans_and_its_sink() -> None:
+    # The unpacker keeps each layout's names (for as long as the sender repeats it); the
+    # sink keeps the module's. Decoded from the wire, each name would be a second string.
+    url = f"zmq+ipc://names-{os.getpid()}"
+    weights = {f"layer{i}_weight": torch.full((256,), float(i)) for i in range(40)}
+    target = torch.nn.Module()
+    for name, tensor in weights.items():
+        target.register_buffer("".join(name), torch.zeros_like(tensor))  # a string of its own
+    sink = ss.ModuleSink(target)
+    async with ss.open_sender(url) as tx, ss.open_receiver(tx.url) as rx:
+        for _ in range(2):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: ss.receive(rx, sink, timeout=5))
+                await ss.send(weights, tx, bucket_bytes=4096, timeout=5)
+        kept = [n for plan in rx.state.unpacker._plans.values() for n in plan.names]
+    assert sorted(kept) == sorted(weights)  # every bucket was a kept plan
+    assert not any(n is w for n in kept for w in weights)  # decoded, not the sender's
+    own = {name: name for name in sink._targets}
+    assert all(own[n] is n for n in kept), "a kept name is not the sink's own string"
+    for name, want in weights.items():
+        assert torch.equal(target.get_buffer(name), want), name

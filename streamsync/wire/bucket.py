@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import array
 import math
+import sys
 from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import msgspec
 import numpy as np
 import torch
 import xxhash
@@ -631,7 +633,10 @@ class Unpacker:
         if not layout.extras and self._pending is None and self._patching is None:
             plan = self._plans.get(layout)
             if plan is None:
-                # Checked entry by entry once; the entries themselves are not kept.
+                # Checked entry by entry once; the entries themselves are not kept. The names
+                # kept are interned: one string per name with the sink's (ModuleSink interns
+                # its own), not a decoded copy of each held for as long as the plan.
+                layout = msgspec.structs.replace(layout, names=tuple(map(sys.intern, layout.names)))
                 plan = LayoutPlan(layout, [self._check_entry(e)[0] for e in layout.entries()])
                 if len(self._plans) >= _PLANS_MAX or self._planned + len(plan) > _CHECKED_MAX:
                     self._plans, self._planned = {}, 0
