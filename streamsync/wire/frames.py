@@ -43,6 +43,7 @@ __all__ = [
 #: 2: the receiver confirms its ``Welcome`` with ``Joined``; refusals may say "busy".
 #: 3: delta syncs (``Entry.patch``, ``base`` on buckets and ``End``, ``Done.held``).
 #: 4: a bucket's entries travel as columns (``BucketHeader.layout``).
+#: 5: ``Done.carried``: a receiver that loaded the names its sync carried sends none.
 PROTOCOL_VERSION: Final = 5
 
 # Upper bounds applied to untrusted metadata before anything is allocated from it.
