@@ -407,7 +407,7 @@ def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans | No
     if not any(d.carried for d in dones):
         return dones
     memo = kept.sent if kept is not None else None
-    if memo is not None and len(memo[0]) == len(sent) and all(map(_same, memo[0], sent)):
+    if memo is not None and memo[0] == sent:  # a pointer per bucket where the lists are kept
         carried = memo[1]
     else:
         carried = _sorted_once(itertools.chain.from_iterable(sent))
@@ -416,10 +416,6 @@ def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans | No
     return [
         msgspec.structs.replace(d, loaded=carried, carried=False) if d.carried else d for d in dones
     ]
-
-
-def _same(a: Sequence[str], b: Sequence[str]) -> bool:
-    return a is b or a == b
 
 
 def _union(names: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
