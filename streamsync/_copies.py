@@ -40,7 +40,6 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -249,7 +248,8 @@ class MovePlan:
     """The same memmoves, run again and again between buffers that may move: each move's
     destination and source as offsets from two bases given at :meth:`run` (0 for absolute
     addresses). Built once (per bucket layout, say), it runs without Python work per move:
-    the small moves in one call of the compiled kernel, the large ones split on the pool."""
+    its moves are cut into runs of about equal bytes, one per thread, each run one call of
+    the compiled kernel, the last run on the calling thread."""
 
     def __init__(
         self, dst: Addresses, src: Addresses, nbytes: Addresses, *, spread_small: bool = True
@@ -259,53 +259,76 @@ class MovePlan:
             axis=1,
         ).reshape(-1, 3)
         moves = moves[moves[:, 2] > 0]
-        large = moves[:, 2] >= INLINE_BYTES
-        self._large = [tuple(m) for m in moves[large].tolist()]
-        self._small = np.ascontiguousarray(moves[~large])
+        self._count = len(moves)
         #: Bytes moved per run.
         self.nbytes = int(moves[:, 2].sum())
-        # With ``spread_small``, the small moves split into runs of about equal bytes, one
-        # per thread (the last on the calling thread): thousands of small tensors are as many
-        # bytes as a few large. A sender's gather into one slot gains from that; a receiver's
-        # scatter into thousands of tensors runs faster on the calling thread alone.
-        sizes = np.cumsum(self._small[:, 2]) if len(self._small) else np.zeros(0, np.int64)
-        total = int(sizes[-1]) if len(sizes) else 0
-        parts = _pieces(total) if spread_small and total >= 2 * PIECE_BYTES else 1
-        cuts = np.searchsorted(sizes, [total * k // parts for k in range(1, parts)], side="right")
-        bounds = [0, *sorted({int(c) for c in cuts if 0 < c < len(self._small)})]
-        self._runs = list(itertools.pairwise([*bounds, len(self._small)]))
+        # With ``spread_small``, every move is shared out: thousands of small tensors are as
+        # many bytes as a few large, and a sender's gather into one slot gains from the
+        # threads. Without it, the small moves stay on the calling thread (a receiver's
+        # scatter into thousands of tensors runs faster there alone) and only the large
+        # ones are shared.
+        if spread_small:
+            shared, kept = moves, moves[:0]
+        else:
+            large = moves[:, 2] >= INLINE_BYTES
+            shared, kept = moves[large], moves[~large]
+        runs = _cut(shared, _pieces(int(shared[:, 2].sum())))
+        runs[-1] = np.concatenate([runs[-1], kept])
+        #: One ``(dst, src, nbytes)`` array per thread, the calling thread's last.
+        self._runs = [np.ascontiguousarray(run) for run in runs]
 
     def __len__(self) -> int:
-        return len(self._small) + len(self._large)
+        return self._count
 
     def run(self, dst_base: int = 0, src_base: int = 0) -> None:
         """Do every move, ``dst_base`` and ``src_base`` added to its two offsets."""
         futures: list[Future[Any]] = []
+        *others, mine = self._runs
+        bases = np.array([dst_base, src_base, 0], dtype=np.int64)
         try:
-            if self._large:
+            if others:
                 submit = _pool.get().submit
-                copy = large_copy()
-                for dst, src, nbytes in self._large:
-                    count = _pieces(nbytes)
-                    step = -(-nbytes // count)
-                    for lo in range(0, nbytes, step):
-                        futures.append(
-                            submit(
-                                copy,
-                                dst_base + dst + lo,
-                                src_base + src + lo,
-                                min(step, nbytes - lo),
-                            )
-                        )
-            small = self._small
-            if len(small):
-                moves = small + np.array([dst_base, src_base, 0], dtype=np.int64)
-                *others, (lo, hi) = self._runs
-                for a, b in others:
-                    futures.append(_pool.get().submit(_move_batch, moves[a:b]))
-                _move_batch(moves[lo:hi])
+                futures.extend(submit(_move_batch, run + bases) for run in others)
+            if len(mine):
+                _move_batch(mine + bases)
         finally:
             _wait(futures)
+
+
+#: Where a run may be cut inside a move: a page, so that no piece starts mid-page.
+_CUT_ALIGN: Final = 4096
+
+
+def _cut(moves: np.ndarray, parts: int) -> list[np.ndarray]:
+    """``moves`` (rows of ``(dst, src, nbytes)``) as up to ``parts`` runs of about equal
+    bytes, in order; a move that straddles a cut is split there, at a page of its bytes."""
+    if parts <= 1 or not len(moves):
+        return [moves]
+    total = int(moves[:, 2].sum())
+    runs: list[np.ndarray] = []
+    rest, taken = moves, 0
+    for k in range(1, parts):
+        need = total * k // parts - taken  # bytes of ``rest`` that go before this cut
+        ends = np.cumsum(rest[:, 2])
+        if need <= 0 or int(ends[-1]) <= need:
+            continue  # nothing of ``rest`` would be left after the cut
+        j = int(np.searchsorted(ends, need))  # the first move that ends at or past the cut
+        size = int(rest[j, 2])
+        inside = (need - (int(ends[j]) - size)) // _CUT_ALIGN * _CUT_ALIGN
+        if int(ends[j]) == need or inside >= size:
+            head, rest = rest[: j + 1], rest[j + 1 :]
+        elif inside <= 0:
+            head, rest = rest[:j], rest[j:]
+        else:
+            dst, src = int(rest[j, 0]), int(rest[j, 1])
+            head = np.concatenate([rest[:j], np.array([[dst, src, inside]], np.int64)])
+            tail = np.array([[dst + inside, src + inside, size - inside]], np.int64)
+            rest = np.concatenate([tail, rest[j + 1 :]])
+        if len(head):
+            runs.append(head)
+            taken += int(head[:, 2].sum())
+    runs.append(rest)
+    return runs
 
 
 def _move_batch(moves: np.ndarray) -> None:

@@ -702,3 +702,32 @@ def test_a_device_slot_gets_torch_copies_never_a_host_memmove(
     monkeypatch.setattr(bucket_module, "MovePlan", refuse)
     monkeypatch.setattr(bucket_module.CopyBatch, "move", refuse)
     assert build().pack_into(torch.empty(4096, dtype=torch.uint8, device="meta")) == expected
+
+
+def test_a_refilled_bucket_reuses_its_copy_plan_only_while_its_sources_stay_put() -> None:
+    # A replayed plan's bucket keeps the copy plan of its last packing: the same sources
+    # reuse it; a source that moved (a new tensor) gets a new plan and its own bytes packed.
+    first = [
+        ("a", random_tensor((512, 1024), torch.bfloat16)),
+        ("b", random_tensor((7,), torch.float32)),
+    ]
+    builder = BucketBuilder(4 << 20)
+    (bucket,) = [b for name, t in first for b in builder.add(name, t)] + [builder.flush()]
+    assert bucket is not None
+    slot = torch.empty(4 << 20, dtype=torch.uint8)
+    bucket.pack_into(slot)
+    ((_, plan),) = bucket.moves_plan
+
+    again = bucket.refilled([t for _, t in first])
+    again.pack_into(slot)
+    assert again.moves_plan[0][1] is plan
+
+    moved = [random_tensor(tuple(t.shape), t.dtype, seed=1) for _, t in first]
+    twin = bucket.refilled(moved)
+    twin.pack_into(slot)
+    assert twin.moves_plan[0][1] is not plan
+    layout = twin.layout()
+    for name, tensor in zip(("a", "b"), moved, strict=True):
+        index = layout.names.index(name)
+        offset, nbytes = layout.entries()[index].offset, tensor.nbytes
+        assert torch.equal(slot[offset : offset + nbytes], tensor.reshape(-1).view(torch.uint8))

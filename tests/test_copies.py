@@ -377,19 +377,22 @@ def test_a_piece_of_a_cast_holding_a_nan_is_cast_by_torch() -> None:
         assert torch.equal(g.view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 600_000), min_size=1, max_size=80),
+    sizes=st.lists(
+        st.one_of(st.integers(0, 600_000), st.integers(1 << 20, 12 << 20)), min_size=1, max_size=80
+    ),
     gaps=st.integers(0, 64),
     dst_base=st.integers(0, 4096),
     spread=st.booleans(),
 )
-def test_a_move_plan_of_many_small_moves_splits_them_across_threads_and_moves_every_byte(
+def test_a_move_plan_cuts_its_moves_into_runs_of_about_equal_bytes_and_moves_every_byte(
     sizes: list[int], gaps: int, dst_base: int, spread: bool
 ) -> None:
-    # Small moves (each under INLINE_BYTES) past 2 x PIECE_BYTES in all run on the pool
-    # and the caller, a run of about equal bytes each, unless the plan keeps them on the
-    # caller (spread_small=False, a receiver's); every byte lands where it should.
+    # A plan's moves, large (INLINE_BYTES and up) and small, are shared out in runs of
+    # about equal bytes, one per thread, the last the caller's; a move across a cut is split
+    # at a page of its bytes. A receiver's plan (spread_small=False) keeps its small moves
+    # on the caller. Every byte lands where it should, once.
     offsets, at = [], 0
     for n in sizes:
         offsets.append(at)
@@ -399,15 +402,24 @@ def test_a_move_plan_of_many_small_moves_splits_them_across_threads_and_moves_ev
     plan = copies.MovePlan(
         offsets, [src.data_ptr() + o for o in offsets], sizes, spread_small=spread
     )
-    total = sum(sizes)
-    runs, moved = plan._runs, len([n for n in sizes if n])
-    assert runs[0][0] == 0 and runs[-1][1] == moved  # the runs cover every move once
-    assert all(x[1] == y[0] for x, y in itertools.pairwise(runs))
-    assert all(a < b for a, b in runs) or moved == 0
-    if not spread:
+    runs = plan._runs
+    assert len(plan) == len([n for n in sizes if n])
+    # Each run's moves are pieces of the plan's moves; together they are every byte once.
+    pieces = sorted((s, n) for run in runs for _, s, n in run.tolist())
+    assert sum(n for _, n in pieces) == sum(sizes) == plan.nbytes
+    assert all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(pieces))
+    small = sum(n for n in sizes if n < copies.INLINE_BYTES)
+    shared = sum(sizes) - (0 if spread else small)
+    parts = min(copies.POOL_THREADS, shared // copies.PIECE_BYTES)
+    if parts >= 2:
+        assert len(runs) == parts
+        # Runs of about equal bytes: a cut falls on a page of a move, so each run is within
+        # a page of its share (the caller's carries the small moves it keeps besides).
+        shares = [int(run[:, 2].sum()) for run in runs]
+        shares[-1] -= 0 if spread else small
+        assert max(shares) - min(shares) <= 4096 * parts
+    else:
         assert len(runs) == 1
-    elif total >= 2 * copies.PIECE_BYTES and copies.POOL_THREADS > 1:
-        assert len(runs) > 1
     plan.run(dst.data_ptr() + dst_base, 0)
     for o, n in zip(offsets, sizes, strict=True):
         assert torch.equal(dst[dst_base + o : dst_base + o + n], src[o : o + n])

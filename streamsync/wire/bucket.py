@@ -110,6 +110,7 @@ class Bucket:
         "holds_tail",
         "kinds",
         "moves",
+        "moves_plan",
         "names",
         "nbytes",
         "ndims",
@@ -144,6 +145,9 @@ class Bucket:
         self.base: int | None = None
         #: Its layout, made once for a replayed plan's bucket (:mod:`streamsync.wire.plan`).
         self.fixed_layout: Layout | None = None
+        #: The source addresses it was last packed from and their :class:`MovePlan`; shared
+        #: with its :meth:`refilled` twins, which replay it while the sources stay put.
+        self.moves_plan: list[tuple[list[int], MovePlan]] = []
 
     def refilled(self, sources: list[torch.Tensor]) -> Bucket:
         """A bucket with these columns (shared, not copied: a finished bucket's columns no
@@ -225,7 +229,13 @@ class Bucket:
         if host and 0 not in self.moves:
             # The common case: every entry a plain memmove, in one batch.
             srcs = [t.data_ptr() for t in self.sources]
-            MovePlan(self.offsets, srcs, self.sizes).run(base, 0)
+            memo = self.moves_plan
+            if memo and memo[0][0] == srcs:
+                plan = memo[0][1]
+            else:
+                plan = MovePlan(self.offsets, srcs, self.sizes)
+                memo[:] = [(srcs, plan)]
+            plan.run(base, 0)
         else:
             batch = CopyBatch()
             table = tuple(self.dtypes)
