@@ -731,3 +731,18 @@ def test_a_refilled_bucket_reuses_its_copy_plan_only_while_its_sources_stay_put(
         index = layout.names.index(name)
         offset, nbytes = layout.entries()[index].offset, tensor.nbytes
         assert torch.equal(slot[offset : offset + nbytes], tensor.reshape(-1).view(torch.uint8))
+
+
+def test_a_bucket_of_many_entries_keeps_no_copy_plan() -> None:
+    # Past KEPT_PLAN_ENTRIES entries the plan is built at each packing: kept, it would cost
+    # the sender memory per tensor (small-tensors' peak).
+    count = bucket_module.KEPT_PLAN_ENTRIES + 1
+    tensors = [(f"t{i}", random_tensor((16,), torch.float32, seed=i)) for i in range(count)]
+    builder = BucketBuilder(1 << 20)
+    (bucket,) = [b for name, t in tensors for b in builder.add(name, t)] + [builder.flush()]
+    assert bucket is not None
+    slot = torch.empty(1 << 20, dtype=torch.uint8)
+    bucket.pack_into(slot)
+    assert bucket.moves_plan == []
+    out, _ = roundtrip(tensors, 1 << 20)
+    assert all(same_bits(a, b) for (_, a), (_, b) in zip(out, tensors, strict=True))

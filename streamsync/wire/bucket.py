@@ -34,6 +34,7 @@ from streamsync.wire.frames import BucketHeader, End, Entry, Extra, Layout
 __all__ = [
     "ALIGN",
     "DEFAULT_BUCKET_BYTES",
+    "KEPT_PLAN_ENTRIES",
     "MIN_BUCKET_BYTES",
     "Bucket",
     "BucketBuilder",
@@ -95,6 +96,12 @@ def _wire(dtype: torch.dtype) -> tuple[str, int]:
     return known
 
 
+#: A bucket of at most this many entries keeps its copy plan for the next sync: building
+#: one costs tens of microseconds whatever its size, keeping one about 60 bytes per entry,
+#: which a bucket of thousands of small tensors would rather not pay (its peak memory).
+KEPT_PLAN_ENTRIES = 64
+
+
 class Bucket:
     """A bucket not yet packed: its entries as the columns of its :class:`Layout`, and per
     entry the tensor its bytes come from (copied straight into a slot, converted to the
@@ -145,8 +152,9 @@ class Bucket:
         self.base: int | None = None
         #: Its layout, made once for a replayed plan's bucket (:mod:`streamsync.wire.plan`).
         self.fixed_layout: Layout | None = None
-        #: The source addresses it was last packed from and their :class:`MovePlan`; shared
-        #: with its :meth:`refilled` twins, which replay it while the sources stay put.
+        #: The source addresses it was last packed from and their :class:`MovePlan` (up to
+        #: :data:`KEPT_PLAN_ENTRIES` entries); shared with its :meth:`refilled` twins, which
+        #: replay it while the sources stay put.
         self.moves_plan: list[tuple[list[int], MovePlan]] = []
 
     def refilled(self, sources: list[torch.Tensor]) -> Bucket:
@@ -234,7 +242,8 @@ class Bucket:
                 plan = memo[0][1]
             else:
                 plan = MovePlan(self.offsets, srcs, self.sizes)
-                memo[:] = [(srcs, plan)]
+                if len(srcs) <= KEPT_PLAN_ENTRIES:
+                    memo[:] = [(srcs, plan)]
             plan.run(base, 0)
         else:
             batch = CopyBatch()
