@@ -315,7 +315,7 @@ def _cut(moves: np.ndarray, parts: int) -> list[np.ndarray]:
         j = int(np.searchsorted(ends, need))  # the first move that ends at or past the cut
         size = int(rest[j, 2])
         inside = (need - (int(ends[j]) - size)) // _CUT_ALIGN * _CUT_ALIGN
-        if int(ends[j]) == need or inside >= size:
+        if int(ends[j]) == need:  # the cut falls where move j ends
             head, rest = rest[: j + 1], rest[j + 1 :]
         elif inside <= 0:
             head, rest = rest[:j], rest[j:]
