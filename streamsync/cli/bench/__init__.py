@@ -36,10 +36,13 @@ Per run: end-to-end seconds (the sender's report: first bucket to the last recei
 report), the phases of both sides' :class:`~streamsync.SyncReport` (sender ``pack``: copies
 into slots; receiver ``load``: unpacking and the sink's copies) and ``transfer``: for each
 bucket, the time the receiver sat idle waiting for a bucket the sender had already handed to
-the transport (cross-process ``time.monotonic`` stamps). Peak RSS of each side during each
-sync (``VmHWM``, reset before the sync) over its baseline with its model allocated, before the
-channel opened: the ring counts as extra. CPU seconds of each process per sync (every thread):
-spinning threads show there even when the wall clock hides them.
+the transport (cross-process ``time.monotonic`` stamps). Peak extra memory of each side
+during each sync: its peak RSS (``VmHWM``, reset before the sync) over its baseline with its
+model allocated, before the channel opened, so the ring counts as extra; less the shared
+libraries' code pages (``RssFile``) mapped in since the baseline (each run's as at its start),
+which a child forked from a server that imported torch maps on first use (the ``--json``
+keeps the figure with them as ``extra_with_files_bytes``). CPU seconds of each process per
+sync (every thread): spinning threads show there even when the wall clock hides them.
 
 The package, by concern:
 

@@ -37,7 +37,7 @@ def format_table(data: dict[str, Any]) -> str:
         f"{data['machine']['cpus']} CPUs, torch {data['machine']['torch']}",
         "",
         "| transport | scenario | GB/s | pack | transfer | load | bound | x bound "
-        "| CPU s tx / rx | extra RSS tx / rx (budget) | ok |",
+        "| CPU s tx / rx | extra memory tx / rx (budget) | ok |",
         "|---|---|---:|---:|---:|---:|---|---:|---|---|---|",
     ]
     for r in data["results"]:

@@ -50,6 +50,17 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def _rss_file() -> int:
+    """Resident file-backed pages (``RssFile``): shared libraries' code, mapped into this
+    process the first time it runs, already in the page cache and shared with every process
+    that uses them. 0 where the kernel does not say."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _reset_peak() -> bool:
     """Reset this process's peak RSS (Linux ``clear_refs``); False where that is refused."""
     try:
@@ -82,7 +93,7 @@ async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     scenario = SCENARIOS[job["scenario"]]
     model = scenario.model(job["size"])
     weights = model.weights(scenario.source_dtype)
-    baseline = _rss()
+    baseline, baseline_files = _rss(), _rss_file()
     runs: list[dict[str, Any]] = []
     opts = {"slots": job["slots"], "slot_bytes": job["bucket_bytes"]}
     async with ss.open_sender(job["url"], connect_timeout=job["timeout"], **opts) as opened:
@@ -90,6 +101,7 @@ async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         for _ in range(_syncs(job)):
             tx.published = []
             exact = _reset_peak()
+            files = _rss_file()
             cpu = time.process_time()
             report = await ss.send(
                 weights,
@@ -104,10 +116,16 @@ async def _sender_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
                     "cpu_seconds": time.process_time() - cpu,
                     "published": tx.published,
                     "peak_rss": _peak_rss(),
+                    "files_rss": files,
                     "peak_exact": exact,
                 }
             )
-    return {"baseline_rss": baseline, "ru_maxrss": _ru_maxrss(), "runs": runs}
+    return {
+        "baseline_rss": baseline,
+        "baseline_files_rss": baseline_files,
+        "ru_maxrss": _ru_maxrss(),
+        "runs": runs,
+    }
 
 
 async def _receiver_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
@@ -115,13 +133,14 @@ async def _receiver_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     model = scenario.model(job["size"])
     targets = model.zeros(expanded=scenario.expanded)
     sink = scenario.sink(model.module(targets), model)
-    baseline = _rss()
+    baseline, baseline_files = _rss(), _rss_file()
     runs: list[dict[str, Any]] = []
     async with ss.open_receiver(job["url"], connect_timeout=job["timeout"]) as opened:
         rx = StampedReceiver(opened)
         for _ in range(_syncs(job)):
             rx.arrived, rx.released = [], []
             exact = _reset_peak()
+            files = _rss_file()
             cpu = time.process_time()
             report = await ss.receive(rx, sink, timeout=job["timeout"])
             cpu = time.process_time() - cpu
@@ -133,12 +152,14 @@ async def _receiver_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
                     "arrived": rx.arrived,
                     "released": rx.released,
                     "peak_rss": _peak_rss(),
+                    "files_rss": files,
                     "peak_exact": exact,
                 }
             )
     ru_maxrss = _ru_maxrss()  # before the check below allocates
     return {
         "baseline_rss": baseline,
+        "baseline_files_rss": baseline_files,
         "ru_maxrss": ru_maxrss,
         "runs": runs,
         **_checked(model, scenario, targets),
@@ -152,7 +173,7 @@ async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     weights = model.weights(scenario.source_dtype)
     targets = model.zeros(expanded=scenario.expanded)
     sink = scenario.sink(model.module(targets), model)
-    baseline = _rss()
+    baseline, baseline_files = _rss(), _rss_file()
     tx_runs: list[dict[str, Any]] = []
     rx_runs: list[dict[str, Any]] = []
     opts = {"slots": job["slots"], "slot_bytes": job["bucket_bytes"]}
@@ -169,6 +190,7 @@ async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
         for _ in range(_syncs(job)):
             tx.published, rx.arrived, rx.released = [], [], []
             exact = _reset_peak()
+            files = _rss_file()
             cpu = time.process_time()
 
             async with anyio.create_task_group() as tg:
@@ -187,6 +209,7 @@ async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
                     **_report_dict(sent),
                     "published": tx.published,
                     "peak_rss": peak,
+                    "files_rss": files,
                     "cpu_seconds": cpu,
                 }
             )
@@ -198,11 +221,12 @@ async def _both_sides(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
                     "arrived": rx.arrived,
                     "released": rx.released,
                     "peak_rss": peak,
+                    "files_rss": files,
                     "peak_exact": exact,
                 }
             )
     ru_maxrss = _ru_maxrss()
-    side = {"baseline_rss": baseline, "ru_maxrss": ru_maxrss}
+    side = {"baseline_rss": baseline, "baseline_files_rss": baseline_files, "ru_maxrss": ru_maxrss}
     return {
         "sender": {**side, "runs": tx_runs},
         "receiver": {**side, "runs": rx_runs, **_checked(model, scenario, targets)},

@@ -27,7 +27,7 @@ class Target:
     ``gbps_ratio``: GB/s in ``scenario`` over GB/s in ``baseline``, same transport;
     ``per_tensor_us``: the time per tensor of ``scenario`` beyond its bytes at
     ``baseline``'s rate;
-    ``extra_memory``: the worst peak extra RSS over its budget (ring + largest tensor),
+    ``extra_memory``: the worst peak extra memory over its budget (ring + largest tensor),
     either side, every transport and scenario. A target whose results are missing is left
     out. ``name`` may say ``{transport}``.
     """
