@@ -100,6 +100,47 @@ async def _stepped(pairs: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
             close()
 
 
+class PlainStream(AsyncIterator[NamedTensor]):
+    """What :func:`named_tensors` returns for a model, a mapping or an iterable of pairs: an
+    async stream of them that keeps its source's items. A sync handed it unread, into the
+    bucketer alone (or a fused ``cast``), takes the items (:meth:`take`) and loops over them
+    plainly, as it would over the model itself: one async step per bucket, not per tensor,
+    and the sender's bucket plans."""
+
+    __slots__ = ("_check", "_items", "_stream")
+
+    def __init__(self, items: Iterator[Any], check: Checker | None) -> None:
+        self._items: Iterator[Any] | None = items
+        self._check = check
+        self._stream: AsyncIterator[NamedTensor] | None = None
+
+    def take(self) -> tuple[Iterator[Any], Checker | None] | None:
+        """The source's items and their check, if nothing was read from this stream (which
+        then yields nothing); else ``None``."""
+        if self._stream is not None or self._items is None:
+            return None
+        items, self._items = self._items, None
+        self._stream = _stepped(iter(()))
+        return items, self._check
+
+    def _started(self) -> AsyncIterator[NamedTensor]:
+        if self._stream is None:
+            items, self._items = self._items, None
+            assert items is not None
+            self._stream = _stepped(self._check(items) if self._check is not None else items)
+        return self._stream
+
+    async def __anext__(self) -> NamedTensor:
+        return await self._started().__anext__()
+
+    async def aclose(self) -> None:
+        """Close the source's iterator (a generator's ``finally`` runs)."""
+        stream = self._started()
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 async def _from_async(pairs: AsyncIterable[Any]) -> AsyncIterator[NamedTensor]:
     async with reading(pairs) as items:
         async for item in items:
@@ -164,7 +205,7 @@ def named_tensors(
         return _on_rank(named_tensors(obj, merged=merged), rank)
     if isinstance(obj, AsyncIterable) and not merged:
         return _from_async(obj)
-    return _stepped(plain_pairs(obj, merged=merged))
+    return PlainStream(*unchecked_pairs(obj, merged=merged))
 
 
 def unchecked_pairs(obj: Any, *, merged: bool = False) -> tuple[Iterator[Any], Checker | None]:

@@ -28,7 +28,7 @@ from streamsync.errors import (
 from streamsync.pipeline import AdapterLike, Chain, Stage, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
 from streamsync.sink import Sink, TargetSink, VersionedSink, call_phase
-from streamsync.sources import named_tensors, unchecked_pairs
+from streamsync.sources import PlainStream, named_tensors, unchecked_pairs
 from streamsync.transports import (
     Incoming,
     Receiver,
@@ -161,16 +161,23 @@ def _buckets(
     weights: Any, pipeline: AdapterLike | None, size: int, sender: Sender | None = None
 ) -> AsyncIterable[Bucket]:
     """``weights`` through ``pipeline`` and the bucketer. A plain source (a model, a
-    mapping, an iterable of pairs) into the bucketer alone, or a ``cast`` fused into it,
-    is bucketed in a plain loop: one async step per bucket, not per tensor, and with the
-    bucket plans ``sender`` keeps for it (:mod:`streamsync.wire.plan`)."""
+    mapping, an iterable of pairs, or ``named_tensors`` of one, unread) into the bucketer
+    alone, or a ``cast`` fused into it, is bucketed in a plain loop: one async step per
+    bucket, not per tensor, and with the bucket plans ``sender`` keeps for it
+    (:mod:`streamsync.wire.plan`)."""
     chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
     (stage, *rest) = chain.stages
-    plain = not isinstance(weights, AsyncIterable)
-    if plain and not rest and isinstance(stage, Stage) and stage.op is Bucketer:
-        plans = plans_of(sender) if sender is not None else None
-        items, check = unchecked_pairs(weights)
-        return bucket_pairs(items, stage.bucket_bytes, cast=stage.cast, plans=plans, check=check)
+    if not rest and isinstance(stage, Stage) and stage.op is Bucketer:
+        # ``named_tensors(model)`` unread is the model itself here.
+        taken = weights.take() if isinstance(weights, PlainStream) else None
+        if taken is None and not isinstance(weights, AsyncIterable):
+            taken = unchecked_pairs(weights)
+        if taken is not None:
+            items, check = taken
+            plans = plans_of(sender) if sender is not None else None
+            return bucket_pairs(
+                items, stage.bucket_bytes, cast=stage.cast, plans=plans, check=check
+            )
     return chain(_stream(weights))
 
 

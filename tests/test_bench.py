@@ -497,3 +497,20 @@ def test_the_copy_placement_times_both_copies_at_every_distance(
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     cells = [(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows[1:]]
     assert cells == [("1", "glibc"), ("1", "library"), ("2", "glibc"), ("2", "library")]
+
+
+@pytest.mark.slow
+def test_the_source_forms_time_each_form_in_every_round(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from streamsync.cli.bench import source_forms
+
+    got = source_forms.measure(64, 4096, 2)  # raises if the receiver's model differs
+    assert list(got) == list(source_forms.FORMS)
+    assert all(len(taken) == 2 and all(s > 0 for s in taken) for taken in got.values()), got
+    monkeypatch.setattr(sys, "argv", ["source_forms", "--count", "16", "--rounds", "1"])
+    source_forms.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(source_forms.FORMS)

@@ -294,6 +294,66 @@ async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(
         assert len(plans_of(tx)) == 1
 
 
+@pytest.mark.parametrize("form", ["module", "mapping"])
+async def test_named_tensors_of_a_model_unread_replays_as_the_model_does(
+    monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    # The README's form, send(named_tensors(model), ...), takes the plain loop and the
+    # sender's plans, as send(model, ...) does: the second sync places nothing again.
+    added = _counting_adds(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    targets = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    sink = ss.ModuleSink(targets)
+    names = list(model.state_dict())
+
+    async def sync(tx: Any, rx: Any) -> None:
+        source = model if form == "module" else dict(model.state_dict())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ss.receive, rx, sink)
+            await ss.send(ss.named_tensors(source), tx, bucket_bytes=4096)
+
+    async with ss.open_sender("memory://named") as tx, ss.open_receiver("memory://named") as rx:
+        await sync(tx, rx)
+        assert added == names
+        del added[:]
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        await sync(tx, rx)
+        assert added == []
+        for name, want in model.state_dict().items():
+            assert torch.equal(targets.state_dict()[name], want), name
+        assert len(plans_of(tx)) == 1
+
+
+async def test_named_tensors_partly_read_sends_the_rest_and_taken_yields_nothing() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    names = list(model.state_dict())
+    stream = ss.named_tensors(model)
+    first, _ = await anext(stream)
+    assert first == names[0]
+    targets = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    async with ss.open_sender("memory://partly") as tx, ss.open_receiver("memory://partly") as rx:
+        got: dict[str, ss.SyncReport] = {}
+
+        async def receive() -> None:
+            got["rx"] = await ss.receive(rx, ss.ModuleSink(targets, strict=False))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            await ss.send(stream, tx)
+    assert sorted(got["rx"].loaded) == sorted(names[1:])  # what was left of the stream
+    # A stream a sync took whole is spent, as one it read to the end would be.
+    spent = ss.named_tensors(model)
+    async with (
+        ss.open_sender("memory://spent") as tx,
+        ss.open_receiver("memory://spent") as rx,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(ss.receive, rx, ss.ModuleSink(targets))
+        await ss.send(spent, tx)
+    assert [pair async for pair in spent] == []
+
+
 async def test_a_cast_given_afresh_each_sync_is_the_same_cast(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -68,7 +68,9 @@ defaults: ``bash streamsync/cli/bench/headline.sh [OUT_DIR]``), and modules run 
 ``streamsync.cli.bench.cast_bound`` (the fused fp32 -> bf16 cast against a memmove of the
 bytes it writes: what the cast can cost at best),
 ``streamsync.cli.bench.copy_placement`` (a copy's speed against where its destination sits
-past its source, modulo 4 KiB),
+past its source, modulo 4 KiB), ``streamsync.cli.bench.source_forms`` (a model, a mapping and
+``named_tensors`` of each, sent over ``shm://``: what each way of handing ``send`` a model
+costs),
 ``streamsync.cli.bench.gpu_cuda_ipc`` (``cuda-ipc://`` on a GPU machine),
 ``streamsync.cli.bench.gpu_torch_nccl`` (``torch+nccl://`` with a receiver per GPU, 2+
 GPUs, bit-exact, next to a raw NCCL broadcast of the same bytes).
