@@ -256,19 +256,27 @@ def _counting_adds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return added
 
 
+# The README's form, send(named_tensors(model), ...), unread, takes the plain loop and the
+# sender's plans as send(model, ...) does; so does named_tensors of a mapping.
+@pytest.mark.parametrize("form", ["model", "named_tensors(model)", "named_tensors(mapping)"])
 async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, form: str
 ) -> None:
     added = _counting_adds(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
     targets = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
     sink = ss.ModuleSink(targets)
     names = list(model.state_dict())
+    sources = {
+        "model": lambda: model,
+        "named_tensors(model)": lambda: ss.named_tensors(model),
+        "named_tensors(mapping)": lambda: ss.named_tensors(dict(model.state_dict())),
+    }
 
     async def sync(tx: Any, rx: Any) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(ss.receive, rx, sink)
-            await ss.send(model, tx, bucket_bytes=4096)
+            await ss.send(sources[form](), tx, bucket_bytes=4096)
 
     async with ss.open_sender("memory://plans") as tx, ss.open_receiver("memory://plans") as rx:
         await sync(tx, rx)
@@ -291,37 +299,6 @@ async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(
         del added[:]
         await sync(tx, rx)
         assert added == []  # and the new shape is the plan from then on
-        assert len(plans_of(tx)) == 1
-
-
-@pytest.mark.parametrize("form", ["module", "mapping"])
-async def test_named_tensors_of_a_model_unread_replays_as_the_model_does(
-    monkeypatch: pytest.MonkeyPatch, form: str
-) -> None:
-    # The README's form, send(named_tensors(model), ...), takes the plain loop and the
-    # sender's plans, as send(model, ...) does: the second sync places nothing again.
-    added = _counting_adds(monkeypatch)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
-    targets = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
-    sink = ss.ModuleSink(targets)
-    names = list(model.state_dict())
-
-    async def sync(tx: Any, rx: Any) -> None:
-        source = model if form == "module" else dict(model.state_dict())
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ss.receive, rx, sink)
-            await ss.send(ss.named_tensors(source), tx, bucket_bytes=4096)
-
-    async with ss.open_sender("memory://named") as tx, ss.open_receiver("memory://named") as rx:
-        await sync(tx, rx)
-        assert added == names
-        del added[:]
-        with torch.no_grad():
-            model[0].weight.add_(1.0)
-        await sync(tx, rx)
-        assert added == []
-        for name, want in model.state_dict().items():
-            assert torch.equal(targets.state_dict()[name], want), name
         assert len(plans_of(tx)) == 1
 
 

@@ -68,8 +68,9 @@ async def _receive(url: str, count: int, tensor_bytes: int, syncs: int) -> bool:
     return all(bool((t == i % 128).all()) for i, t in enumerate(model.state_dict().values()))
 
 
-def _receiver(url: str, count: int, tensor_bytes: int, syncs: int, out: Any) -> None:
-    out.put(asyncio.run(_receive(url, count, tensor_bytes, syncs)))
+def _receiver(url: str, count: int, tensor_bytes: int, syncs: int) -> None:
+    # The verdict is the exit status: nothing crosses back but that.
+    raise SystemExit(0 if asyncio.run(_receive(url, count, tensor_bytes, syncs)) else 3)
 
 
 def measure(count: int, tensor_bytes: int, rounds: int) -> dict[str, list[float]]:
@@ -77,18 +78,19 @@ def measure(count: int, tensor_bytes: int, rounds: int) -> dict[str, list[float]
     is not the sender's at the end."""
     url = f"shm://source-forms-{os.getpid()}"
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     syncs = rounds * len(FORMS) * 2
-    proc = ctx.Process(target=_receiver, args=(url, count, tensor_bytes, syncs, out))
+    proc = ctx.Process(target=_receiver, args=(url, count, tensor_bytes, syncs))
     proc.start()
     try:
         seconds = asyncio.run(_send(url, count, tensor_bytes, rounds))
-        if not out.get(timeout=120):
-            raise AssertionError("the receiver's tensors differ from the sender's")
+        proc.join(timeout=120)
     finally:
-        proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+            proc.join()
+    if proc.exitcode != 0:
+        why = "differ from the sender's" if proc.exitcode == 3 else f"exit {proc.exitcode}"
+        raise AssertionError(f"the receiver's tensors: {why}")
     return seconds
 
 
