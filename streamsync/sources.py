@@ -117,7 +117,7 @@ class PlainStream(AsyncIterator[NamedTensor]):
     def take(self) -> tuple[Iterator[Any], Checker | None] | None:
         """The source's items and their check, if nothing was read from this stream (which
         then yields nothing); else ``None``."""
-        if self._stream is not None or self._items is None:
+        if self._items is None:  # read from already, or taken
             return None
         items, self._items = self._items, None
         self._stream = _stepped(iter(()))
