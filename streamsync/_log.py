@@ -14,8 +14,9 @@ import structlog
 
 __all__ = ["log"]
 
+_logging = logging.getLogger("streamsync")
 _stdlib = structlog.wrap_logger(
-    logging.getLogger("streamsync"),
+    _logging,
     processors=[
         structlog.processors.TimeStamper(fmt="iso"),
         structlog.processors.KeyValueRenderer(key_order=["event"]),
@@ -24,15 +25,21 @@ _stdlib = structlog.wrap_logger(
 )
 
 
-def _logger() -> Any:
-    return structlog.get_logger("streamsync") if structlog.is_configured() else _stdlib
+def _logger(level: int) -> Any:
+    """The logger for an event at ``level``, or ``None`` where nothing would take it: the
+    standard logger below its level costs a check, not a timestamp and a rendering."""
+    if structlog.is_configured():
+        return structlog.get_logger("streamsync")
+    return _stdlib if _logging.isEnabledFor(level) else None
 
 
 def log(event: str, **fields: Any) -> None:
     """Emit one info-level event."""
-    _logger().info(event, **fields)
+    if (logger := _logger(logging.INFO)) is not None:
+        logger.info(event, **fields)
 
 
 def warn(event: str, **fields: Any) -> None:
     """Emit one warning-level event."""
-    _logger().warning(event, **fields)
+    if (logger := _logger(logging.WARNING)) is not None:
+        logger.warning(event, **fields)

@@ -514,3 +514,11 @@ def test_the_source_forms_time_each_form_in_every_round(
     source_forms.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == list(source_forms.FORMS)
+    # Past five rounds (a tiny model's fixed cost per sync), each form is a range.
+    monkeypatch.setattr(sys, "argv", ["source_forms", "--count", "1", "--rounds", "6"])
+    source_forms.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(source_forms.FORMS)
+    for row in rows:
+        low, mid, high = (float(cell) for cell in row.strip("| ").split(" | ")[1:])
+        assert 0 < low <= mid <= high, row
