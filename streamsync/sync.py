@@ -27,7 +27,7 @@ from streamsync.errors import (
 )
 from streamsync.pipeline import AdapterLike, Chain, Stage, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
-from streamsync.sink import Sink, TargetSink, VersionedSink, call_phase
+from streamsync.sink import Sink, as_target, as_versioned, call_phase
 from streamsync.sources import PlainStream, named_tensors, unchecked_pairs
 from streamsync.transports import (
     Incoming,
@@ -555,7 +555,7 @@ async def _receive(
         if isinstance(first, Abort):
             # The sync failed before its first bucket: the sink is not touched.
             raise SenderAbortedError(f"sender aborted sync {sync.sync_id}: {first.reason}")
-        versioned = sink if isinstance(sink, VersionedSink) else None
+        versioned = as_versioned(sink)
         if first.base is not None:
             held = versioned.version if versioned is not None else None
             if held != first.base:
@@ -636,7 +636,8 @@ async def _load_all(
     (``handed``: the sync's first message, taken out of it)."""
     incoming = handed.pop()
     unpacker = receiver.state.unpacker
-    target = sink.target if isinstance(sink, TargetSink) else None
+    targeted = as_target(sink)
+    target = targeted.target if targeted is not None else None
     while True:
         msg = incoming.message
         if msg.sync_id != sync.sync_id:

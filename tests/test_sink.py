@@ -247,3 +247,42 @@ def test_target_offers_only_a_tensor_chunks_can_be_written_into(
         assert got is None
     else:
         assert got is not None and got.data_ptr() == getattr(model, offered).data_ptr()
+
+
+class _Plain:
+    def prepare(self) -> None: ...
+    def load(self, tensors: object) -> None: ...
+    def finalize(self) -> None: ...
+
+
+class _Targeting(_Plain):
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None: ...
+
+
+class _Versioned(_Targeting):
+    def __init__(self) -> None:
+        self.version: int | None = None
+
+
+class _TargetNone(_Plain):
+    target = None
+    version = 3
+
+
+class _VersionOnly(_Plain):
+    version = 3
+
+
+@pytest.mark.parametrize(
+    "sink",
+    [_Plain(), _Targeting(), _Versioned(), _TargetNone(), _VersionOnly(), ModuleSink(Tiny())],
+    ids=lambda sink: type(sink).__name__,
+)
+def test_the_sink_kind_checks_agree_with_isinstance(sink: ss.Sink) -> None:
+    from streamsync.sink import VersionedSink, as_target, as_versioned
+
+    assert (as_target(sink) is sink) is isinstance(sink, ss.TargetSink)
+    assert (as_target(sink) is None) is not isinstance(sink, ss.TargetSink)
+    versioned = isinstance(sink, VersionedSink)
+    assert (as_versioned(sink) is sink) is versioned
+    assert (as_versioned(sink) is None) is not versioned
