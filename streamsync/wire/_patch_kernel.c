@@ -135,6 +135,12 @@ int64_t ss_check(const int32_t *pos32, const int64_t *pos64, int64_t k, int64_t 
  * torch's allocator placed 64 bytes into a page. glibc's memmove makes the same choice. */
 #define ALIAS_WINDOW 256
 
+/* The copies and casts ask for their source this many bytes ahead, into the outer caches
+ * (prefetcht2). The non-temporal hint (prefetchnta) halved every copy and cast on a KVM
+ * guest of a Xeon with AMX (6.4 against 14.5 GB/s for a 64 MiB copy, one thread), and a
+ * page ahead beat 1 KiB for copies that outgrow the cache (13.2 against 11.7 GB/s). */
+#define PREFETCH_AHEAD 4096
+
 #if defined(__SSE2__)
 /* 64 bytes from `src` to the 16-byte aligned `dst`, stored past the cache. */
 static inline void stream64(unsigned char *dst, const unsigned char *src) {
@@ -162,7 +168,7 @@ static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
             memcpy(dst + n, src + n, tail);
             for (size_t blocks = n / 64; blocks; blocks--) {
                 n -= 64;
-                _mm_prefetch((const char *)src + n - 1024, _MM_HINT_NTA);
+                _mm_prefetch((const char *)src + n - PREFETCH_AHEAD, _MM_HINT_T2);
                 stream64(dst + n, src + n);
             }
             memcpy(dst, src, n);
@@ -174,7 +180,7 @@ static void copy_bytes(unsigned char *dst, const unsigned char *src, size_t n) {
         src += head;
         n -= head;
         for (size_t blocks = n / 64; blocks; blocks--) {
-            _mm_prefetch((const char *)src + 1024, _MM_HINT_NTA);
+            _mm_prefetch((const char *)src + PREFETCH_AHEAD, _MM_HINT_T2);
             stream64(dst, src);
             src += 64;
             dst += 64;
@@ -229,9 +235,9 @@ int64_t ss_cast_f32_bf16(unsigned char *dst, const unsigned char *src, int64_t n
     const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff);
     for (; i + 16 <= n; i += 16) {
         const unsigned char *p = src + 4 * i;
-        /* A page ahead: the cast reads twice the bytes it writes, and one thread keeps up
-         * with its reads only when they are asked for that early. */
-        _mm_prefetch((const char *)p + 4096, _MM_HINT_NTA);
+        /* The cast reads twice the bytes it writes, and one thread keeps up with its reads
+         * only when they are asked for a page ahead. */
+        _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T2);
         __m128 f0 = _mm_loadu_ps((const float *)p);
         __m128 f1 = _mm_loadu_ps((const float *)(p + 16));
         __m128 f2 = _mm_loadu_ps((const float *)(p + 32));
@@ -274,7 +280,7 @@ void ss_cast_bf16_f32(unsigned char *dst, const unsigned char *src, int64_t n) {
     const __m128i zero = _mm_setzero_si128();
     for (; i + 16 <= n; i += 16) {
         const unsigned char *p = src + 2 * i;
-        _mm_prefetch((const char *)p + 1024, _MM_HINT_NTA);
+        _mm_prefetch((const char *)p + PREFETCH_AHEAD / 2, _MM_HINT_T2);
         __m128i a = _mm_loadu_si128((const __m128i *)p);
         __m128i b = _mm_loadu_si128((const __m128i *)(p + 16));
         _mm_stream_si128((__m128i *)(dst + 4 * i), _mm_unpacklo_epi16(zero, a));
