@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import streamsync as ss
 from streamsync import _copies as copies
 from streamsync._dtypes import CASTABLE
+from streamsync.wire import patch
 from streamsync.wire.bucket import BucketBuilder, Unpacker
 from streamsync.wire.frames import BucketHeader, Layout
 
@@ -329,10 +330,12 @@ _FLOAT_BITS = st.one_of(
 
 @needs_kernel
 @settings(max_examples=200, deadline=None)
-@given(bits=st.lists(_FLOAT_BITS, max_size=70), at=st.integers(0, 7))
+@given(bits=st.lists(_FLOAT_BITS, max_size=200), at=st.integers(0, 31))
 def test_the_kernel_cast_rounds_every_float_as_torch_does(bits: list[int], at: int) -> None:
     # Through copy_tensors, at any alignment of the destination: every number rounds to the
-    # very bf16 torch gives (ties to even, infinities, denormals); a NaN stays a NaN.
+    # very bf16 torch gives (ties to even, infinities, denormals); a NaN stays a NaN. Up to
+    # 200 elements: past a 64-byte boundary of the destination, the AVX-512 loop's blocks of
+    # 32 where the CPU has it, and the SSE2 loop's blocks of 16 after them.
     src = torch.tensor([0] * at + bits, dtype=torch.int32).view(torch.float32)[at:]
     got = torch.full((len(bits) + at,), 7.0, dtype=torch.bfloat16)[at:]
     copies.copy_tensors([(got, src)])
@@ -340,6 +343,40 @@ def test_the_kernel_cast_rounds_every_float_as_torch_does(bits: list[int], at: i
     nan = torch.isnan(src)
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
     assert bool(torch.isnan(got[nan]).all())
+
+
+@needs_kernel
+@settings(max_examples=200, deadline=None)
+@given(bits=st.lists(_FLOAT_BITS, max_size=200), at=st.integers(0, 7))
+def test_the_portable_kernel_cast_rounds_as_torch_does_and_stops_at_a_nan(
+    bits: list[int], at: int
+) -> None:
+    # The loop every CPU runs (the AVX-512 one taken out): torch's bits up to where it
+    # stops, and it stops only at a block that holds a NaN.
+    src = torch.tensor([0] * at + bits, dtype=torch.int32).view(torch.float32)[at:]
+    got = torch.full((len(bits) + at,), 7.0, dtype=torch.bfloat16)[at:]
+    stopped = patch._library().ss_cast_f32_bf16_portable(got.data_ptr(), src.data_ptr(), len(bits))
+    done = len(bits) if stopped == -1 else stopped
+    want = src.to(torch.bfloat16)
+    assert torch.equal(got[:done].view(torch.int16), want[:done].view(torch.int16))
+    nan = torch.isnan(src)
+    assert bool(nan[done : done + 16].any()) if stopped != -1 else not bool(nan.any())
+
+
+@needs_kernel
+@pytest.mark.parametrize("entry", ["ss_cast_f32_bf16", "ss_cast_f32_bf16_portable"])
+def test_each_kernel_cast_puts_every_element_in_its_place(entry: str) -> None:
+    # Distinct values at every length up to a few blocks of each loop and every alignment of
+    # the destination within 64 bytes: an element written to another's place shows.
+    cast = getattr(patch._library(), entry)
+    gen = torch.Generator().manual_seed(0)
+    for n in (*range(160), 1000, 4099):
+        for at in (0, 1, 7, 8, 31):
+            src = torch.randn(n + at, generator=gen)[at:]
+            got = torch.zeros(n + 32, dtype=torch.bfloat16)[at:][:n]
+            assert cast(got.data_ptr(), src.data_ptr(), n) == -1
+            want = src.to(torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, at)
 
 
 @needs_kernel

@@ -136,8 +136,9 @@ def _library() -> Any:
         lib.ss_memmove_many.restype = None
         lib.ss_copy.argtypes = [p, p, i64]
         lib.ss_copy.restype = None
-        lib.ss_cast_f32_bf16.argtypes = [p, p, i64]
-        lib.ss_cast_f32_bf16.restype = i64
+        for cast in (lib.ss_cast_f32_bf16, lib.ss_cast_f32_bf16_portable):
+            cast.argtypes = [p, p, i64]
+            cast.restype = i64
         lib.ss_cast_bf16_f32.argtypes = [p, p, i64]
         lib.ss_cast_bf16_f32.restype = None
         return lib
