@@ -228,15 +228,10 @@ static inline void cast_bf16_f32_at(unsigned char *dst, const unsigned char *src
     memcpy(dst + 4 * i, &x, 4);
 }
 
-/* fp32 -> bf16 of `n` elements, rounding to nearest even (bit for bit what torch gives for
- * every number), stored past the cache as ss_copy does. Returns -1 when done, or the index
- * of the first block holding a NaN, where it stops (torch gives NaNs different bits on
- * different paths, so the caller casts such a tensor with torch). */
 #if defined(SS_AVX512)
 /* Blocks of 32 elements from `i`, where `dst + 2 * i` is 64-byte aligned, while a whole block
- * remains: one 64-byte store per block, a quarter of the SSE loop's instructions (5.7-6.1
- * against 4.6-4.8 GB/s of bf16 written, one thread, here). Returns the index it stopped at,
- * negative (-1 - index) at a block holding a NaN. */
+ * remains: one 64-byte store per block, a quarter of the SSE2 loop's instructions. Returns
+ * the index it stopped at, negative (-1 - index) at a block holding a NaN. */
 __attribute__((target("avx512f,avx512bw"))) static int64_t cast_f32_bf16_avx512(
     unsigned char *dst, const unsigned char *src, int64_t i, int64_t n) {
     const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
@@ -269,28 +264,6 @@ static int use_avx512(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 #endif
-
-static int64_t cast_f32_bf16_from(unsigned char *dst, const unsigned char *src, int64_t i,
-                                  int64_t n);
-
-int64_t ss_cast_f32_bf16(unsigned char *dst, const unsigned char *src, int64_t n) {
-    int64_t i = 0;
-#if defined(SS_AVX512)
-    if (n >= 64 && use_avx512()) {
-        for (; i < n && ((uintptr_t)(dst + 2 * i) & 63u); i++) {
-            if (cast_f32_bf16_at(dst, src, i)) return i;
-        }
-        i = cast_f32_bf16_avx512(dst, src, i, n);
-        if (i < 0) return -1 - i;
-    }
-#endif
-    return cast_f32_bf16_from(dst, src, i, n);
-}
-
-/* The same cast without the AVX-512 loop, so that tests reach the loop every CPU runs. */
-int64_t ss_cast_f32_bf16_portable(unsigned char *dst, const unsigned char *src, int64_t n) {
-    return cast_f32_bf16_from(dst, src, 0, n);
-}
 
 /* Elements [i, n) of the cast: SSE2 blocks of 16, one at a time around them. */
 static int64_t cast_f32_bf16_from(unsigned char *dst, const unsigned char *src, int64_t i,
@@ -334,6 +307,29 @@ static int64_t cast_f32_bf16_from(unsigned char *dst, const unsigned char *src, 
         if (cast_f32_bf16_at(dst, src, i)) return i;
     }
     return -1;
+}
+
+/* fp32 -> bf16 of `n` elements, rounding to nearest even (bit for bit what torch gives for
+ * every number), stored past the cache as ss_copy does. Returns -1 when done, or the index
+ * of the first block holding a NaN, where it stops (torch gives NaNs different bits on
+ * different paths, so the caller casts such a tensor with torch). */
+int64_t ss_cast_f32_bf16(unsigned char *dst, const unsigned char *src, int64_t n) {
+    int64_t i = 0;
+#if defined(SS_AVX512)
+    if (n >= 64 && use_avx512()) {
+        for (; i < n && ((uintptr_t)(dst + 2 * i) & 63u); i++) {
+            if (cast_f32_bf16_at(dst, src, i)) return i;
+        }
+        i = cast_f32_bf16_avx512(dst, src, i, n);
+        if (i < 0) return -1 - i;
+    }
+#endif
+    return cast_f32_bf16_from(dst, src, i, n);
+}
+
+/* The same cast without the AVX-512 loop, so that tests reach the loop every CPU runs. */
+int64_t ss_cast_f32_bf16_portable(unsigned char *dst, const unsigned char *src, int64_t n) {
+    return cast_f32_bf16_from(dst, src, 0, n);
 }
 
 /* bf16 -> fp32 of `n` elements (exact: the 16 bits become the high half, as in torch),
