@@ -189,7 +189,8 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
     for name in here:
         args += ["--transport", name]
     assert main(args) == 0
-    assert "| transport | scenario |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| transport | scenario |" in printed
     data = json.loads(out.read_text())
     assert data["schema"] == "streamsync.cli.bench/1"
     assert {
@@ -213,6 +214,15 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
             r for r in data["results"] if (r["transport"], r["scenario"]) == ("shm", "dense")
         )
         assert row["vs_verl"] == row["gbps"] / verl["gbps"]
+        assert row["slots"] == 3  # shm's own default, what users get
+        # The fused cast against its own bound, and what that bound allows of its target.
+        cast = next(
+            r
+            for r in data["results"]
+            if (r["transport"], r["scenario"]) == ("shm", "dense-fp32-cast")
+        )
+        assert cast["bound"] == "cast_split"
+        assert "The fp32 cast's own bound (cast_split) is" in printed
     assert all(b["gbps"] > 0 for b in data["bounds"].values())
     assert [(r["transport"], r["scenario"]) for r in data["results"]] == [
         (t, s) for t in here for s in SCENARIOS
@@ -291,6 +301,37 @@ def test_the_table_says_which_thread_setting_ran() -> None:
     assert "torch.set_num_threads(1)" in format_table(data)
 
 
+def test_the_table_says_which_slots_ran() -> None:
+    from streamsync.cli.bench.report import _slots
+
+    data: dict[str, Any] = {"config": {"slots": 4}, "results": []}
+    assert _slots(data) == "4 slots"
+    data["config"]["slots"] = None
+    data["results"] = [{"transport": "shm", "slots": 3}, {"transport": "zmq+tcp", "slots": 2}]
+    assert _slots(data) == "each transport's default slots (shm 3, zmq+tcp 2)"
+    data["results"] = [{"transport": "shm", "slots": 3}]
+    assert _slots(data) == "3 slots (the transports' default)"
+
+
+def test_the_table_says_what_the_casts_own_bound_allows_of_its_target() -> None:
+    from streamsync.cli.bench.report import _cast_ceiling
+
+    assert _cast_ceiling({"two_copy_parallel": {"gbps": 10.0}}) == []
+    bounds = {"two_copy_parallel": {"gbps": 10.0}, "cast_split": {"gbps": 6.8}}
+    (line,) = [x for x in _cast_ceiling(bounds) if x]
+    assert "is 0.68 of two memcpys at once" in line
+    assert "at the 0.80 of them it is asked for" in line
+    assert "at most 0.85 of bf16" in line and "(its target: 0.90)" in line
+
+
+def test_the_bench_runs_each_transport_with_its_own_default_slots() -> None:
+    from streamsync.cli.bench.scenarios import TRANSPORTS
+
+    assert TRANSPORTS["shm"].slots(None) == 3
+    assert TRANSPORTS["zmq+tcp"].slots(None) == 2
+    assert TRANSPORTS["shm"].slots(2) == 2
+
+
 def test_the_engine_table_gives_the_ratio_and_the_phases() -> None:
     from streamsync.cli.bench.engine import format_engine_table
 
@@ -336,6 +377,9 @@ def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
     )
     line = _command_line(args)
     assert "--vllm --vllm-bucket-bytes 16777216" in line and "--threads" not in line
+    assert "--slots 2" in line
+    args.slots = None
+    assert "--slots" not in _command_line(args)
 
 
 @pytest.mark.slow

@@ -74,7 +74,12 @@ def add_parser(subparsers: Any) -> None:
         metavar="SIZE",
         help="bucket size, also each ring slot's (default 64MiB)",
     )
-    parser.add_argument("--slots", type=int, default=2, help="ring slots (default 2)")
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="ring slots (default: the transport's own, 3 for shm and 2 for the others)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -263,7 +268,7 @@ def _run_fanout(args: argparse.Namespace) -> int:
         size=args.size,
         runs=args.runs,
         bucket_bytes=args.bucket_bytes,
-        slots=args.slots,
+        slots=args.slots if args.slots is not None else FanoutConfig.slots,
         timeout=args.timeout,
     )
 
@@ -352,7 +357,8 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += [f"--lora --rank {args.rank}"] if getattr(args, "lora", False) else []
     parts += ["--per-tensor"] if getattr(args, "per_tensor", False) else []
     parts += [f"--receivers {','.join(map(str, args.receivers))}"] if args.receivers else []
-    parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}", f"--slots {args.slots}"]
+    parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}"]
+    parts += [f"--slots {args.slots}"] if args.slots is not None else []
     parts += [f"--threads {args.threads}"] if args.threads is not None else []
     parts += ["--vllm-only"] if args.vllm_only else ["--vllm"] if args.vllm else []
     parts += [f"--vllm-bucket-bytes {b}" for b in args.vllm_bucket_bytes or ()]

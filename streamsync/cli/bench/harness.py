@@ -39,7 +39,8 @@ class BenchConfig:
     scenarios: tuple[str, ...] = tuple(SCENARIOS)
     runs: int = 3
     bucket_bytes: int = 64 * MiB
-    slots: int = 2
+    #: Ring slots; ``None``: each transport's default, what users get.
+    slots: int | None = None
     timeout: float = 120.0
     #: torch threads (``torch.set_num_threads``) in each process of a two-process path
     #: (sender and receiver); ``None``: torch's default, what users get.
@@ -51,10 +52,17 @@ class BenchConfig:
             name for name, spec in TRANSPORTS.items() if spec.unavailable() is None
         )
 
+    def bounds(self) -> list[str]:
+        """The bounds this run measures, each once, in order."""
+        keys = ["memcpy", "two_copy_parallel"]
+        for name in self.selected():
+            spec = TRANSPORTS[name]
+            keys += [spec.bound] + [SCENARIOS[s].bound(spec) for s in self.scenarios]
+        return [k for k in dict.fromkeys(keys) if k != "two_copy_serial"]
+
     def steps(self) -> int:
         """How many units of work :func:`run_bench` reports progress in."""
-        bounds = {"memcpy", "two_copy_parallel"} | {TRANSPORTS[t].bound for t in self.selected()}
-        bounds.discard("two_copy_serial")
+        bounds = self.bounds()
         verl = "shm" in self.selected() and "dense" in self.scenarios
         return len(bounds) + verl + len(self.selected()) * (1 + len(self.scenarios))
 
@@ -103,6 +111,14 @@ def _bound_seconds(config: BenchConfig, key: str) -> list[float]:
     if key == "memcpy":
         (one,) = _run_children([("memcpy", job)], timeout=limit)
         return [t1 - t0 for t0, t1 in one["spans"][1:]] if one["ok"] else []
+    if key == "cast_split":
+        cjob = {**job, "bucket_bytes": config.bucket_bytes}
+        halves = [("cast_split", {**cjob, "half": h}) for h in (0, 1)]
+        pair = _run_children(halves, timeout=limit, barrier=True)
+        if not all(p["ok"] for p in pair):
+            return []
+        spans = zip(pair[0]["spans"][1:], pair[1]["spans"][1:], strict=True)
+        return [max(a[1], b[1]) - min(a[0], b[0]) for a, b in spans]
     if key.startswith("two_copy_parallel"):
         copy = "stream" if key.endswith(":stream") else "memmove"
         pjob = {**job, "threads": config.threads, "copy": copy}
@@ -202,9 +218,7 @@ def _add_bound(bounds: dict[str, Any], config: BenchConfig, key: str) -> None:
 
 def _bounds(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    keys = ["memcpy", "two_copy_parallel"]
-    keys += [TRANSPORTS[t].bound for t in config.selected()]
-    for key in dict.fromkeys(k for k in keys if k != "two_copy_serial"):
+    for key in config.bounds():
         progress(f"bound: {key}")
         _add_bound(out, config, key)
     if "shm" in config.selected() and "dense" in config.scenarios:
@@ -227,7 +241,7 @@ def _measure(
         "size": config.size,
         "runs": config.runs,
         "bucket_bytes": config.bucket_bytes,
-        "slots": config.slots,
+        "slots": spec.slots(config.slots),
         "timeout": config.timeout,
     }
     limit = config.timeout * (config.runs + 2)
@@ -239,15 +253,21 @@ def _measure(
     else:
         job["threads"] = config.threads
         rx, tx = _run_children([("receiver", job), ("sender", job)], timeout=limit)
-    row: dict[str, Any] = {"transport": transport, "scenario": scenario, "ok": tx["ok"]}
+    row: dict[str, Any] = {
+        "transport": transport,
+        "scenario": scenario,
+        "slots": job["slots"],
+        "ok": tx["ok"],
+    }
     if not tx["ok"]:
         return {**row, "error": tx["error"]}
-    return {**row, **_summarise(config, spec, tx, rx, bounds)}
+    return {**row, **_summarise(config, spec, scenario, tx, rx, bounds)}
 
 
 def _summarise(
     config: BenchConfig,
     spec: TransportSpec,
+    scenario: str,
     tx: dict[str, Any],
     rx: dict[str, Any],
     bounds: dict[str, Any],
@@ -274,8 +294,9 @@ def _summarise(
         "load": phases_s["receiver.load"],
     }
     gbps = _median_gbps(nbytes, e2e)
-    bound = bounds.get(spec.bound, {}).get("gbps")
-    ring = config.slots * config.bucket_bytes
+    bound_key = SCENARIOS[scenario].bound(spec)
+    bound = bounds.get(bound_key, {}).get("gbps")
+    ring = spec.slots(config.slots) * config.bucket_bytes
     budget = ring + rx["largest_tensor_bytes"]
 
     def memory(side: dict[str, Any]) -> dict[str, Any]:
@@ -310,7 +331,7 @@ def _summarise(
         "gbps": gbps,
         "phases_s": phases_s,
         "phases_gbps": {k: (nbytes / v / 1e9 if v > 0 else None) for k, v in main.items()},
-        "bound": spec.bound,
+        "bound": bound_key,
         "bound_gbps": bound,
         "vs_bound": gbps / bound if bound else None,
         "vs_verl": (

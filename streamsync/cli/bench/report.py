@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from streamsync.cli.bench.models import MiB, human
+from streamsync.cli.bench.targets import TARGETS
 
 __all__ = ["format_table"]
 
@@ -27,12 +28,23 @@ def _threads(data: dict[str, Any]) -> str:
     return f"torch.set_num_threads({threads}) in each two-process path's processes"
 
 
+def _slots(data: dict[str, Any]) -> str:
+    """The ring slots the transports ran with."""
+    if data["config"].get("slots") is not None:
+        return f"{data['config']['slots']} slots"
+    by = {r["transport"]: r["slots"] for r in data.get("results", []) if "slots" in r}
+    if len(set(by.values())) == 1:
+        return f"{next(iter(by.values()))} slots (the transports' default)"
+    listed = ", ".join(f"{t} {n}" for t, n in by.items())
+    return f"each transport's default slots ({listed})"
+
+
 def format_table(data: dict[str, Any]) -> str:
     """The results as a Markdown table, bounds and targets below it."""
     cfg = data["config"]
     lines = [
         f"{human(cfg['size'])} requested, buckets of {human(cfg['bucket_bytes'])} x "
-        f"{cfg['slots']} slots, {_threads(data)}, median of {cfg['runs']} runs after a "
+        f"{_slots(data)}, {_threads(data)}, median of {cfg['runs']} runs after a "
         "warm-up; "
         f"{data['machine']['cpus']} CPUs, torch {data['machine']['torch']}",
         "",
@@ -64,4 +76,22 @@ def format_table(data: dict[str, Any]) -> str:
             f"| {t['target']} ({t['detail']}) | {t['value']:.2f} | {t['want']} "
             f"| {'yes' if t['met'] else 'NO'} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _cast_ceiling(data["bounds"]))
+
+
+def _cast_ceiling(bounds: dict[str, Any]) -> list[str]:
+    """What the fused cast's own bound allows of the cast target, where both were measured:
+    the cast can be no faster than ``cast_split``, so a bf16 sync that meets its target
+    leaves the cast at most ``cast_split / (two_copy_parallel x that target)`` of it."""
+    if "cast_split" not in bounds or "two_copy_parallel" not in bounds:
+        return []
+    dense = next(t for t in TARGETS if t.metric == "vs_bound" and t.transport == "shm")
+    cast = next(t for t in TARGETS if t.scenario == "dense-fp32-cast")
+    ceiling = bounds["cast_split"]["gbps"] / bounds["two_copy_parallel"]["gbps"]
+    return [
+        "",
+        f"The fp32 cast's own bound (cast_split) is {ceiling:.2f} of two memcpys at once: "
+        f"beside a bf16 sync at the {dense.threshold:.2f} of them it is asked for, the cast "
+        f"can reach at most {ceiling / dense.threshold:.2f} of bf16, with no overheads at "
+        f"all (its target: {cast.threshold:.2f}).",
+    ]

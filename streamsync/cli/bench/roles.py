@@ -20,7 +20,7 @@ import anyio
 import torch
 
 import streamsync as ss
-from streamsync._copies import large_copy
+from streamsync._copies import kernel_cast, large_copy
 from streamsync.cli.bench.baseline_verl import verl_receiver, verl_sender
 from streamsync.cli.bench.models import SyntheticModel, synthetic_model
 from streamsync.cli.bench.scenarios import SCENARIOS, Scenario
@@ -299,6 +299,35 @@ async def _memcpy_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     return {"spans": spans}
 
 
+async def _cast_split_side(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
+    """Half of a fused-cast sync's work on this machine's CPU, in step with the other half:
+    of every fp32 tensor, half its elements cast to bf16 (the library's kernel, into a
+    scratch buffer as a sender casts into a slot) and those bf16 bytes copied on (the
+    library's copy, as a receiver copies out of a slot), one thread. Two of these at once
+    are the cast sync's work split evenly over two processes with nothing else to do: no
+    hand-offs, no waits, no Python per bucket (the ``cast_split`` bound)."""
+    src = synthetic_model(job["size"]).weights(torch.float32)
+    half = {n: t.reshape(-1).tensor_split(2)[job["half"]] for n, t in src.items()}
+    dst = {n: torch.empty(t.numel(), dtype=torch.bfloat16) for n, t in half.items()}
+    scratch = torch.empty(job["bucket_bytes"] // 2, dtype=torch.bfloat16)
+    copy = large_copy()
+    pieces = [
+        (h[i : i + scratch.numel()], dst[n][i : i + scratch.numel()])
+        for n, h in half.items()
+        for i in range(0, h.numel(), scratch.numel())
+    ]
+    spans: list[tuple[float, float]] = []
+    for _ in range(_syncs(job)):
+        barrier.wait()
+        t0 = time.monotonic()
+        for piece, out in pieces:
+            staged = scratch[: piece.numel()]
+            kernel_cast(staged, piece)
+            copy(out.data_ptr(), staged.data_ptr(), out.nbytes)
+        spans.append((t0, time.monotonic()))
+    return {"spans": spans}
+
+
 async def _zmq_push(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
     import zmq
 
@@ -352,6 +381,7 @@ ROLES: dict[str, Role] = {
     "receiver": _receiver_side,
     "both": _both_sides,
     "memcpy": _memcpy_side,
+    "cast_split": _cast_split_side,
     "zmq_push": _zmq_push,
     "zmq_pull": _zmq_pull,
 }

@@ -22,6 +22,7 @@ from streamsync.cli.bench.models import (
 from streamsync.pipeline import AdapterLike
 from streamsync.sink import Sink
 from streamsync.testing.peers import free_port
+from streamsync.transports import _registry
 
 __all__ = ["BOUNDS", "SCENARIOS", "TRANSPORTS", "Scenario", "TransportSpec"]
 
@@ -43,6 +44,15 @@ class Scenario:
     tensor_bytes: int | None = None
     #: An FP8 expert stack (:func:`fp8_model`) instead.
     fp8: bool = False
+    #: Its own bound where the transport's is two memcpys at once (a scenario that moves
+    #: more bytes through memory than two copies of the model do).
+    copy_bound: str | None = None
+
+    def bound(self, transport: TransportSpec) -> str:
+        """The key in ``BOUNDS`` this scenario is compared with on ``transport``."""
+        if self.copy_bound is not None and transport.bound == "two_copy_parallel":
+            return self.copy_bound
+        return transport.bound
 
     def model(self, size: int) -> SyntheticModel:
         """The model this scenario sends, of at most ``size`` bytes."""
@@ -82,6 +92,7 @@ SCENARIOS: dict[str, Scenario] = {
             moe=False,
             source_dtype=torch.float32,
             pipeline=lambda model: cast(WIRE_DTYPE),
+            copy_bound="cast_split",
         ),
         Scenario("moe", "bf16 MoE, packed experts, no adapters", moe=True),
         Scenario(
@@ -124,6 +135,13 @@ class TransportSpec:
     #: The ``os`` function it needs, and what lacking it means.
     needs_os: tuple[str, str] | None = None
 
+    def slots(self, asked: int | None) -> int:
+        """The ring's slots: ``asked``, else the transport's own default (what users get)."""
+        if asked is not None:
+            return asked
+        found = _registry.get(self.name, f"{self.name}://")
+        return int(next(o.default for o in found.sender_options if o.name == "slots"))
+
     def unavailable(self) -> str | None:
         """Why this transport cannot run here, or ``None``."""
         if self.needs is not None and importlib.util.find_spec(self.needs) is None:
@@ -165,6 +183,11 @@ BOUNDS = {
     "two_copy_parallel": (
         "two memcpys at once, in two processes, one thread each"
         " (the faster of glibc's memmove and the library's streaming copy)"
+    ),
+    "cast_split": (
+        "a fused fp32 -> bf16 cast sync's work split evenly over two processes at once, one"
+        " thread each: each casts half of every fp32 tensor and copies the bf16 bytes on"
+        " (the library's kernels; no hand-offs)"
     ),
     "raw_pyzmq_ipc": "raw pyzmq PUSH/PULL over ipc, bucket-sized messages",
     "raw_pyzmq_tcp": "raw pyzmq PUSH/PULL over tcp loopback, bucket-sized messages",
