@@ -68,15 +68,6 @@ def test_a_receiver_takes_the_senders_url() -> None:
     open_receiver("shm://opts?receivers=2&slots=3")
 
 
-def test_shared_memory_rings_default_to_three_slots_the_others_to_two() -> None:
-    # shm's third slot lets its sender pack two buckets ahead (BENCHMARKS.md); a URL or a
-    # keyword still says otherwise, and the other transports keep two.
-    assert open_sender("shm://opts").store.slots == 3  # type: ignore[attr-defined]
-    assert open_sender("shm://opts?slots=2").store.slots == 2  # type: ignore[attr-defined]
-    assert open_sender("shm://opts", slots=5).store.slots == 5  # type: ignore[attr-defined]
-    assert open_sender("zmq+ipc://opts").store.slots == 2  # type: ignore[attr-defined]
-
-
 def test_url_options_and_keywords_merge_keywords_winning() -> None:
     declared = (Option("slots", int, 2, "slots", minimum=1), Option("flag", bool, True, "f"))
     got = resolve("x://y", declared, {"slots": "3", "flag": "off"}, {"slots": 5})

@@ -6,28 +6,19 @@ its descriptor rides on the ``Welcome``) with :class:`~streamsync.transports.lin
 so a SIGKILL of either side leaves nothing behind; a dead peer's socket reads EOF at once.
 
 Options: every transport's (:data:`~streamsync.transports.options.SENDER_OPTIONS`,
-:data:`~streamsync.transports.options.RECEIVER_OPTIONS`), with ``slots`` 3 by default
-(:data:`SLOTS`).
+:data:`~streamsync.transports.options.RECEIVER_OPTIONS`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Final
+from typing import Any
 
 from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import UnixDialer, UnixLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
-from streamsync.transports.options import SENDER_OPTIONS
 from streamsync.transports.slots import MemfdSlots, MemfdView
 
-__all__ = ["SLOTS", "TRANSPORT"]
-
-#: Slots of a shared-memory ring unless ``slots=`` says otherwise. With two, the sender
-#: packs at most one bucket ahead of the receiver, and the receiver waits whenever the
-#: scheduler holds the sender back (both sides copy at once, on as few as two cores); a third
-#: slot lets the sender run two buckets ahead. It costs one more bucket of shared memory.
-SLOTS: Final = 3
+__all__ = ["TRANSPORT"]
 
 
 def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
@@ -42,10 +33,4 @@ def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
 
 
 #: ``shm://NAME``: the entry point's object.
-TRANSPORT = Transport(
-    _sender,
-    _receiver,
-    sender_options=tuple(
-        replace(o, default=SLOTS) if o.name == "slots" else o for o in SENDER_OPTIONS
-    ),
-)
+TRANSPORT = Transport(_sender, _receiver)
