@@ -214,7 +214,7 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
             r for r in data["results"] if (r["transport"], r["scenario"]) == ("shm", "dense")
         )
         assert row["vs_verl"] == row["gbps"] / verl["gbps"]
-        assert row["slots"] == 3  # shm's own default, what users get
+        assert row["slots"] == 2  # shm's own default, what users get
         # The fused cast against its own bound, and what that bound allows of its target.
         cast = next(
             r
@@ -325,11 +325,18 @@ def test_the_table_says_what_the_casts_own_bound_allows_of_its_target() -> None:
 
 
 def test_the_bench_runs_each_transport_with_its_own_default_slots() -> None:
-    from streamsync.cli.bench.scenarios import TRANSPORTS
+    from dataclasses import replace
 
-    assert TRANSPORTS["shm"].slots(None) == 3
-    assert TRANSPORTS["zmq+tcp"].slots(None) == 2
-    assert TRANSPORTS["shm"].slots(2) == 2
+    from streamsync.cli.bench.scenarios import TRANSPORTS, TransportSpec
+    from streamsync.transports import Transport, register
+    from streamsync.transports.memory import TRANSPORT as MEMORY
+    from streamsync.transports.options import SENDER_OPTIONS
+
+    five = tuple(replace(o, default=5) if o.name == "slots" else o for o in SENDER_OPTIONS)
+    register("bench-five", Transport(MEMORY.sender, MEMORY.receiver, sender_options=five))
+    spec = TransportSpec("bench-five", lambda tag: f"bench-five://{tag}", "memcpy")
+    assert spec.slots(None) == 5 and spec.slots(3) == 3
+    assert TRANSPORTS["shm"].slots(None) == 2 and TRANSPORTS["shm"].slots(4) == 4
 
 
 def test_the_engine_table_gives_the_ratio_and_the_phases() -> None:

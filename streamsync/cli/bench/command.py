@@ -78,7 +78,7 @@ def add_parser(subparsers: Any) -> None:
         "--slots",
         type=int,
         default=None,
-        help="ring slots (default: the transport's own, 3 for shm and 2 for the others)",
+        help="ring slots (default: each transport's own default)",
     )
     parser.add_argument(
         "--threads",
