@@ -324,16 +324,20 @@ def test_the_table_says_what_the_casts_own_bound_allows_of_its_target() -> None:
     assert "at most 0.85 of bf16" in line and "(its target: 0.90)" in line
 
 
-def test_the_bench_runs_each_transport_with_its_own_default_slots() -> None:
+def test_the_bench_runs_each_transport_with_its_own_default_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from dataclasses import replace
 
     from streamsync.cli.bench.scenarios import TRANSPORTS, TransportSpec
-    from streamsync.transports import Transport, register
+    from streamsync.transports import Transport, _registry
     from streamsync.transports.memory import TRANSPORT as MEMORY
     from streamsync.transports.options import SENDER_OPTIONS
 
     five = tuple(replace(o, default=5) if o.name == "slots" else o for o in SENDER_OPTIONS)
-    register("bench-five", Transport(MEMORY.sender, MEMORY.receiver, sender_options=five))
+    # Registered for this test only (``register`` would keep it for the whole session).
+    transport = Transport(MEMORY.sender, MEMORY.receiver, sender_options=five)
+    monkeypatch.setitem(_registry._loaded, "bench-five", transport)
     spec = TransportSpec("bench-five", lambda tag: f"bench-five://{tag}", "memcpy")
     assert spec.slots(None) == 5 and spec.slots(3) == 3
     assert TRANSPORTS["shm"].slots(None) == 2 and TRANSPORTS["shm"].slots(4) == 4
