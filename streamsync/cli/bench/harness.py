@@ -104,6 +104,16 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9 if seconds else 0.0
 
 
+def _pair_seconds(jobs: list[tuple[str, dict[str, Any]]], limit: float) -> list[float]:
+    """Two children in step (a barrier before each run): each timed run's wall time, from
+    the first to start to the last to finish, without the warm-up; empty if one failed."""
+    pair = _run_children(jobs, timeout=limit, barrier=True)
+    if not all(p["ok"] for p in pair):
+        return []
+    spans = zip(pair[0]["spans"][1:], pair[1]["spans"][1:], strict=True)
+    return [max(a[1], b[1]) - min(a[0], b[0]) for a, b in spans]
+
+
 def _bound_seconds(config: BenchConfig, key: str) -> list[float]:
     """Timed runs of one bound (``memcpy``, ``two_copy_parallel``, ``raw_pyzmq_*``)."""
     job = {"size": config.size, "runs": config.runs}
@@ -113,20 +123,11 @@ def _bound_seconds(config: BenchConfig, key: str) -> list[float]:
         return [t1 - t0 for t0, t1 in one["spans"][1:]] if one["ok"] else []
     if key == "cast_split":
         cjob = {**job, "bucket_bytes": config.bucket_bytes}
-        halves = [("cast_split", {**cjob, "half": h}) for h in (0, 1)]
-        pair = _run_children(halves, timeout=limit, barrier=True)
-        if not all(p["ok"] for p in pair):
-            return []
-        spans = zip(pair[0]["spans"][1:], pair[1]["spans"][1:], strict=True)
-        return [max(a[1], b[1]) - min(a[0], b[0]) for a, b in spans]
+        return _pair_seconds([("cast_split", {**cjob, "half": h}) for h in (0, 1)], limit)
     if key.startswith("two_copy_parallel"):
         copy = "stream" if key.endswith(":stream") else "memmove"
         pjob = {**job, "threads": config.threads, "copy": copy}
-        pair = _run_children([("memcpy", pjob), ("memcpy", pjob)], timeout=limit, barrier=True)
-        if not all(p["ok"] for p in pair):
-            return []
-        spans = zip(pair[0]["spans"][1:], pair[1]["spans"][1:], strict=True)
-        return [max(a[1], b[1]) - min(a[0], b[0]) for a, b in spans]
+        return _pair_seconds([("memcpy", pjob), ("memcpy", pjob)], limit)
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     address = (
         f"ipc://@streamsync-bench-raw-{tag}"
