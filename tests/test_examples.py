@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,3 +21,19 @@ def test_example_runs(
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
     out = capsys.readouterr().out
     assert "[ok]" in out
+
+
+@pytest.mark.vllm
+def test_the_synchronous_vllm_example_runs() -> None:
+    """``examples/vllm_sync.py``: a real engine, three blocking syncs, each checked against
+    the trainer's greedy tokens by the example itself."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "vllm_sync.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3, proc.stdout
+    assert all("[ok]" in s and s.endswith("engine matches the trainer: True") for s in steps)
