@@ -153,3 +153,13 @@ def test_the_delta_example_runs(
     assert len(deltas) == 2 and all("delta on" in line for line in deltas)
     full = int(first.split()[0])
     assert all(int(line.split()[0]) < full / 20 for line in deltas)
+
+
+def test_every_relative_link_resolves() -> None:
+    broken = [
+        f"{page.relative_to(ROOT)}: {target}"
+        for page in [*PAGES, ROOT / "BENCHMARKS.md", ROOT / "CHANGELOG.md"]
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+        if "://" not in target and not (page.parent / target).exists()
+    ]
+    assert not broken, broken
