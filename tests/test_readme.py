@@ -16,6 +16,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,13 +76,16 @@ def block(containing: str) -> Block:
     return found
 
 
-def run_block(b: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run ``b`` as printed: a test file under plain pytest, anything else executed."""
+def run_block(b: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Run ``b`` as printed: a test file under plain pytest, anything else executed (its
+    globals returned)."""
+    scope: dict[str, Any] = {"__name__": "__main__"}
     if re.search(r"^(async )?def test_", b.code, flags=re.M):
         run_as_a_users_tests(b.code, tmp_path)
-        return
+        return scope
     monkeypatch.chdir(tmp_path)
-    exec(compile(b.code, b.id, "exec"), {"__name__": "__main__"})
+    exec(compile(b.code, b.id, "exec"), scope)
+    return scope
 
 
 def run_as_a_users_tests(code: str, directory: Path) -> None:
@@ -127,9 +131,19 @@ def test_the_engine_block_runs(
 ) -> None:
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: starts fast
-    run_block(b, tmp_path, monkeypatch)
+    scope = run_block(b, tmp_path, monkeypatch)
     out = capsys.readouterr().out
     assert out.count("[ok]") >= 3, out  # one complete report per step
+    # The engine now generates what the trainer's own model does.
+    from streamsync.cli.verify import engine_outputs, reference_outputs
+
+    llm, policy = scope["llm"], scope["policy"]
+    try:
+        got, want = engine_outputs(llm), reference_outputs(policy)
+        assert got.tokens == want.tokens
+        assert got.max_logprob_diff(want) <= 1e-4  # rounding; a stale tensor moves it 0.045+
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_the_usage_example_runs(
