@@ -504,6 +504,9 @@ def test_the_lora_table_gives_both_ratios_against_their_targets() -> None:
     table = format_lora_table(data)
     assert "bytes adapter/full: 0.0125 (target <= 0.05: met)" in table
     assert "seconds adapter/full: 0.2000 (target <= 0.10: MISSED)" in table
+    # Each in words: what the ratio means for a user.
+    assert "met): the adapter's sync moves 1.2% of a full sync's bytes" in table
+    assert "MISSED): the adapter's sync takes 20.0% of a full sync's time" in table
 
 
 @pytest.mark.vllm
