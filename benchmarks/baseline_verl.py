@@ -18,8 +18,8 @@ tensors, as :class:`~streamsync.ModuleSink` does) and replies. One buffer, so pa
 loading never overlap; tensors larger than the buffer are refused with shared memory.
 
 Both roles run with the process's torch settings, as streamsync's do. verl pickles the
-metadata (``send_pyobj``); this package never unpickles, so it goes as msgpack here, which is
-no slower: if anything the baseline is flattered.
+metadata (``send_pyobj``); streamsync never unpickles, so it goes as msgpack here, which is no
+slower: if anything the baseline is flattered.
 """
 
 from __future__ import annotations

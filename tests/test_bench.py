@@ -229,7 +229,7 @@ def test_bench_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str])
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # seven scenarios x four transports and the bounds
 def test_bench_writes_json_and_every_transport_moves_the_model(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     here = [name for name, spec in TRANSPORTS.items() if spec.unavailable() is None]
@@ -297,6 +297,12 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
     assert data["models"]["dense-fp32-cast"]["source_bytes"] == 2 * data["models"]["dense"]["bytes"]
     assert {t["target"] for t in targets} >= {"peak extra memory vs ring + largest tensor"}
     assert png.stat().st_size > 0
+    # The lab's command line on the JSON: the same targets, each with what it means.
+    monkeypatch.setattr(sys, "argv", ["targets.py", str(out)])
+    lab.main()
+    printed = capsys.readouterr().out
+    assert all(f"| {t['target']} ({t['detail']}) |" in printed for t in targets)
+    assert all(f"| {t['meaning']} |" in printed for t in targets)
 
 
 def test_bench_fan_out_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
