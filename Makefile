@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/streamsync demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check streamsync tests examples
-	$(VENV)/bin/ruff format --check streamsync tests examples
+	$(VENV)/bin/ruff check streamsync tests examples benchmarks
+	$(VENV)/bin/ruff format --check streamsync tests examples benchmarks
 	$(VENV)/bin/mypy
 
 # STREAMSYNC_REQUIRE_VLLM: a vLLM that does not import fails the engine tests here (a run

@@ -32,10 +32,10 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfEs \
 tail -15 "$OUT/pytest.log"
 for mib in 16 64 256; do
   echo "== cuda-ipc, 1 GiB in $mib MiB buckets"
-  timeout 60 python3 -m streamsync.cli.bench.gpu_cuda_ipc --gib 1 --repeat 4 \
+  timeout 60 python3 benchmarks/gpu_cuda_ipc.py --gib 1 --repeat 4 \
     --bucket-mib "$mib" --no-conformance 2>&1 | tail -1 | tee "$OUT/cuda_ipc_$mib.json"
 done
 echo "== torch+nccl (skipped with one GPU)"
-timeout 120 python3 -m streamsync.cli.bench.gpu_torch_nccl --gib 1 --repeat 3 2>&1 | tail -1 \
+timeout 120 python3 benchmarks/gpu_torch_nccl.py --gib 1 --repeat 3 2>&1 | tail -1 \
   | tee "$OUT/torch_nccl.json"
 date

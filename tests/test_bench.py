@@ -1,12 +1,15 @@
-"""``streamsync bench`` on a small model: the JSON's schema and every transport's bytes."""
+"""``streamsync bench`` on a small model: the JSON's schema and every transport's bytes; and
+the lab's scripts in ``benchmarks/`` (targets, verl's path, micro-benchmarks) beside it."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import anyio
@@ -16,11 +19,20 @@ import torch
 import streamsync as ss
 from streamsync.adapters import expand_moe
 from streamsync.cli import main
-from streamsync.cli.bench import SCENARIOS, TARGETS, TRANSPORTS, parse_size, synthetic_model
+from streamsync.cli.bench import SCENARIOS, TRANSPORTS, parse_size, synthetic_model
 from streamsync.cli.bench.stamped import StampedReceiver, StampedSender
-from streamsync.cli.bench.targets import evaluate_targets
 from streamsync.testing import FakeConfig, fake_state_dict
 from streamsync.testing.shapes import qwen3_shapes
+
+#: The lab: scripts run by hand from the repository root, apart from the package.
+LAB = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _lab(name: str) -> ModuleType:
+    """A script of ``benchmarks/``, imported as its command line finds its siblings."""
+    if str(LAB) not in sys.path:
+        sys.path.insert(0, str(LAB))
+    return importlib.import_module(name)
 
 
 def test_parse_size() -> None:
@@ -149,7 +161,8 @@ def test_targets_are_one_table_evaluated_in_order() -> None:
             **{"seconds": 0.025, "bytes": 10**8, "tensors": 12},
         },
     ]
-    got = evaluate_targets(results)
+    lab = _lab("targets")
+    got = lab.evaluate_targets(results)
     assert [(t["target"], t["value"], t["want"], t["met"]) for t in got] == [
         ("shm vs two memcpys at once", 0.9, ">= 0.8", True),
         ("shm vs verl's shared-memory path", 3.5, ">= 3.0", True),
@@ -163,8 +176,8 @@ def test_targets_are_one_table_evaluated_in_order() -> None:
         ("peak extra memory vs ring + largest tensor", 1.2, "<= 1.0", False),
     ]
     assert got[5]["detail"] == "dense-fp32-cast / dense"
-    assert evaluate_targets([]) == []
-    assert {t.metric for t in TARGETS} == {
+    assert lab.evaluate_targets([]) == []
+    assert {t.metric for t in lab.TARGETS} == {
         "vs_bound",
         "vs_verl",
         "gbps_ratio",
@@ -173,15 +186,50 @@ def test_targets_are_one_table_evaluated_in_order() -> None:
     }
 
 
+def test_a_negative_fixed_cost_per_tensor_is_noise_not_met() -> None:
+    """Small tensors faster per byte than large ones fit a negative cost per tensor: not a
+    figure that meets its target but one the runs cannot resolve, and the table says so."""
+    lab = _lab("targets")
+    results = [
+        {
+            **_result("shm", "small-tensors", 4.2, 0.9, 10),
+            **{"seconds": 0.020, "bytes": 10**8, "tensors": 7512},
+        },
+        {
+            **_result("shm", "large-tensors", 4.0, 0.9, 10),
+            **{"seconds": 0.025, "bytes": 10**8, "tensors": 12},
+        },
+    ]
+    (cost,) = [t for t in lab.evaluate_targets(results) if "fixed cost" in t["target"]]
+    assert cost["value"] < 0
+    assert cost["met"] is None and cost["verdict"] == "noise"
+    row = next(r for r in lab.format_targets([cost]).splitlines() if "fixed cost" in r)
+    assert "| noise: below what these runs resolve" in row and "| yes |" not in row
+
+
+def test_every_target_says_what_it_means_for_a_user() -> None:
+    lab = _lab("targets")
+    assert all(len(t.meaning.split()) >= 10 for t in lab.TARGETS)
+    results = [
+        {**_result("shm", "dense", 2.0, 0.9, 50), "vs_verl": 3.5},
+        _result("zmq+tcp", "dense", 1.0, 0.8, 10),
+    ]
+    got = lab.evaluate_targets(results)
+    table = lab.format_targets(got).splitlines()
+    assert table[0] == "| target | value | want | met | what it means |"
+    assert [row.split(" | ")[-1] for row in table[2:]] == [f"{t['meaning']} |" for t in got]
+    assert [row.split(" | ")[3] for row in table[2:]] == ["yes", "yes", "NO", "yes"]
+
+
 def test_bench_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--runs", "0", "--transport", "memory"]) == 2
     assert "--runs must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # seven scenarios x four transports, the bounds and verl's baseline
+@pytest.mark.timeout(300)  # seven scenarios x four transports and the bounds
 def test_bench_writes_json_and_every_transport_moves_the_model(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     here = [name for name, spec in TRANSPORTS.items() if spec.unavailable() is None]
@@ -200,20 +248,19 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
         "models",
         "bounds",
         "results",
-        "targets",
         "command",
     } <= set(data)
     assert {"memcpy", "two_copy_parallel"} <= set(data["bounds"])
     pair = data["bounds"]["two_copy_parallel"]  # both copies measured, the faster kept
     assert set(pair["by_copy"]) == {"memmove", "stream"}
     assert pair["gbps"] == max(g for samples in pair["by_copy"].values() for g in samples)
+    assert "targets" not in data and "| target |" not in printed  # the lab's, not the user's
+    lab = _lab("targets")
+    targets = lab.evaluate_targets(data["results"])
     if "shm" in here:
-        verl = data["bounds"]["verl_shm"]  # the baseline ran, moved the model and checked it
-        assert verl["gbps"] > 0 and verl["bucket_bytes"] == 64 << 20
         row = next(
             r for r in data["results"] if (r["transport"], r["scenario"]) == ("shm", "dense")
         )
-        assert row["vs_verl"] == row["gbps"] / verl["gbps"]
         assert row["slots"] == 2  # shm's own default, what users get
         # The fused cast against its own bound, and what that bound allows of its target.
         cast = next(
@@ -222,7 +269,9 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
             if (r["transport"], r["scenario"]) == ("shm", "dense-fp32-cast")
         )
         assert cast["bound"] == "cast_split"
-        assert "The fp32 cast's own bound (cast_split) is" in printed
+        assert "The fp32 cast's own bound (cast_split) is" in lab.format_targets(
+            targets, data["bounds"]
+        )
     assert all(b["gbps"] > 0 for b in data["bounds"].values())
     assert [(r["transport"], r["scenario"]) for r in data["results"]] == [
         (t, s) for t in here for s in SCENARIOS
@@ -246,8 +295,14 @@ def test_bench_writes_json_and_every_transport_moves_the_model(
             # Shared libraries' pages come off the figure, never on: at most the whole RSS.
             assert mem["extra_bytes"] <= mem["extra_with_files_bytes"]
     assert data["models"]["dense-fp32-cast"]["source_bytes"] == 2 * data["models"]["dense"]["bytes"]
-    assert {t["target"] for t in data["targets"]} >= {"peak extra memory vs ring + largest tensor"}
+    assert {t["target"] for t in targets} >= {"peak extra memory vs ring + largest tensor"}
     assert png.stat().st_size > 0
+    # The lab's command line on the JSON: the same targets, each with what it means.
+    monkeypatch.setattr(sys, "argv", ["targets.py", str(out)])
+    lab.main()
+    printed = capsys.readouterr().out
+    assert all(f"| {t['target']} ({t['detail']}) |" in printed for t in targets)
+    assert all(f"| {t['meaning']} |" in printed for t in targets)
 
 
 def test_bench_fan_out_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -314,11 +369,11 @@ def test_the_table_says_which_slots_ran() -> None:
 
 
 def test_the_table_says_what_the_casts_own_bound_allows_of_its_target() -> None:
-    from streamsync.cli.bench.report import _cast_ceiling
+    cast_ceiling = _lab("targets").cast_ceiling
 
-    assert _cast_ceiling({"two_copy_parallel": {"gbps": 10.0}}) == []
+    assert cast_ceiling({"two_copy_parallel": {"gbps": 10.0}}) == []
     bounds = {"two_copy_parallel": {"gbps": 10.0}, "cast_split": {"gbps": 6.8}}
-    (line,) = [x for x in _cast_ceiling(bounds) if x]
+    (line,) = [x for x in cast_ceiling(bounds) if x]
     assert "is 0.68 of two memcpys at once" in line
     assert "at the 0.80 of them it is asked for" in line
     assert "at most 0.85 of bf16" in line and "(its target: 0.90)" in line
@@ -455,6 +510,9 @@ def test_the_lora_table_gives_both_ratios_against_their_targets() -> None:
     table = format_lora_table(data)
     assert "bytes adapter/full: 0.0125 (target <= 0.05: met)" in table
     assert "seconds adapter/full: 0.2000 (target <= 0.10: MISSED)" in table
+    # Each in words: what the ratio means for a user.
+    assert "met): the adapter's sync moves 1.2% of a full sync's bytes" in table
+    assert "MISSED): the adapter's sync takes 20.0% of a full sync's time" in table
 
 
 @pytest.mark.vllm
@@ -501,7 +559,8 @@ def test_the_vllm_bench_runs_both_wires_against_the_reload_in_an_engine_of_its_o
 
 
 def test_the_per_tensor_bench_times_every_step_of_both_sides() -> None:
-    from streamsync.cli.bench.per_tensor import format_per_tensor, run_per_tensor
+    per_tensor = _lab("per_tensor")
+    format_per_tensor, run_per_tensor = per_tensor.format_per_tensor, per_tensor.run_per_tensor
 
     data = run_per_tensor(count=200, tensor_bytes=4 << 10, runs=2)
     steps = data["steps_us"]
@@ -523,9 +582,7 @@ def test_the_per_tensor_bench_times_every_step_of_both_sides() -> None:
 def test_the_cast_bound_measures_both_copies_in_every_round(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sys
-
-    from streamsync.cli.bench import cast_bound
+    cast_bound = _lab("cast_bound")
 
     got = cast_bound.measure(1 << 20, 1)
     assert all(0 < value < float("inf") for value in got.values()), got
@@ -538,9 +595,7 @@ def test_the_cast_bound_measures_both_copies_in_every_round(
 def test_the_copy_placement_times_both_copies_at_every_distance(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sys
-
-    from streamsync.cli.bench import copy_placement
+    copy_placement = _lab("copy_placement")
 
     got = copy_placement.measure(1 << 20)
     assert set(got) == {"glibc", "library"}
@@ -558,9 +613,7 @@ def test_the_copy_placement_times_both_copies_at_every_distance(
 def test_the_source_forms_time_each_form_in_every_round(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sys
-
-    from streamsync.cli.bench import source_forms
+    source_forms = _lab("source_forms")
 
     got = source_forms.measure(64, 4096, 2)  # raises if the receiver's model differs
     assert list(got) == list(source_forms.FORMS)
@@ -577,3 +630,49 @@ def test_the_source_forms_time_each_form_in_every_round(
     for row in rows:
         low, mid, high = (float(cell) for cell in row.strip("| ").split(" | ")[1:])
         assert 0 < low <= mid <= high, row
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_shm_against_verls_path_in_one_run(tmp_path: Path) -> None:
+    """``python benchmarks/baseline_verl.py``: verl's path ran, moved the model and checked it,
+    among the bench's bounds, with shm's ratio to it and the targets on it."""
+    out = tmp_path / "verl.json"
+    command = [sys.executable, str(LAB / "baseline_verl.py"), "--size", "16MiB", "--runs", "1"]
+    done = subprocess.run(
+        [*command, "--json", str(out)], capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    data = json.loads(out.read_text())
+    verl = data["bounds"]["verl_shm"]
+    assert verl["gbps"] > 0 and verl["bucket_bytes"] == 64 << 20
+    (row,) = data["results"]
+    assert (row["transport"], row["scenario"]) == ("shm", "dense") and row["verified"]
+    assert row["vs_verl"] == row["gbps"] / verl["gbps"]
+    assert "| verl_shm |" in done.stdout and "| shm vs verl's shared-memory path" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(p.name for p in LAB.glob("*.py")))
+def test_every_lab_script_runs_from_the_repository_root(script: str) -> None:
+    done = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--help"],
+        cwd=LAB.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-4000:]
+
+
+def test_the_package_leaves_the_lab_out() -> None:
+    """The bench a user runs imports nothing of ``benchmarks/``; its command has no lab
+    options left."""
+    package = Path(ss.__file__).parent / "cli" / "bench"
+    lab = {p.stem for p in LAB.glob("*.py")}
+    assert not lab & {p.stem for p in package.glob("*.py")}
+    for source in package.glob("*.py"):
+        text = source.read_text()
+        assert not any(f"import {n}" in text or f"bench.{n}" in text for n in lab), source
+    with pytest.raises(SystemExit):
+        main(["bench", "--per-tensor"])

@@ -421,8 +421,7 @@ def _nccl_devices() -> int:
 def test_torch_nccl_gpu_check() -> None:
     args = [
         sys.executable,
-        "-m",
-        "streamsync.cli.bench.gpu_torch_nccl",
+        os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu_torch_nccl.py"),
         "--gib",
         "0.25",
         "--repeat",

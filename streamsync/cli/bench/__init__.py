@@ -24,9 +24,8 @@ receiver copies into its own preallocated model through :class:`~streamsync.Modu
 (behind a :class:`~streamsync.adapters.BufferSink` for the chain). ``memory://`` runs both
 sides in one process. Measured in the same run: a plain memcpy of the same tensors (torch's
 copy), two plain memcpys (``memmove``, one thread each) in two processes at once (what the two
-copies of a two-process shared-memory path can reach together), raw pyzmq PUSH/PULL moving
-the same bytes in bucket-sized messages (the bound of the zmq transports), and, with ``shm``
-and ``dense``, verl's shared-memory path at its best bucket size (``baseline_verl``).
+copies of a two-process shared-memory path can reach together), and raw pyzmq PUSH/PULL
+moving the same bytes in bucket-sized messages (the bound of the zmq transports).
 ``--vllm`` adds a sync into a real vLLM engine against vLLM's own ``reload_weights``
 (``engine``). Each bound is measured at the start and again right
 before its transport runs; the best is kept (a bound measured while other work loads the
@@ -53,27 +52,17 @@ The package, by concern:
 ``stamped``            the sender/receiver wrappers that time each bucket
 ``roles``              what each child process runs (started through
                        :mod:`streamsync.testing.peers`)
-``baseline_verl``      verl's shared-memory weight transfer, re-implemented as a baseline
 ``engine``             ``--vllm``: ``update_weights`` against vLLM's ``reload_weights``
 ``harness``            :func:`run_bench`: measures and returns plain data
-``targets``            the targets, a table evaluated by one function
+``delta``, ``lora``    ``--delta``, ``--lora``: delta and LoRA adapter syncs against full ones
+``fanout``             ``--receivers``: one sender to several receiver processes
 ``report``, ``plot``   the Markdown table, the chart
 ``command``            ``streamsync bench``: options, table on stdout, ``--json``, ``--plot``
 =====================  ====================================================================
 
-Scripts beside the command, run by hand (figures go in ``BENCHMARKS.md`` with the command
-that produced them): ``headline.sh`` (every headline figure in one run at torch's
-defaults: ``bash streamsync/cli/bench/headline.sh [OUT_DIR]``), and modules run with
-``python -m``: ``streamsync.cli.bench.quantize_fp8`` (block-FP8 quantization throughput),
-``streamsync.cli.bench.cast_bound`` (the fused fp32 -> bf16 cast against a memmove of the
-bytes it writes: what the cast can cost at best),
-``streamsync.cli.bench.copy_placement`` (a copy's speed against where its destination sits
-past its source, modulo 4 KiB), ``streamsync.cli.bench.source_forms`` (a model, a mapping and
-``named_tensors`` of each, sent over ``shm://``: what each way of handing ``send`` a model
-costs),
-``streamsync.cli.bench.gpu_cuda_ipc`` (``cuda-ipc://`` on a GPU machine),
-``streamsync.cli.bench.gpu_torch_nccl`` (``torch+nccl://`` with a receiver per GPU, 2+
-GPUs, bit-exact, next to a raw NCCL broadcast of the same bytes).
+The project's own measurements (its targets, verl's path re-implemented as a baseline,
+micro-benchmarks, GPU scripts) live in ``benchmarks/`` at the repository root, apart from
+the package; they import from it, never the other way.
 """
 
 from streamsync.cli.bench.command import add_parser
@@ -82,20 +71,16 @@ from streamsync.cli.bench.models import SyntheticModel, parse_size, synthetic_mo
 from streamsync.cli.bench.plot import plot
 from streamsync.cli.bench.report import format_table
 from streamsync.cli.bench.scenarios import SCENARIOS, TRANSPORTS, Scenario, TransportSpec
-from streamsync.cli.bench.targets import TARGETS, Target, evaluate_targets
 
 __all__ = [
     "SCENARIOS",
     "SCHEMA",
-    "TARGETS",
     "TRANSPORTS",
     "BenchConfig",
     "Scenario",
     "SyntheticModel",
-    "Target",
     "TransportSpec",
     "add_parser",
-    "evaluate_targets",
     "format_table",
     "parse_size",
     "plot",

@@ -24,9 +24,8 @@ Measure each transport's end-to-end throughput against this machine's bounds.
 
 A synthetic Qwen3-shaped model of --size bytes goes through each transport in
 each scenario: a warm-up sync, then --runs timed syncs. The table gives the
-medians, the phases of each side, peak memory, each transport's bound (memcpy,
-two memcpys at once, raw pyzmq) measured in the same run, and whether the
-targets are met."""
+medians, the phases of each side, peak memory, and each transport's bound
+(memcpy, two memcpys at once, raw pyzmq) measured in the same run."""
 
 
 def _epilog() -> str:
@@ -147,13 +146,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--rank", type=int, default=8, help="the adapter's rank for --lora (default 8)"
     )
-    parser.add_argument(
-        "--per-tensor",
-        action="store_true",
-        help="where the fixed cost per tensor goes instead: 4,000 tensors of 8 KiB through "
-        "each step of a sync (source and bucketer, packing, the header, unpacking, a sink), "
-        "each alone, in thread CPU time",
-    )
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="draw GB/s against the bounds")
     parser.set_defaults(run=run)
@@ -178,8 +170,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_delta(args)
     if args.lora:
         return _run_lora(args)
-    if getattr(args, "per_tensor", False):
-        return _run_per_tensor(args)
     if args.receivers:
         return _run_fanout(args)
     for name in args.transport or ():
@@ -311,16 +301,6 @@ def _run_delta(args: argparse.Namespace) -> int:
     return 0 if all(r["verified"] for r in data["rows"]) else 1
 
 
-def _run_per_tensor(args: argparse.Namespace) -> int:
-    from streamsync.cli.bench.per_tensor import format_per_tensor, run_per_tensor
-
-    data = run_per_tensor(count=4000, tensor_bytes=8 << 10, runs=max(args.runs, 7))
-    data["command"] = _command_line(args)
-    sys.stdout.write(format_per_tensor(data) + "\n")
-    _write_json(args, data)
-    return 0
-
-
 def _run_lora(args: argparse.Namespace) -> int:
     missing = [m for m in ("vllm", "peft") if importlib.util.find_spec(m) is None]
     if missing or args.runs < 1 or args.rank < 1:
@@ -355,7 +335,6 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += [f"--scenario {s}" for s in args.scenario or ()]
     parts += [f"--delta --steps {args.steps}"] if args.delta else []
     parts += [f"--lora --rank {args.rank}"] if getattr(args, "lora", False) else []
-    parts += ["--per-tensor"] if getattr(args, "per_tensor", False) else []
     parts += [f"--receivers {','.join(map(str, args.receivers))}"] if args.receivers else []
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}"]
     parts += [f"--slots {args.slots}"] if args.slots is not None else []

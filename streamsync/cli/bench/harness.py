@@ -21,7 +21,6 @@ from streamsync.cli.bench import roles
 from streamsync.cli.bench.models import GiB, MiB, synthetic_model
 from streamsync.cli.bench.scenarios import BOUNDS, SCENARIOS, TRANSPORTS, TransportSpec
 from streamsync.cli.bench.stamped import transfer_seconds
-from streamsync.cli.bench.targets import evaluate_targets
 from streamsync.testing.peers import Peers, free_port
 
 __all__ = ["SCHEMA", "BenchConfig", "run_bench"]
@@ -62,9 +61,7 @@ class BenchConfig:
 
     def steps(self) -> int:
         """How many units of work :func:`run_bench` reports progress in."""
-        bounds = self.bounds()
-        verl = "shm" in self.selected() and "dense" in self.scenarios
-        return len(bounds) + verl + len(self.selected()) * (1 + len(self.scenarios))
+        return len(self.bounds()) + len(self.selected()) * (1 + len(self.scenarios))
 
 
 # -- child processes ------------------------------------------------------------------------
@@ -144,47 +141,6 @@ def _bound_seconds(config: BenchConfig, key: str) -> list[float]:
     return [e - s for s, e in zip(push["starts"][1:], pull["ends"][1:], strict=True)]
 
 
-#: Bucket sizes the verl baseline is tried at (those below the largest tensor are left out:
-#: verl's shared-memory path refuses a tensor larger than its buffer); its best is kept.
-VERL_BUCKETS = (64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB)
-
-
-def _verl_baseline(config: BenchConfig) -> dict[str, Any] | None:
-    """verl's shared-memory path (:mod:`streamsync.cli.bench.baseline_verl`) at each bucket size
-    that fits, dense bf16: its best median GB/s, or None if no run succeeded."""
-    model = synthetic_model(config.size)
-    largest = model.largest_tensor_bytes()
-    fits = [s for s in VERL_BUCKETS if s >= largest] or [largest]
-    # A buffer larger than the whole model changes nothing: try one such size at most.
-    sizes = [s for s in fits if s < model.nbytes] + [s for s in fits if s >= model.nbytes][:1]
-    per_size: dict[int, float] = {}
-    for size in sizes:
-        address = f"ipc://@streamsync-bench-verl-{os.getpid()}-{time.monotonic_ns()}"
-        job = {
-            "size": config.size,
-            "runs": config.runs,
-            "bucket_bytes": size,
-            "address": address,
-            "threads": config.threads,
-        }
-        limit = config.timeout * (config.runs + 2)
-        rx, tx = _run_children(
-            [("verl_receiver", job), ("verl_sender", job)], timeout=limit, barrier=True
-        )
-        if tx["ok"] and rx["ok"] and rx["verified"]:
-            seconds = [t1 - t0 for t0, t1 in tx["spans"][1:]]
-            per_size[size] = _median_gbps(model.nbytes, seconds)
-    if not per_size:
-        return None
-    best = max(per_size, key=lambda s: per_size[s])
-    return {
-        "what": BOUNDS["verl_shm"],
-        "gbps": per_size[best],
-        "bucket_bytes": best,
-        "per_bucket_gbps": {str(k): v for k, v in per_size.items()},
-    }
-
-
 def _add_bound(bounds: dict[str, Any], config: BenchConfig, key: str) -> None:
     """Measure ``key`` (again) and keep the best median: on a shared machine a bound taken
     while others load it would flatter every ratio."""
@@ -222,11 +178,6 @@ def _bounds(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, A
     for key in config.bounds():
         progress(f"bound: {key}")
         _add_bound(out, config, key)
-    if "shm" in config.selected() and "dense" in config.scenarios:
-        progress("baseline: verl_shm")
-        verl = _verl_baseline(config)
-        if verl is not None:
-            out["verl_shm"] = verl
     return out
 
 
@@ -335,11 +286,6 @@ def _summarise(
         "bound": bound_key,
         "bound_gbps": bound,
         "vs_bound": gbps / bound if bound else None,
-        "vs_verl": (
-            gbps / bounds["verl_shm"]["gbps"]
-            if spec.name == "shm" and "verl_shm" in bounds
-            else None
-        ),
         "memory": {
             "ring_bytes": ring,
             "largest_tensor_bytes": rx["largest_tensor_bytes"],
@@ -413,5 +359,4 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "models": models,
         "bounds": bounds,
         "results": results,
-        "targets": evaluate_targets(results),
     }

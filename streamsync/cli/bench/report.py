@@ -1,11 +1,10 @@
-"""The bench's results as Markdown: the results table, the bounds and the targets."""
+"""The bench's results as Markdown: the results table and the bounds."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from streamsync.cli.bench.models import MiB, human
-from streamsync.cli.bench.targets import TARGETS
 
 __all__ = ["format_table"]
 
@@ -40,7 +39,7 @@ def _slots(data: dict[str, Any]) -> str:
 
 
 def format_table(data: dict[str, Any]) -> str:
-    """The results as a Markdown table, bounds and targets below it."""
+    """The results as a Markdown table, the bounds below it."""
     cfg = data["config"]
     lines = [
         f"{human(cfg['size'])} requested, buckets of {human(cfg['bucket_bytes'])} x "
@@ -70,28 +69,4 @@ def format_table(data: dict[str, Any]) -> str:
     for name, b in data["bounds"].items():
         at = f" (buckets of {human(b['bucket_bytes'])})" if "bucket_bytes" in b else ""
         lines.append(f"| {name} | {b['gbps']:.2f} | {b['what']}{at} |")
-    lines += ["", "| target | value | want | met |", "|---|---:|---:|---|"]
-    for t in data["targets"]:
-        lines.append(
-            f"| {t['target']} ({t['detail']}) | {t['value']:.2f} | {t['want']} "
-            f"| {'yes' if t['met'] else 'NO'} |"
-        )
-    return "\n".join(lines + _cast_ceiling(data["bounds"]))
-
-
-def _cast_ceiling(bounds: dict[str, Any]) -> list[str]:
-    """What the fused cast's own bound allows of the cast target, where both were measured:
-    the cast can be no faster than ``cast_split``, so a bf16 sync that meets its target
-    leaves the cast at most ``cast_split / (two_copy_parallel x that target)`` of it."""
-    if "cast_split" not in bounds or "two_copy_parallel" not in bounds:
-        return []
-    dense = next(t for t in TARGETS if t.metric == "vs_bound" and t.transport == "shm")
-    cast = next(t for t in TARGETS if t.scenario == "dense-fp32-cast")
-    ceiling = bounds["cast_split"]["gbps"] / bounds["two_copy_parallel"]["gbps"]
-    return [
-        "",
-        f"The fp32 cast's own bound (cast_split) is {ceiling:.2f} of two memcpys at once: "
-        f"beside a bf16 sync at the {dense.threshold:.2f} of them it is asked for, the cast "
-        f"can reach at most {ceiling / dense.threshold:.2f} of bf16, with no overheads at "
-        f"all (its target: {cast.threshold:.2f}).",
-    ]
+    return "\n".join(lines)

@@ -21,7 +21,6 @@ import torch
 
 import streamsync as ss
 from streamsync._copies import kernel_cast, large_copy
-from streamsync.cli.bench.baseline_verl import verl_receiver, verl_sender
 from streamsync.cli.bench.models import SyntheticModel, synthetic_model
 from streamsync.cli.bench.scenarios import SCENARIOS, Scenario
 from streamsync.cli.bench.stamped import StampedReceiver, StampedSender
@@ -375,8 +374,6 @@ async def _zmq_pull(job: dict[str, Any], barrier: Any) -> dict[str, Any]:
 
 
 ROLES: dict[str, Role] = {
-    "verl_sender": verl_sender,
-    "verl_receiver": verl_receiver,
     "sender": _sender_side,
     "receiver": _receiver_side,
     "both": _both_sides,

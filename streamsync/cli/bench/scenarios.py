@@ -191,5 +191,4 @@ BOUNDS = {
     ),
     "raw_pyzmq_ipc": "raw pyzmq PUSH/PULL over ipc, bucket-sized messages",
     "raw_pyzmq_tcp": "raw pyzmq PUSH/PULL over tcp loopback, bucket-sized messages",
-    "verl_shm": "verl's shared-memory path (one buffer, ZMQ REQ/REP), dense bf16, best bucket",
 }

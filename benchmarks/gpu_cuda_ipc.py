@@ -1,7 +1,7 @@
 """GPU check of ``cuda-ipc://``: builds a channel between two processes, checks a 1 GiB
 sync of bf16 tensors bit-exact, times it, and prints one JSON line. For a machine with a GPU:
 
-    .venv/bin/python -m streamsync.cli.bench.gpu_cuda_ipc [--gib 1] [--repeat 3] [--bucket-mib 256]
+    .venv/bin/python benchmarks/gpu_cuda_ipc.py [--gib 1] [--repeat 3] [--bucket-mib 256]
 
 Also runs the conformance suite's cross-process round trip on ``cuda-ipc://`` unless
 ``--no-conformance``. Exits non-zero if anything is not bit-exact.

@@ -1,6 +1,6 @@
 """Throughput of block-FP8 quantization (``quantize_block_fp8``), in GB/s of input.
 
-Run: .venv/bin/python -m streamsync.cli.bench.quantize_fp8 [--repeat 5] [--threads N]
+Run: .venv/bin/python benchmarks/quantize_fp8.py [--repeat 5] [--threads N]
 """
 
 from __future__ import annotations

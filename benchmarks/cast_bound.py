@@ -7,7 +7,7 @@ A memmove of ``n`` bf16 bytes reads ``n`` and writes ``n``; the cast that produc
 ``2n`` (the fp32 source) and writes ``n``. Where both run at the machine's memory bandwidth,
 the cast takes 1.5x the memmove's time whatever its kernel, and this shows whether it does.
 
-Run: .venv/bin/python -m streamsync.cli.bench.cast_bound [--mib 64] [--rounds 3] [--repeat 7]
+Run: .venv/bin/python benchmarks/cast_bound.py [--mib 64] [--rounds 3] [--repeat 7]
 """
 
 from __future__ import annotations

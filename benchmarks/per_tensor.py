@@ -1,4 +1,9 @@
-"""``streamsync bench --per-tensor``: where a sync's fixed cost per tensor goes, step by step.
+"""Where a sync's fixed cost per tensor goes, step by step.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/per_tensor.py [--count 4000] [--tensor-bytes 8192] [--runs 7]
+        [--json PATH]
 
 Many small tensors (``--count`` of ``--tensor-bytes``, bf16) go through each step of a sync
 on its own, in this process: the source and the bucketer (``named_tensors`` into
@@ -11,6 +16,8 @@ ring's hand-off, acknowledgements) are not per tensor and are not here.
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -121,3 +128,22 @@ def format_per_tensor(data: dict[str, Any]) -> str:
         f"{data['streamed_source_us']:.2f} µs per tensor for the source and bucketer.",
     ]
     return "\n".join(lines)
+
+
+def main() -> None:
+    """The command line: the table on stdout, every figure to ``--json``."""
+    parser = argparse.ArgumentParser(description="where a sync's fixed cost per tensor goes")
+    parser.add_argument("--count", type=int, default=4000, help="tensors (default 4000)")
+    parser.add_argument("--tensor-bytes", type=int, default=8 << 10, help="each (8192)")
+    parser.add_argument("--runs", type=int, default=7, help="timings, smallest kept (7)")
+    parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    args = parser.parse_args()
+    data = run_per_tensor(count=args.count, tensor_bytes=args.tensor_bytes, runs=args.runs)
+    print(format_per_tensor(data))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ bit-exact on every receiver, times the sender per sync, and times a raw NCCL bro
 the same bytes in the same bucket sizes, in the same processes; prints one JSON line. For a
 machine with at least two GPUs:
 
-    .venv/bin/python -m streamsync.cli.bench.gpu_torch_nccl [--gib 1] [--repeat 3]
+    .venv/bin/python benchmarks/gpu_torch_nccl.py [--gib 1] [--repeat 3]
         [--bucket-mib 256]
         [--receivers N]   # default: every GPU but the sender's
 

@@ -7,7 +7,7 @@ Each form's first sync of a round builds the sender's bucket plans for it; the s
 timed. With ``--count 1`` and many rounds it measures a sync's fixed cost: more than five
 rounds are shown as the fastest, the median and the slowest.
 
-Run: .venv/bin/python -m streamsync.cli.bench.source_forms [--count 65536]
+Run: .venv/bin/python benchmarks/source_forms.py [--count 65536]
 [--tensor-bytes 16384] [--rounds 3]
 """
 

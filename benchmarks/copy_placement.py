@@ -7,7 +7,7 @@ allocator places 64 bytes into a page: the destination is 64 bytes past the sour
 that runs upwards there waits on its own stores ("4K aliasing"); the library's copy runs
 downwards when the destination is just past the source, as glibc's ``memmove`` does.
 
-Run: .venv/bin/python -m streamsync.cli.bench.copy_placement [--mib 48] [--rounds 3]
+Run: .venv/bin/python benchmarks/copy_placement.py [--mib 48] [--rounds 3]
 """
 
 from __future__ import annotations
