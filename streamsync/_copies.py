@@ -5,14 +5,14 @@ Every byte a sync moves on the CPU (packing into a slot, a fused cast, reassembl
 process-wide torch thread count (``torch.get_num_threads()`` is never changed):
 
 * **Same dtype, both sides contiguous: a ``memmove``** (the compiled kernel, else
-  ``ctypes.memmove``; both release the GIL). Small ones
-  run inline on the calling thread, many in one call, costing well under a microsecond
-  each, so a bucket of thousands of small tensors pays no per-tensor fixed cost worth the
-  name; large ones are split into pieces of at least :data:`PIECE_BYTES` across the pool.
-  The kernel's copies of 4 KiB and more use non-temporal stores (they bypass the cache):
-  what a sync writes is not read again by the writing thread, and glibc's ``memmove``
-  streams only above a threshold derived from the cache size the CPU reports, which a VM
-  may report as its host's (48 MiB here: below it, glibc copied at about half the speed).
+  ``ctypes.memmove``; both release the GIL). Small ones run inline on the calling thread,
+  many in one call, costing well under a microsecond each, so a bucket of thousands of small
+  tensors pays no per-tensor fixed cost worth the name; large ones are split into pieces of
+  at least :data:`PIECE_BYTES` across the pool. The kernel's copies of 4 KiB and more use
+  non-temporal stores (they bypass the cache): what a sync writes is not read again by the
+  writing thread, and glibc's ``memmove`` streams only above a threshold derived from the
+  cache size the CPU reports, which a VM may report as its host's (48 MiB here: below it,
+  glibc copied at about half the speed).
 * **fp32 to bf16 and back, both contiguous (the fused casts): the kernel's cast** on the
   pool, bit for bit what torch gives (rounding to nearest even), stored past the cache:
   about 1.5 times torch's single-threaded ``copy_`` here; torch casts an fp32 piece that

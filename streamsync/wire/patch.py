@@ -10,8 +10,8 @@ are bytes.
 :func:`diff` finds the changed elements in one pass over both tensors (32 bytes at a time,
 then the elements of a block that differs) with the compiled kernel of
 :mod:`streamsync._copies` (built when the package is installed), else with torch's ``!=`` and
-``nonzero``. A patch is only made when it is smaller
-than the tensor; otherwise the tensor travels whole.
+``nonzero``. A patch is only made when it is smaller than the tensor; otherwise the tensor
+travels whole.
 """
 
 from __future__ import annotations
