@@ -193,7 +193,6 @@ _FALLBACK = textwrap.dedent(
     from streamsync.wire import patch
 
     assert copies.kernel() == "torch" and patch.kernel() == "torch"
-    assert not copies.openmp_runtime()
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(3 * copies.PIECE_BYTES // 4 + 5, generator=gen)
     src[7] = float("nan")
