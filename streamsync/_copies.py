@@ -4,15 +4,15 @@ Every byte a sync moves on the CPU (packing into a slot, a fused cast, reassembl
 ``ModuleSink``'s copies) goes through here. Three mechanisms, none of which touches the
 process-wide torch thread count (``torch.get_num_threads()`` is never changed):
 
-* **Same dtype, both sides contiguous: a ``memmove``** (the compiled kernel of
-  :mod:`streamsync.wire.patch`, else ``ctypes.memmove``; both release the GIL). Small ones
-  run inline on the calling thread, many in one call, costing well under a microsecond
-  each, so a bucket of thousands of small tensors pays no per-tensor fixed cost worth the
-  name; large ones are split into pieces of at least :data:`PIECE_BYTES` across the pool.
-  The kernel's copies of 4 KiB and more use non-temporal stores (they bypass the cache):
-  what a sync writes is not read again by the writing thread, and glibc's ``memmove``
-  streams only above a threshold derived from the cache size the CPU reports, which a VM
-  may report as its host's (48 MiB here: below it, glibc copied at about half the speed).
+* **Same dtype, both sides contiguous: a ``memmove``** (the compiled kernel, else
+  ``ctypes.memmove``; both release the GIL). Small ones run inline on the calling thread,
+  many in one call, costing well under a microsecond each, so a bucket of thousands of small
+  tensors pays no per-tensor fixed cost worth the name; large ones are split into pieces of
+  at least :data:`PIECE_BYTES` across the pool. The kernel's copies of 4 KiB and more use
+  non-temporal stores (they bypass the cache): what a sync writes is not read again by the
+  writing thread, and glibc's ``memmove`` streams only above a threshold derived from the
+  cache size the CPU reports, which a VM may report as its host's (48 MiB here: below it,
+  glibc copied at about half the speed).
 * **fp32 to bf16 and back, both contiguous (the fused casts): the kernel's cast** on the
   pool, bit for bit what torch gives (rounding to nearest even), stored past the cache:
   about 1.5 times torch's single-threaded ``copy_`` here; torch casts an fp32 piece that
@@ -33,6 +33,13 @@ The pool (:data:`POOL_THREADS` threads named ``streamsync-copy_N``, ``streamsync
 OS) starts on first use, is
 dropped in a forked child (threads do not survive ``fork``; the child starts its own on first
 use) and is shut down at interpreter exit or by :func:`shutdown`.
+
+The compiled kernel (``_kernel.c``, also behind :mod:`streamsync.wire.patch`'s comparisons) is
+the extension module ``streamsync._kernel``, built when the package is installed and imported
+like any module: nothing is compiled, and no file outside the package is loaded, at run time.
+Where it was not built (no C compiler at install), torch, numpy and ``ctypes.memmove`` do the
+same work, the pool threads are neither pinned to one OpenMP thread nor named for the OS, and
+:func:`kernel` says which is in use.
 """
 
 from __future__ import annotations
@@ -40,14 +47,18 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
+import importlib
 import os
 import threading
+import types
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
 import numpy as np
 import torch
+
+from streamsync._log import warn
 
 __all__ = [
     "PIECE_BYTES",
@@ -58,6 +69,7 @@ __all__ = [
     "large_copy",
     "POOL_THREADS",
     "copy_tensors",
+    "kernel",
     "memmove_many",
     "openmp_runtime",
     "shutdown",
@@ -73,10 +85,54 @@ INLINE_BYTES: Final = 1 << 20
 
 Move = tuple[int, int, int]  # (destination address, source address, bytes)
 
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_DIFF = (_I64, _P, _P, _I64, _I64, _P, _P, _P, _I64)
+#: Each function of the compiled kernel: its result type, then its arguments' (_kernel.c).
+_SIGNATURES: Final[dict[str, tuple[Any, ...]]] = {
+    **{f"ss_diff_{size}": _DIFF for size in (1, 2, 4, 8)},
+    **{f"ss_apply_{size}": (None, _P, _P, _P, _P, _I64) for size in (1, 2, 4, 8)},
+    "ss_diff_f32_bf16": _DIFF,
+    "ss_check": (_I64, _P, _P, _I64, _I64, _I64),
+    "ss_copy": (None, _P, _P, _I64),
+    "ss_memmove_many": (None, _P, _I64),
+    "ss_cast_f32_bf16": (_I64, _P, _P, _I64),
+    "ss_cast_f32_bf16_portable": (_I64, _P, _P, _I64),
+    "ss_cast_bf16_f32": (None, _P, _P, _I64),
+    "ss_name_thread": (None, ctypes.c_char_p),
+    "ss_openmp_setter": (_P, ctypes.c_char_p),
+}
+
+
+@functools.cache
+def _library() -> Any:
+    """The compiled kernel's functions by name, each a ctypes function at the address the
+    extension module ``streamsync._kernel`` gives, or ``None`` where it was not built."""
+    try:
+        module = importlib.import_module("streamsync._kernel")
+        functions = {
+            name: ctypes.CFUNCTYPE(*signature)(getattr(module, name))
+            for name, signature in _SIGNATURES.items()
+        }
+    except (ImportError, AttributeError) as exc:
+        warn("copies.kernel", using="torch", why=f"{type(exc).__name__}: {exc}")
+        return None
+    return types.SimpleNamespace(**functions)
+
+
+def kernel() -> str:
+    """Which implementation the copies and patches use here: ``"c"`` (the compiled kernel,
+    built when the package was installed) or ``"torch"`` (torch, numpy and
+    ``ctypes.memmove``, where it was not built)."""
+    return "c" if _library() is not None else "torch"
+
 
 def _find_openmp() -> Callable[[int], Any] | None:
     """``omp_set_num_threads`` of the OpenMP runtime torch loaded, or ``None`` (no OpenMP:
-    torch's intra-op parallelism then uses its own pool, which does not spin)."""
+    torch's intra-op parallelism then uses its own pool, which does not spin; or no
+    compiled kernel to find it with)."""
+    lib = _library()
+    if lib is None:
+        return None
     try:
         with open("/proc/self/maps") as fh:
             paths = {line.split()[-1] for line in fh if ".so" in line}
@@ -88,13 +144,10 @@ def _find_openmp() -> Callable[[int], Any] | None:
     for path in sorted(paths, key=lambda p: (not p.startswith(torch_dir + os.sep), p)):
         base = os.path.basename(path)
         if base.startswith(("libgomp", "libiomp5", "libomp")) and ".so" in base:
-            try:
-                fn = ctypes.CDLL(path).omp_set_num_threads
-            except (OSError, AttributeError):
-                continue
-            fn.argtypes = [ctypes.c_int]
-            fn.restype = None
-            return fn  # type: ignore[no-any-return]
+            # Only a runtime already loaded: the kernel never loads a library.
+            address = lib.ss_openmp_setter(os.fsencode(path))
+            if address:
+                return ctypes.CFUNCTYPE(None, ctypes.c_int)(address)  # type: ignore[no-any-return]
     return None
 
 
@@ -111,11 +164,9 @@ def openmp_runtime() -> bool:
 
 def _name_thread(name: str) -> None:
     """Give the OS thread a name (``top -H``, ``/proc/PID/task/*/comm``) where Linux allows."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
+    lib = _library()
+    if lib is not None:
+        lib.ss_name_thread(name.encode()[:15])
 
 
 _counter = iter(range(1 << 30))
@@ -188,17 +239,14 @@ def _pieces(nbytes: int) -> int:
 
 @functools.cache
 def _kernel(name: str) -> Callable[..., Any] | None:
-    """Function ``name`` of the compiled kernel (:func:`streamsync.wire.patch._library`),
-    or ``None`` without a C compiler."""
-    from streamsync.wire.patch import _library
-
+    """Function ``name`` of the compiled kernel, or ``None`` where it was not built."""
     lib = _library()
     return None if lib is None else getattr(lib, name)
 
 
 def _memmove_batch() -> Callable[[int, int], Any] | None:
     """The compiled kernel's ``ss_memmove_many`` (many small moves in one call: a ctypes
-    call costs about as much as moving 8 KiB), or ``None`` without a C compiler."""
+    call costs about as much as moving 8 KiB), or ``None`` where it was not built."""
     return _kernel("ss_memmove_many")
 
 

@@ -52,6 +52,12 @@ class LoraReport(msgspec.Struct, frozen=True, kw_only=True):
     in_flight: int | None = None
 
 
+def _kernel() -> str:
+    from streamsync._copies import kernel  # on first use: importing streamsync stays light
+
+    return kernel()
+
+
 class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     """The outcome of one sync on one side.
 
@@ -71,6 +77,9 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     #: them, and ``end`` (waiting for the receivers' reports). Receiver: ``wait`` (for the
     #: next bucket), ``prepare``, ``load`` (unpacking and the sink's copies), ``finalize``.
     phases: dict[str, float] = {}
+    #: The copy and patch kernel this side ran: ``"c"``, compiled when the package was
+    #: installed, or ``"torch"``, the torch and numpy fallback where it was not built.
+    kernel: str = msgspec.field(default_factory=_kernel)
     complete: bool = True
     loaded: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()

@@ -8,31 +8,21 @@ floats: a NaN that stays NaN is unchanged, ``-0.0`` against ``0.0`` is a change,
 are bytes.
 
 :func:`diff` finds the changed elements in one pass over both tensors (32 bytes at a time,
-then the elements of a block that differs) with a small C kernel (``_patch_kernel.c``, built
-on first use with the system's C compiler into the user's cache directory, called through
-ctypes), else with torch's ``!=`` and ``nonzero``. A patch is only made when it is smaller
-than the tensor; otherwise the tensor travels whole.
+then the elements of a block that differs) with the compiled kernel of
+:mod:`streamsync._copies` (built when the package is installed), else with torch's ``!=`` and
+``nonzero``. A patch is only made when it is smaller than the tensor; otherwise the tensor
+travels whole.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import torch
 
-from streamsync._copies import POOL_THREADS, _pool, _wait
-from streamsync._log import warn
+from streamsync._copies import POOL_THREADS, _library, _pool, _wait, kernel
 from streamsync.errors import WireFormatError
 
 __all__ = [
@@ -90,66 +80,6 @@ def _elements(flat: torch.Tensor, itemsize: int) -> np.ndarray:
     return flat.numpy().view(_UINT[itemsize])
 
 
-@functools.cache
-def _library() -> Any:
-    """The compiled kernel (built once per source version and machine), or ``None``."""
-    source = Path(__file__).with_name("_patch_kernel.c")
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    name = f"patch-{digest}-{platform.machine()}.so"
-    for root in (
-        os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"),
-        tempfile.gettempdir(),
-    ):
-        built = Path(root) / "streamsync" / name
-        try:
-            if not built.exists():
-                compiler = shutil.which(os.environ.get("CC", "cc"))
-                if compiler is None:
-                    warn("delta.kernel", using="torch", why="no C compiler (cc) found")
-                    return None
-                built.parent.mkdir(parents=True, exist_ok=True)
-                partial = built.with_name(f"{name}.{os.getpid()}.tmp")
-                subprocess.run(
-                    [compiler, "-O3", "-shared", "-fPIC", "-o", str(partial), str(source)],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-                os.replace(partial, built)  # atomic: a concurrent build loses nothing
-            lib = ctypes.CDLL(str(built))
-        except (OSError, subprocess.SubprocessError) as exc:
-            warn("delta.kernel", using="torch", why=f"{type(exc).__name__}: {exc}", at=str(built))
-            continue
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for size in (1, 2, 4, 8):
-            diff_fn = getattr(lib, f"ss_diff_{size}")
-            diff_fn.argtypes = [p, p, i64, i64, p, p, p, i64]
-            diff_fn.restype = i64
-            apply_fn = getattr(lib, f"ss_apply_{size}")
-            apply_fn.argtypes = [p, p, p, p, i64]
-            apply_fn.restype = None
-        lib.ss_diff_f32_bf16.argtypes = [p, p, i64, i64, p, p, p, i64]
-        lib.ss_diff_f32_bf16.restype = i64
-        lib.ss_check.argtypes = [p, p, i64, i64, i64]
-        lib.ss_check.restype = i64
-        lib.ss_memmove_many.argtypes = [p, i64]
-        lib.ss_memmove_many.restype = None
-        lib.ss_copy.argtypes = [p, p, i64]
-        lib.ss_copy.restype = None
-        for cast in (lib.ss_cast_f32_bf16, lib.ss_cast_f32_bf16_portable):
-            cast.argtypes = [p, p, i64]
-            cast.restype = i64
-        lib.ss_cast_bf16_f32.argtypes = [p, p, i64]
-        lib.ss_cast_bf16_f32.restype = None
-        return lib
-    return None
-
-
-def kernel() -> str:
-    """Which implementation patches use here: ``"c"`` (the compiled kernel) or ``"torch"``."""
-    return "c" if _library() is not None else "torch"
-
-
 def _addr(array: np.ndarray) -> int:
     return int(array.ctypes.data)
 
@@ -175,7 +105,7 @@ def _diff_c(
     spans = [(lo, min(numel, lo + step)) for lo in range(0, numel, step)] or [(0, 0)]
 
     def run(span: tuple[int, int], share: int) -> tuple[np.ndarray, np.ndarray, int]:
-        pos = np.empty(share + per, pdt)  # the kernel's slack (see _patch_kernel.c)
+        pos = np.empty(share + per, pdt)  # the kernel's slack (see _kernel.c)
         vals = np.empty(share + per, _UINT[itemsize])
         p32, p64 = _pos_args(pos)
         k = fn(new, base, span[0], span[1], p32, p64, _addr(vals), share)

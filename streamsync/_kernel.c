@@ -1,7 +1,11 @@
-/* The one-pass comparison behind streamsync.wire.patch, and the copies of
- * streamsync._copies: built on first use with the system's C compiler (cc -O3), called
- * through ctypes (which releases the GIL, so pieces of one tensor run on several threads).
- * Without a compiler, torch and ctypes.memmove do the same work. */
+/* streamsync._kernel: the one-pass comparison behind streamsync.wire.patch and the copies of
+ * streamsync._copies. Built when the package is installed (setup.py), imported like any
+ * module; the module holds each function's address, which streamsync._copies calls through
+ * ctypes (a foreign call releases the GIL, so pieces of one tensor run on several threads).
+ * Where it was not built, torch and ctypes.memmove do the same work. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -366,4 +370,81 @@ void ss_memmove_many(const int64_t *moves, int64_t n) {
                    (const unsigned char *)(intptr_t)moves[3 * j + 1], (size_t)moves[3 * j + 2]);
     }
     fence();
+}
+
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <dlfcn.h>
+#endif
+
+/* Names the calling thread for the OS (top -H, /proc/PID/task/N/comm), where Linux allows. */
+void ss_name_thread(const char *name) {
+#if defined(__linux__)
+    prctl(PR_SET_NAME, name, 0, 0, 0);
+#else
+    (void)name;
+#endif
+}
+
+/* omp_set_num_threads of the OpenMP runtime at `path`, only if the process has already
+ * loaded it (RTLD_NOLOAD: nothing is ever loaded here), else NULL. The handle is kept: the
+ * runtime stays loaded for as long as torch, which loaded it, does. */
+void *ss_openmp_setter(const char *path) {
+#if (defined(__unix__) || defined(__APPLE__)) && defined(RTLD_NOLOAD)
+    void *handle = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
+    return handle ? dlsym(handle, "omp_set_num_threads") : NULL;
+#else
+    (void)path;
+    return NULL;
+#endif
+}
+
+/* The module: each function's address, as an int named after it. */
+static const struct {
+    const char *name;
+    void *address;
+} ss_functions[] = {
+    {"ss_diff_1", (void *)ss_diff_1},
+    {"ss_diff_2", (void *)ss_diff_2},
+    {"ss_diff_4", (void *)ss_diff_4},
+    {"ss_diff_8", (void *)ss_diff_8},
+    {"ss_apply_1", (void *)ss_apply_1},
+    {"ss_apply_2", (void *)ss_apply_2},
+    {"ss_apply_4", (void *)ss_apply_4},
+    {"ss_apply_8", (void *)ss_apply_8},
+    {"ss_diff_f32_bf16", (void *)ss_diff_f32_bf16},
+    {"ss_check", (void *)ss_check},
+    {"ss_copy", (void *)ss_copy},
+    {"ss_memmove_many", (void *)ss_memmove_many},
+    {"ss_cast_f32_bf16", (void *)ss_cast_f32_bf16},
+    {"ss_cast_f32_bf16_portable", (void *)ss_cast_f32_bf16_portable},
+    {"ss_cast_bf16_f32", (void *)ss_cast_bf16_f32},
+    {"ss_name_thread", (void *)ss_name_thread},
+    {"ss_openmp_setter", (void *)ss_openmp_setter},
+};
+
+static struct PyModuleDef ss_module = {
+    PyModuleDef_HEAD_INIT,
+    "streamsync._kernel",
+    "streamsync's compiled kernel: each function's address, called through ctypes by "
+    "streamsync._copies.",
+    -1,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernel(void) {
+    PyObject *module = PyModule_Create(&ss_module);
+    if (module == NULL) return NULL;
+    for (size_t j = 0; j < sizeof(ss_functions) / sizeof(ss_functions[0]); j++) {
+        PyObject *address = PyLong_FromVoidPtr(ss_functions[j].address);
+        if (address == NULL || PyModule_AddObjectRef(module, ss_functions[j].name, address) < 0) {
+            Py_XDECREF(address);
+            Py_DECREF(module);
+            return NULL;
+        }
+        Py_DECREF(address);
+    }
+    return module;
 }
