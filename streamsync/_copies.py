@@ -49,20 +49,6 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-__all__ = [
-    "PIECE_BYTES",
-    "CopyBatch",
-    "MovePlan",
-    "clone",
-    "kernel_cast",
-    "large_copy",
-    "POOL_THREADS",
-    "copy_tensors",
-    "memmove_many",
-    "openmp_runtime",
-    "shutdown",
-]
-
 #: Threads in the copy pool: a few are enough to saturate memory bandwidth, and more would
 #: only compete with the peer process for cores.
 POOL_THREADS: Final = max(1, min(4, os.cpu_count() or 1))

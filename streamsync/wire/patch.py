@@ -35,21 +35,6 @@ from streamsync._copies import POOL_THREADS, _pool, _wait
 from streamsync._log import warn
 from streamsync.errors import WireFormatError
 
-__all__ = [
-    "kernel",
-    "Patch",
-    "apply",
-    "check",
-    "UNCAST",
-    "decode",
-    "diff",
-    "diff_cast",
-    "encode",
-    "patch_nbytes",
-    "position_dtype",
-    "positions_nbytes",
-]
-
 #: A tensor at least this large is compared in parallel pieces, one per pool thread.
 _PARALLEL_BYTES: Final = 4 << 20
 _ALIGN: Final = 64
