@@ -38,8 +38,9 @@ import msgspec
 import torch
 from targets import evaluate_targets, format_targets
 
-from streamsync.cli.bench import BenchConfig, format_table, parse_size, run_bench
-from streamsync.cli.bench.models import GiB, MiB, synthetic_model
+from streamsync.cli.bench.harness import BenchConfig, run_bench
+from streamsync.cli.bench.models import GiB, MiB, parse_size, synthetic_model
+from streamsync.cli.bench.report import format_table
 from streamsync.testing.peers import Peers
 
 __all__ = ["VERL_BUCKETS", "add_verl", "verl_baseline", "verl_receiver", "verl_sender"]

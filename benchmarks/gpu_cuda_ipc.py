@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from streamsync.cli.bench import synthetic_model
+from streamsync.cli.bench.models import synthetic_model
 
 
 def _fingerprint(weights: dict[str, torch.Tensor]) -> list[int]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from streamsync.cli.bench import synthetic_model
+from streamsync.cli.bench.models import synthetic_model
 from streamsync.testing.peers import free_port
 
 

@@ -27,21 +27,20 @@ from streamsync.errors import (
     UnknownTensorError,
     WireFormatError,
 )
-from streamsync.pipeline import Adapter, Chain, NamedTensor, NamedTensors, adapter, reading
-from streamsync.report import LoadResult, LoraReport, SyncReport
+from streamsync.pipeline import adapter
+from streamsync.report import LoadResult, SyncReport
 from streamsync.sink import AbortableSink, ModuleSink, Sink, TargetSink
 from streamsync.sources import named_tensors
 from streamsync.sync import DEFAULT_TIMEOUT, receive, send
-from streamsync.transports import Receiver, Sender, open_receiver, open_sender
+from streamsync.transports import open_receiver, open_sender
+from streamsync.transports.base import Receiver, Sender
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "AbortableSink",
-    "Adapter",
     "AuthenticationError",
-    "Chain",
     "ChecksumError",
     "ClosedError",
     "ConfigError",
@@ -51,10 +50,7 @@ __all__ = [
     "EndOfStream",
     "LoadResult",
     "LoraError",
-    "LoraReport",
     "ModuleSink",
-    "NamedTensor",
-    "NamedTensors",
     "PeerBrokenError",
     "ProtocolVersionError",
     "Receiver",
@@ -71,12 +67,10 @@ __all__ = [
     "TargetSink",
     "UnknownTensorError",
     "WireFormatError",
-    "__version__",
     "adapter",
     "named_tensors",
     "open_receiver",
     "open_sender",
-    "reading",
     "receive",
     "send",
 ]

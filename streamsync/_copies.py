@@ -60,21 +60,6 @@ import torch
 
 from streamsync._log import warn
 
-__all__ = [
-    "PIECE_BYTES",
-    "CopyBatch",
-    "MovePlan",
-    "clone",
-    "kernel_cast",
-    "large_copy",
-    "POOL_THREADS",
-    "copy_tensors",
-    "kernel",
-    "memmove_many",
-    "openmp_runtime",
-    "shutdown",
-]
-
 #: Threads in the copy pool: a few are enough to saturate memory bandwidth, and more would
 #: only compete with the peer process for cores.
 POOL_THREADS: Final = max(1, min(4, os.cpu_count() or 1))

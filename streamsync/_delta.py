@@ -24,8 +24,6 @@ from streamsync.errors import ConfigError
 from streamsync.wire import patch as patches
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule
 
-__all__ = ["Baseline", "DeltaRun", "baseline_of", "choose"]
-
 
 @dataclass
 class Baseline:

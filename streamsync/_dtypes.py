@@ -6,8 +6,6 @@ import torch
 
 from streamsync.errors import WireFormatError
 
-__all__ = ["CASTABLE", "DTYPES", "dtype_from_name", "dtype_name"]
-
 _CANDIDATES = [
     "float64",
     "float32",

@@ -12,8 +12,6 @@ from typing import Any
 
 import structlog
 
-__all__ = ["log"]
-
 _logging = logging.getLogger("streamsync")
 _stdlib = structlog.wrap_logger(
     _logging,

@@ -13,18 +13,6 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = [
-    "PACKED",
-    "PACKED_PROJECTIONS",
-    "ROUTER",
-    "ROUTER_BLOCKS",
-    "ROUTER_MODULES",
-    "block_kind",
-    "expert_name",
-    "packed_name",
-    "router_name",
-]
-
 #: The packed expert parameters of one MoE block.
 PACKED_PROJECTIONS: Final = ("gate_up_proj", "down_proj")
 #: A packed expert parameter; groups ``block`` (its MoE block's path) and ``proj``.

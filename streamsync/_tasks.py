@@ -15,8 +15,6 @@ from typing import Any
 import anyio
 import anyio.abc
 
-__all__ = ["ChannelTasks"]
-
 
 class ChannelTasks:
     """A task group owned by one channel: ``start()`` it in ``open``, ``start_soon`` the

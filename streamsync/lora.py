@@ -22,16 +22,6 @@ import xxhash
 from streamsync.errors import ConfigError
 from streamsync.sources import full_tensor
 
-__all__ = [
-    "LORA_PATH_PREFIX",
-    "LoraAdapter",
-    "base_name",
-    "is_peft_model",
-    "lora_adapter",
-    "lora_id",
-    "version_path",
-]
-
 #: The absolute path under which an engine knows the versions streamsync installed; nothing
 #: is ever read from it (``/streamsync-lora/<name>/v<sync id>``).
 LORA_PATH_PREFIX = "/streamsync-lora/"

@@ -27,18 +27,6 @@ import torch
 
 from streamsync.errors import ConfigError
 
-__all__ = [
-    "Adapter",
-    "AdapterLike",
-    "Chain",
-    "NamedTensor",
-    "NamedTensors",
-    "Operator",
-    "Stage",
-    "adapter",
-    "reading",
-]
-
 NamedTensor: TypeAlias = tuple[str, torch.Tensor]
 #: The one core type: an async stream of named tensors.
 NamedTensors: TypeAlias = AsyncIterator[NamedTensor]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["DeltaReport", "LoadResult", "LoraReport", "SyncReport"]
-
 
 class LoadResult(msgspec.Struct, frozen=True, kw_only=True):
     """What one sink (or one model instance of a sink) did with a sync."""

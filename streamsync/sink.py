@@ -28,18 +28,6 @@ from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.wire.bucket import LaidOut, LayoutPlan
 
-__all__ = [
-    "BUFFER_MANIFEST",
-    "AbortableSink",
-    "ModuleSink",
-    "Sink",
-    "TargetSink",
-    "VersionedSink",
-    "as_target",
-    "as_versioned",
-    "call_phase",
-]
-
 #: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
 #: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.
 BUFFER_MANIFEST: Final = "streamsync::buffers"

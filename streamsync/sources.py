@@ -11,8 +11,6 @@ import torch
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, reading
 
-__all__ = ["full_tensor", "named_tensors"]
-
 #: Turns items of a source into named tensors, checking each.
 Checker = Callable[[Iterator[Any]], Iterator[NamedTensor]]
 

@@ -29,15 +29,8 @@ from streamsync.pipeline import AdapterLike, Chain, Stage, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
 from streamsync.sink import Sink, as_target, as_versioned, call_phase
 from streamsync.sources import PlainStream, named_tensors, unchecked_pairs
-from streamsync.transports import (
-    Incoming,
-    Receiver,
-    Sender,
-    check_options,
-    open_receiver,
-    open_sender,
-)
-from streamsync.transports.base import ReceiverState
+from streamsync.transports import check_options, open_receiver, open_sender
+from streamsync.transports.base import Incoming, Receiver, ReceiverState, Sender
 from streamsync.wire.bucket import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MAX_TENSOR_BYTES,
@@ -46,8 +39,6 @@ from streamsync.wire.bucket import (
 )
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 from streamsync.wire.plan import BucketPlans, plans_of
-
-__all__ = ["DEFAULT_TIMEOUT", "next_sync_id", "receive", "send", "send_aside"]
 
 #: Seconds any single wait may take unless told otherwise.
 DEFAULT_TIMEOUT = 60.0

@@ -9,10 +9,10 @@ import anyio
 import pytest
 import torch
 
-from streamsync import Adapter, Chain, ConfigError, adapter, named_tensors
+from streamsync import ConfigError, adapter, named_tensors
 from streamsync.adapters import bucket, cast, rename, select, unbucket
 from streamsync.adapters.bucket import Bucketer
-from streamsync.pipeline import Stage
+from streamsync.pipeline import Adapter, Chain, Stage
 from streamsync.wire.bucket import BucketBuilder
 
 

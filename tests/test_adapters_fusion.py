@@ -15,8 +15,9 @@ from conftest import WIRE_DTYPES, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamsync import Chain, named_tensors
+from streamsync import named_tensors
 from streamsync.adapters import bucket, cast, rename, select
+from streamsync.pipeline import Chain
 
 CASTS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 

@@ -19,7 +19,8 @@ import torch
 import streamsync as ss
 from streamsync.adapters import expand_moe
 from streamsync.cli import main
-from streamsync.cli.bench import SCENARIOS, TRANSPORTS, parse_size, synthetic_model
+from streamsync.cli.bench.models import parse_size, synthetic_model
+from streamsync.cli.bench.scenarios import SCENARIOS, TRANSPORTS
 from streamsync.cli.bench.stamped import StampedReceiver, StampedSender
 from streamsync.testing import FakeConfig, fake_state_dict
 from streamsync.testing.shapes import qwen3_shapes

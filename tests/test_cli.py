@@ -35,7 +35,7 @@ def test_help_reads_as_help(
 
 
 def test_bench_help_lists_every_scenario_and_transport(capsys: pytest.CaptureFixture[str]) -> None:
-    from streamsync.cli.bench import SCENARIOS, TRANSPORTS
+    from streamsync.cli.bench.scenarios import SCENARIOS, TRANSPORTS
 
     with pytest.raises(SystemExit):
         main(["bench", "--help"])

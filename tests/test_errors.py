@@ -9,9 +9,9 @@ import streamsync as ss
 from streamsync import errors
 
 CLASSES = [
-    getattr(errors, n)
-    for n in errors.__all__
-    if isinstance(getattr(errors, n), type) and issubclass(getattr(errors, n), Exception)
+    obj
+    for obj in vars(errors).values()
+    if isinstance(obj, type) and issubclass(obj, errors.StreamsyncError)
 ]
 
 

@@ -112,7 +112,8 @@ def trainer(client: Any, source: Any, **options: Any) -> Any:
 
 
 def test_send_weights_through_vllms_factories(worker: tuple[Any, FakeVllmModel]) -> None:
-    from streamsync.vllm.native import StreamsyncTrainerEngine, StreamsyncWeightTransferEngine
+    from streamsync.vllm.native.trainer import StreamsyncTrainerEngine
+    from streamsync.vllm.native.worker import StreamsyncWeightTransferEngine
 
     engine, model = worker
     assert isinstance(engine, StreamsyncWeightTransferEngine)
@@ -190,7 +191,7 @@ def test_errors_are_named_and_the_next_update_works(worker: tuple[Any, FakeVllmM
 
 
 def test_wrong_secret_fails_at_init(worker: tuple[Any, FakeVllmModel]) -> None:
-    from streamsync.vllm.native import TransferInit
+    from streamsync.vllm.native.messages import TransferInit
 
     engine, _ = worker
 

@@ -24,11 +24,10 @@ from streamsync.adapters.expand_moe import expand_moe
 from streamsync.adapters.quantize_fp8 import quantize_fp8
 from streamsync.adapters.rename import rename
 from streamsync.adapters.select import select
-from streamsync.adapters.split_buffers import BufferSink, apply_buffers, split_buffers
+from streamsync.adapters.split_buffers import BufferSink, split_buffers
 
 __all__ = [
     "BufferSink",
-    "apply_buffers",
     "bucket",
     "cast",
     "expand_moe",

@@ -27,8 +27,6 @@ from streamsync.wire.plan import BucketPlans, PlanRun
 if TYPE_CHECKING:
     from streamsync.sources import Checker
 
-__all__ = ["Bucketer", "bucket", "bucket_pairs", "unbucket"]
-
 
 def _configure(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, cast: CastRule | None = None

@@ -14,8 +14,6 @@ from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
 from streamsync.pipeline import Adapter, NamedTensor, Stage, adapter
 from streamsync.wire.bucket import CastRule
 
-__all__ = ["cast"]
-
 
 @dataclass(frozen=True, slots=True)
 class _Rule:

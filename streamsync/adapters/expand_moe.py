@@ -24,17 +24,6 @@ from streamsync._versions import vllm_version
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, adapter
 
-__all__ = [
-    "ENV_VAR",
-    "RULES",
-    "MixtralRule",
-    "MoeRule",
-    "PackedCheckpointRule",
-    "QwenStyleRule",
-    "expand_moe",
-    "should_expand",
-]
-
 #: Environment variable that forces ``when="auto"`` to ``always`` or ``never``.
 ENV_VAR: Final = "STREAMSYNC_EXPAND_MOE"
 _WHEN: Final = ("auto", "always", "never")

@@ -30,16 +30,6 @@ from streamsync._moe_names import PACKED, ROUTER, ROUTER_MODULES
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, adapter
 
-__all__ = [
-    "FP8_MAX",
-    "SCALE_SUFFIX",
-    "dequantize_block_fp8",
-    "eligible",
-    "quantize_block_fp8",
-    "quantize_fp8",
-    "scale_name",
-]
-
 FP8_DTYPE: Final = torch.float8_e4m3fn
 #: The largest finite ``float8_e4m3fn``.
 FP8_MAX: Final = float(torch.finfo(torch.float8_e4m3fn).max)

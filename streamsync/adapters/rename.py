@@ -7,8 +7,6 @@ from typing import Any
 
 from streamsync.pipeline import NamedTensor, adapter
 
-__all__ = ["rename"]
-
 
 def _configure(how: Mapping[str, str] | Callable[[str], str]) -> dict[str, Any]:
     if isinstance(how, Mapping):

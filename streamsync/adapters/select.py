@@ -7,8 +7,6 @@ from typing import Any
 
 from streamsync.pipeline import NamedTensor, adapter
 
-__all__ = ["select"]
-
 
 def _configure(pred: Callable[[str], bool]) -> dict[str, Any]:
     if not callable(pred):

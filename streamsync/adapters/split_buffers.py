@@ -25,15 +25,6 @@ from streamsync.pipeline import NamedTensor, adapter
 from streamsync.report import LoadResult
 from streamsync.sink import BUFFER_MANIFEST, Sink, call_phase
 
-__all__ = [
-    "MANIFEST_NAME",
-    "BufferRouter",
-    "BufferSink",
-    "apply_buffers",
-    "buffer_names",
-    "split_buffers",
-]
-
 #: The name of the manifest tensor; ``::`` never occurs in a PyTorch state-dict name.
 MANIFEST_NAME: Final = BUFFER_MANIFEST
 

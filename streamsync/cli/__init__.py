@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from streamsync.cli import demo
 from streamsync.cli.bench import command as bench
 
-__all__ = ["main"]
-
 #: The modules whose ``add_parser(subparsers)`` registers a subcommand that sets ``run``.
 SUBCOMMANDS = (demo, bench)
 

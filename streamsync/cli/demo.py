@@ -28,8 +28,6 @@ import torch
 from streamsync.sources import named_tensors
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
-__all__ = ["add_parser", "run"]
-
 LOGPROB_TOL = 1e-4
 
 

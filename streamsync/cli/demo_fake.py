@@ -18,8 +18,6 @@ from streamsync.adapters import cast, select
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink, fake_state_dict
 from streamsync.testing.shapes import VLLM_STACKED
 
-__all__ = ["demo_fake"]
-
 
 def demo_fake(args: argparse.Namespace) -> int:
     """Run ``streamsync demo --engine fake``; exit status 1 if any step fails verification."""

@@ -10,18 +10,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "LONG_PROMPT",
-    "MAX_TOKENS",
-    "PROMPTS",
-    "Outputs",
-    "engine_outputs",
-    "make_llm",
-    "outputs_from",
-    "reference_outputs",
-    "sampling",
-]
-
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300], [42, 7, 300, 9, 511, 3]]
 #: A prompt longer than two KV blocks of 32 tokens: asked every round with prefix caching
 #: on, it is served from cached blocks unless the cache was reset after a sync. No token 0:

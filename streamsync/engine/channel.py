@@ -46,20 +46,11 @@ from streamsync.lora import check_lora_name, lora_adapter, lora_id, version_path
 from streamsync.pipeline import AdapterLike
 from streamsync.report import LoadResult, LoraReport, SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
-from streamsync.transports import Sender, check_options, open_sender
+from streamsync.transports import check_options, open_sender
+from streamsync.transports.base import Sender
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
-__all__ = [
-    "BlockingWeightSync",
-    "EngineClient",
-    "LoopBoundClient",
-    "LoraClient",
-    "WeightSync",
-    "merge_engine_reports",
-    "merge_worker_reports",
-    "several",
-    "worker_failure",
-]
+__all__ = ["EngineClient", "WeightSync"]
 
 
 @runtime_checkable

@@ -18,8 +18,6 @@ from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
-__all__ = ["KeptChannels", "update_engine"]
-
 
 @dataclass
 class _Kept:

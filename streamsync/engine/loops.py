@@ -24,13 +24,11 @@ import torch
 from anyio.from_thread import BlockingPortal
 
 from streamsync.errors import ClosedError, SyncTimeoutError
-from streamsync.transports import Attendance, Sender, SenderStatistics
+from streamsync.transports.base import Attendance, Sender, SenderStatistics
 from streamsync.wire.bucket import Bucket
 from streamsync.wire.frames import Abort, Done, End
 
 T = TypeVar("T")
-
-__all__ = ["EventLoopThread", "HostedSender", "caller_cuda"]
 
 
 def caller_cuda() -> Callable[[], contextlib.AbstractContextManager[Any]]:

@@ -22,7 +22,7 @@ from streamsync.errors import (
 )
 from streamsync.report import SyncReport
 
-__all__ = ["WORKER_PROTOCOL", "LoraTarget", "WorkerOptions", "WorkerResult"]
+__all__ = ["WorkerOptions", "WorkerResult"]
 
 #: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
 #: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.

@@ -22,7 +22,8 @@ from streamsync.errors import EndOfStream, PeerBrokenError, StreamsyncError
 from streamsync.report import SyncReport
 from streamsync.sink import AbortableSink, Sink
 from streamsync.sync import DEFAULT_TIMEOUT, receive
-from streamsync.transports import Receiver, open_receiver
+from streamsync.transports import open_receiver
+from streamsync.transports.base import Receiver
 
 __all__ = ["WorkerReceivers"]
 

@@ -15,7 +15,7 @@ trainer on its main process: ``init_weight_transfer`` once at train begin, then 
 ``send_weights`` streams TRL's ``(name, tensor)`` iterator (the base checkpoint's names, a
 peft adapter merged in) through the pipeline over the transport, and returns once every
 worker of the server has applied it. The trainer side is the backend's
-:class:`~streamsync.vllm.native.StreamsyncTrainerEngine` over vLLM's own
+:class:`~streamsync.vllm.native.trainer.StreamsyncTrainerEngine` over vLLM's own
 ``HTTPVLLMWeightSyncClient``; only JSON crosses HTTP.
 
 With a peft model, :meth:`WeightTransfer.adapter_only` makes each sync move only the LoRA
@@ -44,7 +44,7 @@ from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
-__all__ = ["SERVER_FLAG", "WeightTransfer"]
+__all__ = ["WeightTransfer"]
 
 #: The server flag that selects this backend (the ``vllm.general_plugins`` entry point of an
 #: installed streamsync registers it in the server's processes).

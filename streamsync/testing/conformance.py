@@ -62,8 +62,6 @@ from streamsync.transports import open_receiver, open_sender
 from streamsync.wire.bucket import BucketBuilder
 from streamsync.wire.frames import Abort
 
-__all__ = ["TransportConformance"]
-
 
 class TransportConformance:
     """Subclass and define :meth:`make_url`; every ``test_*`` method checks one behaviour."""

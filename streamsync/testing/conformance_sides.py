@@ -19,8 +19,6 @@ import torch
 import streamsync as ss
 from streamsync.transports import open_receiver, open_sender
 
-__all__ = ["DELTA_STEPS", "conformance_weights", "delta_weights", "digest"]
-
 #: Syncs of the suite's delta case: one full, then deltas.
 DELTA_STEPS = 20
 

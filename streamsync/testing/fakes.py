@@ -12,14 +12,6 @@ from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.testing.shapes import VLLM_STACKED, qwen3_shapes
 
-__all__ = [
-    "FakeConfig",
-    "FakeVllmModel",
-    "LoadWeightsSink",
-    "fake_named_tensors",
-    "fake_state_dict",
-]
-
 
 @dataclass(frozen=True)
 class FakeConfig:

@@ -22,8 +22,6 @@ from streamsync.sink import Sink
 from streamsync.sync import receive, send
 from streamsync.transports import open_receiver, open_sender
 
-__all__ = ["sync"]
-
 _channels = itertools.count()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VOCAB_SIZE", "build_tiny_model", "perturb", "tiny_config"]
+__all__ = ["build_tiny_model", "perturb"]
 
 VOCAB_SIZE = 512
 

@@ -20,9 +20,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["Peers", "context", "free_port", "held_elsewhere"]
-
-
 #: The lowest port :func:`free_port` picks (above the well-known and registered-service
 #: ports most machines run something on).
 LOWEST_PORT = 20000

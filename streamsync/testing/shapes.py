@@ -14,8 +14,6 @@ import torch
 
 from streamsync._moe_names import packed_name, router_name
 
-__all__ = ["VLLM_STACKED", "Shape", "checkpoint_experts", "qwen3_layer", "qwen3_shapes"]
-
 Shape = tuple[int, ...]
 
 #: (fused vLLM parameter, checkpoint tensor, shard id): how vLLM's Qwen3 stacks q/k/v and

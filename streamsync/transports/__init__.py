@@ -35,32 +35,10 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from streamsync.errors import ConfigError
-from streamsync.transports.base import (
-    Attendance,
-    Incoming,
-    Receiver,
-    Sender,
-    SenderStatistics,
-)
+from streamsync.transports.base import Receiver, Sender
 from streamsync.transports.options import RECEIVER_OPTIONS, SENDER_OPTIONS, Option, resolve
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "Attendance",
-    "Endpoint",
-    "Incoming",
-    "Option",
-    "Receiver",
-    "Sender",
-    "SenderStatistics",
-    "Transport",
-    "check_options",
-    "open_receiver",
-    "open_sender",
-    "parse_endpoint",
-    "register",
-    "schemes",
-]
+__all__ = ["Endpoint", "Option", "Transport"]
 
 #: The entry-point group transports are found in (name: the URL scheme).
 ENTRY_POINT_GROUP = "streamsync.transports"

@@ -20,8 +20,6 @@ import torch
 from streamsync.wire.bucket import Bucket, Unpacker
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
-__all__ = ["Attendance", "Incoming", "Receiver", "ReceiverState", "Sender", "SenderStatistics"]
-
 
 @dataclass(frozen=True, slots=True)
 class Incoming:

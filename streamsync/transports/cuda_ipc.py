@@ -44,17 +44,6 @@ from streamsync.transports.places import cuda_device
 from streamsync.transports.slots import Shared, SlotStore, SlotView, _slot
 from streamsync.wire.frames import BucketHeader, Welcome
 
-__all__ = [
-    "CudaRing",
-    "CudaSlots",
-    "CudaView",
-    "local_device",
-    "remove_leftovers",
-    "remove_own_event_files",
-    "wait_ended",
-    "TRANSPORT",
-]
-
 
 class CudaRing(msgspec.Struct, frozen=True, array_like=True):
     """What a receiver needs to rebuild the sender's device ring: the fields of

@@ -31,20 +31,6 @@ from streamsync.errors import (
 from streamsync.transports.slots import Shared
 from streamsync.wire.frames import Bye, Hello, Welcome, WireCodec
 
-__all__ = [
-    "SECRET_ENV",
-    "Busy",
-    "accept",
-    "busy",
-    "check_hello",
-    "hello",
-    "refusal",
-    "refused",
-    "resolve_secret",
-    "session_codec",
-    "welcome",
-]
-
 #: Environment variable holding the channel's shared secret when none is passed.
 SECRET_ENV = "STREAMSYNC_SECRET"
 

@@ -47,17 +47,6 @@ from streamsync.errors import (
 )
 from streamsync.wire.frames import WireCodec
 
-__all__ = [
-    "LinkEvents",
-    "LinkLost",
-    "Peer",
-    "ReceiverLink",
-    "SenderLink",
-    "UnixDialer",
-    "UnixLink",
-    "map_exceptions",
-]
-
 #: Seconds a side waits for a peer's last word (a goodbye, the reason it failed) after
 #: noticing the peer went, so the error it raises names the real reason.
 LAST_WORD_S = 0.2

@@ -49,8 +49,6 @@ from streamsync.wire.frames import (
     WireCodec,
 )
 
-__all__ = ["LinkedReceiver", "LinkedSender"]
-
 # Departures and refusals a sender remembers for its messages and reports.
 _KEEP = 8
 # Longest wait for the sender's answer to one Hello before trying again with a new link.

@@ -35,8 +35,6 @@ from streamsync.transports.slots import HostSlots
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
-__all__ = ["TRANSPORT", "MemoryReceiver", "MemorySender"]
-
 
 @dataclass
 class _Channel:

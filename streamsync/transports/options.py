@@ -17,16 +17,6 @@ from typing import Any
 from streamsync.errors import ConfigError
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES
 
-__all__ = [
-    "DEVICE",
-    "HEARTBEAT",
-    "RECEIVER_OPTIONS",
-    "SECRET",
-    "SENDER_OPTIONS",
-    "Option",
-    "resolve",
-]
-
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

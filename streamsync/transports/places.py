@@ -8,8 +8,6 @@ import torch
 
 from streamsync.errors import ConfigError
 
-__all__ = ["cuda_device", "host_port"]
-
 
 def host_port(scheme: str, target: str, *, bind: bool) -> tuple[str, int]:
     """``HOST:PORT`` of a URL target (HOST defaults to 127.0.0.1; ``*``, every interface,

@@ -46,8 +46,6 @@ from streamsync.transports.slots import SlotStore
 from streamsync.wire.bucket import Bucket
 from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
-__all__ = ["RingReceiver", "RingSender", "SlotRing"]
-
 _LAST_LOOK_S = 0.05
 
 

@@ -18,8 +18,6 @@ from streamsync.transports.link import UnixDialer, UnixLink
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.slots import MemfdSlots, MemfdView
 
-__all__ = ["TRANSPORT"]
-
 
 def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
     timeout = opts["connect_timeout"]

@@ -27,8 +27,6 @@ from streamsync.errors import WireFormatError
 from streamsync.wire.bucket import allocate_slot
 from streamsync.wire.frames import BucketHeader, Welcome
 
-__all__ = ["HostSlots", "MemfdSlots", "MemfdView", "PayloadView", "Shared", "SlotStore", "SlotView"]
-
 
 @dataclass(frozen=True)
 class Shared:

@@ -77,15 +77,6 @@ from streamsync.transports.zeromq import ZmqDialer, ZmqLink
 from streamsync.wire.bucket import allocate_slot
 from streamsync.wire.frames import Abort, BucketHeader, Bye, End, Welcome
 
-__all__ = [
-    "GroupDialer",
-    "GroupLink",
-    "GroupSender",
-    "GroupSlots",
-    "GroupView",
-    "TRANSPORT",
-]
-
 #: Where the sender writes its link's port in the store.
 _CONTROL_KEY = "streamsync/control-port"
 #: The marker that follows a bucket's header: slot and size of the coming broadcast.

@@ -25,8 +25,6 @@ import torch
 from streamsync.errors import ConfigError, PeerBrokenError, StreamsyncError, SyncTimeoutError
 from streamsync.transports import places
 
-__all__ = ["GroupPlan", "ProcessGroupMember", "as_timedelta", "cuda_device", "local_address"]
-
 
 class GroupPlan(msgspec.Struct, frozen=True, array_like=True):
     """What a joining receiver needs to join the channel's process group (in its

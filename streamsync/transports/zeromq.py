@@ -53,8 +53,6 @@ from streamsync.transports.options import HEARTBEAT, RECEIVER_OPTIONS, SENDER_OP
 from streamsync.transports.places import host_port
 from streamsync.transports.slots import HostSlots, PayloadView
 
-__all__ = ["TRANSPORT", "ZmqDialer", "ZmqLink", "zmq_address"]
-
 # Largest message the sender accepts from a receiver (as ``link.MAX_FRAME_BYTES``).
 _MAX_INBOUND_BYTES = 64 << 20
 # Longest sleep on a socket's FD: bounds the cost of an edge another call consumed, and how

@@ -5,22 +5,7 @@ engine clients of :mod:`streamsync.vllm.client`), and the worker-side
 vLLM itself is imported lazily, inside the functions that need it.
 """
 
-from streamsync.vllm.client import (
-    AsyncLLMClient,
-    LLMClient,
-    WeightSync,
-    update_weights,
-    vllm_client,
-    world_size,
-)
+from streamsync.vllm.client import WeightSync, update_weights
 from streamsync.vllm.extension import WorkerExtension
 
-__all__ = [
-    "AsyncLLMClient",
-    "LLMClient",
-    "WeightSync",
-    "WorkerExtension",
-    "update_weights",
-    "vllm_client",
-    "world_size",
-]
+__all__ = ["WeightSync", "WorkerExtension", "update_weights"]

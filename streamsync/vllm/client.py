@@ -27,16 +27,6 @@ from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
-__all__ = [
-    "AsyncLLMClient",
-    "BlockingVllmSync",
-    "LLMClient",
-    "WeightSync",
-    "update_weights",
-    "vllm_client",
-    "world_size",
-]
-
 _RECEIVE = "streamsync_receive"
 _CLOSE = "streamsync_close"
 

@@ -16,8 +16,6 @@ from typing import Any
 from streamsync.engine.messages import WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
 
-__all__ = ["WorkerExtension"]
-
 
 def _receivers(worker: Any) -> WorkerReceivers:
     receivers = worker.__dict__.get("_streamsync_receivers")

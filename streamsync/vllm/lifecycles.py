@@ -28,15 +28,6 @@ from streamsync.pipeline import NamedTensor
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance
 
-__all__ = [
-    "LIFECYCLES",
-    "DirectLoad",
-    "LayerwiseReload",
-    "Lifecycle",
-    "choose_lifecycle",
-    "register_lifecycle",
-]
-
 
 class Lifecycle(Protocol):
     """How one instance is prepared, loaded and finalized."""

@@ -38,8 +38,6 @@ from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.sink import held_version
 
-__all__ = ["LoraEngine", "LoraSink", "build", "check", "install_loader"]
-
 
 @dataclass
 class _Version:

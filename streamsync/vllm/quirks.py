@@ -19,8 +19,6 @@ from streamsync.errors import ConfigError
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance
 
-__all__ = ["Quirk", "active_quirks", "quirks_by_name", "register_quirk", "QUIRKS"]
-
 
 class Quirk(Protocol):
     name: str

@@ -50,8 +50,6 @@ _kept_copies: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]
     weakref.WeakKeyDictionary()
 )
 
-__all__ = ["ModelInstance", "VllmSink", "checkpoint_name", "model_instances", "tied_names"]
-
 
 @dataclass
 class ModelInstance:

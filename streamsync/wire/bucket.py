@@ -31,22 +31,6 @@ from streamsync.errors import (
 from streamsync.wire import patch as patches
 from streamsync.wire.frames import BucketHeader, End, Entry, Extra, Layout
 
-__all__ = [
-    "ALIGN",
-    "DEFAULT_BUCKET_BYTES",
-    "KEPT_PLAN_ENTRIES",
-    "MIN_BUCKET_BYTES",
-    "Bucket",
-    "BucketBuilder",
-    "LaidOut",
-    "PackedBucket",
-    "TargetFn",
-    "Unpacker",
-    "align_up",
-    "allocate_slot",
-    "names_of",
-]
-
 #: Alignment of every entry's offset: a cache line, a multiple of every dtype's size.
 ALIGN: Final = 64
 #: The smallest bucket accepted.

@@ -20,25 +20,6 @@ import numpy as np
 
 from streamsync.errors import AuthenticationError, ProtocolVersionError, WireFormatError
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "Entry",
-    "Extra",
-    "Layout",
-    "Hello",
-    "Welcome",
-    "Joined",
-    "BucketHeader",
-    "End",
-    "Abort",
-    "Ack",
-    "Done",
-    "Failed",
-    "Bye",
-    "Message",
-    "WireCodec",
-]
-
 #: Bumped whenever a message changes shape; peers with another version are refused.
 #: 2: the receiver confirms its ``Welcome`` with ``Joined``; refusals may say "busy".
 #: 3: delta syncs (``Entry.patch``, ``base`` on buckets and ``End``, ``Done.held``).

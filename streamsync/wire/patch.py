@@ -25,21 +25,6 @@ import torch
 from streamsync._copies import POOL_THREADS, _library, _pool, _wait, kernel
 from streamsync.errors import WireFormatError
 
-__all__ = [
-    "kernel",
-    "Patch",
-    "apply",
-    "check",
-    "UNCAST",
-    "decode",
-    "diff",
-    "diff_cast",
-    "encode",
-    "patch_nbytes",
-    "position_dtype",
-    "positions_nbytes",
-]
-
 #: A tensor at least this large is compared in parallel pieces, one per pool thread.
 _PARALLEL_BYTES: Final = 4 << 20
 _ALIGN: Final = 64

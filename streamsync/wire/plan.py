@@ -31,8 +31,6 @@ from streamsync._dtypes import dtype_from_name
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, NamedTensor
 from streamsync.wire.frames import Layout
 
-__all__ = ["BucketPlans", "PlanRun", "plans_of"]
-
 #: Plans one sender keeps (its model, a LoRA adapter beside it, ...): the oldest goes first.
 PLANS_PER_SENDER: Final = 4
 

@@ -64,26 +64,3 @@ The project's own measurements (its targets, verl's path re-implemented as a bas
 micro-benchmarks, GPU scripts) live in ``benchmarks/`` at the repository root, apart from
 the package; they import from it, never the other way.
 """
-
-from streamsync.cli.bench.command import add_parser
-from streamsync.cli.bench.harness import SCHEMA, BenchConfig, run_bench
-from streamsync.cli.bench.models import SyntheticModel, parse_size, synthetic_model
-from streamsync.cli.bench.plot import plot
-from streamsync.cli.bench.report import format_table
-from streamsync.cli.bench.scenarios import SCENARIOS, TRANSPORTS, Scenario, TransportSpec
-
-__all__ = [
-    "SCENARIOS",
-    "SCHEMA",
-    "TRANSPORTS",
-    "BenchConfig",
-    "Scenario",
-    "SyntheticModel",
-    "TransportSpec",
-    "add_parser",
-    "format_table",
-    "parse_size",
-    "plot",
-    "run_bench",
-    "synthetic_model",
-]

@@ -17,8 +17,6 @@ from streamsync.cli.bench.report import format_table
 from streamsync.cli.bench.scenarios import SCENARIOS, TRANSPORTS
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
-__all__ = ["add_parser", "run"]
-
 DESCRIPTION = """\
 Measure each transport's end-to-end throughput against this machine's bounds.
 

@@ -27,8 +27,6 @@ from streamsync.cli.bench.models import human, synthetic_model
 from streamsync.testing.conformance_sides import _HeldSink
 from streamsync.testing.peers import Peers, free_port
 
-__all__ = ["DeltaConfig", "format_delta", "run_delta"]
-
 SCHEMA = "streamsync.cli.bench.delta/1"
 _URLS: dict[str, Callable[[str], str]] = {
     "shm": lambda tag: f"shm://bench-delta-{tag}-{time.monotonic_ns()}",

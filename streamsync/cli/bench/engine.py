@@ -38,8 +38,6 @@ import torch
 
 from streamsync.vllm.extension import WorkerExtension
 
-__all__ = ["BenchWorkerExtension", "format_engine_table", "run_engine_bench"]
-
 #: The model the comparison uses.
 KIND = "dense-400m"
 

@@ -23,8 +23,6 @@ from streamsync._copies import copy_tensors
 from streamsync.cli.bench.models import GiB, human, synthetic_model
 from streamsync.testing.peers import Peers, free_port
 
-__all__ = ["FANOUT_TRANSPORTS", "FanoutConfig", "format_fanout", "run_fanout"]
-
 SCHEMA = "streamsync.cli.bench.fanout/1"
 #: The transports a fan-out runs over (each names a fresh channel on a free port).
 FANOUT_TRANSPORTS: dict[str, Callable[[], str]] = {

@@ -23,8 +23,6 @@ from streamsync.cli.bench.scenarios import BOUNDS, SCENARIOS, TRANSPORTS, Transp
 from streamsync.cli.bench.stamped import transfer_seconds
 from streamsync.testing.peers import Peers, free_port
 
-__all__ = ["SCHEMA", "BenchConfig", "run_bench"]
-
 #: The version of the data :func:`run_bench` returns (and ``--json`` writes).
 SCHEMA = "streamsync.cli.bench/1"
 

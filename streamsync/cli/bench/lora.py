@@ -28,8 +28,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["BYTES_TARGET", "SECONDS_TARGET", "format_lora_table", "run_lora_bench"]
-
 #: The model the comparison uses (the demo's).
 KIND = "dense-400m"
 #: Targets of the adapter sync against the full sync (at rank 8).

@@ -15,18 +15,6 @@ import torch
 
 from streamsync.testing.shapes import checkpoint_experts, qwen3_layer
 
-__all__ = [
-    "GiB",
-    "MiB",
-    "WIRE_DTYPE",
-    "SyntheticModel",
-    "human",
-    "fp8_model",
-    "parse_size",
-    "synthetic_model",
-    "uniform_model",
-]
-
 GiB = 1 << 30
 MiB = 1 << 20
 #: The dtype of a model as trained and on the wire.

@@ -7,8 +7,6 @@ from typing import Any
 from streamsync.cli.bench.models import human
 from streamsync.cli.bench.scenarios import TRANSPORTS
 
-__all__ = ["plot"]
-
 
 def plot(data: dict[str, Any], path: str) -> None:
     """End-to-end GB/s per transport and scenario, against each transport's bound."""

@@ -6,8 +6,6 @@ from typing import Any
 
 from streamsync.cli.bench.models import MiB, human
 
-__all__ = ["format_table"]
-
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)

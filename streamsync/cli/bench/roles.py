@@ -25,8 +25,6 @@ from streamsync.cli.bench.models import SyntheticModel, synthetic_model
 from streamsync.cli.bench.scenarios import SCENARIOS, Scenario
 from streamsync.cli.bench.stamped import StampedReceiver, StampedSender
 
-__all__ = ["ROLES", "child"]
-
 Role = Callable[[dict[str, Any], Any], Coroutine[Any, Any, dict[str, Any]]]
 
 

@@ -24,8 +24,6 @@ from streamsync.sink import Sink
 from streamsync.testing.peers import free_port
 from streamsync.transports import _registry
 
-__all__ = ["BOUNDS", "SCENARIOS", "TRANSPORTS", "Scenario", "TransportSpec"]
-
 
 @dataclass(frozen=True)
 class Scenario:

@@ -10,8 +10,6 @@ from typing import Any
 from streamsync.transports.base import Incoming, Receiver, Sender, SenderStatistics
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
-__all__ = ["StampedReceiver", "StampedSender", "transfer_seconds"]
-
 
 class StampedSender(Sender):
     """Passes everything to ``inner`` and notes when each bucket was handed over."""

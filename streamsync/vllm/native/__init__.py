@@ -39,25 +39,11 @@ from __future__ import annotations
 
 import contextlib
 
-from streamsync.vllm.native.messages import BACKEND, TransferInit
+from streamsync.vllm.native.messages import BACKEND
 from streamsync.vllm.native.source import weight_source
-from streamsync.vllm.native.trainer import (
-    AsyncLLMWeightSyncClient,
-    StreamsyncInitInfo,
-    StreamsyncTrainerEngine,
-)
-from streamsync.vllm.native.worker import StreamsyncWeightTransferEngine
+from streamsync.vllm.native.trainer import AsyncLLMWeightSyncClient, StreamsyncInitInfo
 
-__all__ = [
-    "BACKEND",
-    "AsyncLLMWeightSyncClient",
-    "StreamsyncInitInfo",
-    "StreamsyncTrainerEngine",
-    "StreamsyncWeightTransferEngine",
-    "TransferInit",
-    "register",
-    "weight_source",
-]
+__all__ = ["AsyncLLMWeightSyncClient", "StreamsyncInitInfo", "register", "weight_source"]
 
 
 def register() -> None:

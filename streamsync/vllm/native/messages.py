@@ -13,8 +13,6 @@ from streamsync.engine.messages import WORKER_PROTOCOL
 from streamsync.errors import ConfigError, ProtocolVersionError
 from streamsync.sync import DEFAULT_TIMEOUT
 
-__all__ = ["BACKEND", "TransferInit"]
-
 #: The name of the backend in vLLM's factories and in ``--weight-transfer-config``.
 BACKEND = "streamsync"
 

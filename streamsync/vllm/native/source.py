@@ -17,8 +17,6 @@ from streamsync.pipeline import AdapterLike
 from streamsync.sources import named_tensors
 from streamsync.sync import DEFAULT_TIMEOUT
 
-__all__ = ["weight_source"]
-
 
 class _PipelineSource(WeightSource):
     """A vLLM ``WeightSource`` over a streamsync stream through a pipeline (see

@@ -35,8 +35,6 @@ from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.native.messages import BACKEND, TransferInit
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
-__all__ = ["AsyncLLMWeightSyncClient", "StreamsyncInitInfo", "StreamsyncTrainerEngine"]
-
 
 @dataclass
 class StreamsyncInitInfo(TrainerInitInfo):

@@ -14,8 +14,6 @@ from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, LoraError, StreamsyncError, describe
 from streamsync.vllm.native.messages import TransferInit
 
-__all__ = ["StreamsyncWeightTransferEngine"]
-
 
 class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
     """vLLM's worker-side engine for the ``streamsync`` backend (one per worker).
