@@ -479,6 +479,29 @@ class TransportConformance:
 
         asyncio.run(run())
 
+    def test_a_second_sender_on_a_channel_in_use_is_refused(self) -> None:
+        """A second sender on a channel that has one is a ``ConfigError``; the first goes
+        on serving, its rendezvous (a socket file) left in place by the refused one."""
+        url = self.make_url("second")
+
+        async def run() -> None:
+            async with self._tx(url) as tx:
+                caught = await _caught(self._tx(url).__aenter__())
+                assert isinstance(caught, ss.ConfigError), repr(caught)
+                left = [p for p in self.resource_paths(url) if not os.path.exists(p)]
+                assert not left, f"the refused sender removed {left}"
+                async with self._rx(url) as rx:
+                    sink = _HashingSink()
+                    with anyio.fail_after(self.timeout):
+                        done = await _both(
+                            tx=lambda: self._send(tx),
+                            rx=lambda: ss.receive(rx, sink, timeout=self.timeout),
+                        )
+                    assert not isinstance(done["tx"], BaseException), repr(done["tx"])
+                    assert sink.digests == _expected(0)
+
+        asyncio.run(run())
+
     def test_timeouts_follow_one_rule(self) -> None:
         """``connect_timeout`` bounds the wait for the peer to be there, whether a keyword
         or in the URL (the two disagreeing is a ``ConfigError``); without it a one-shot
