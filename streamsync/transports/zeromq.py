@@ -41,6 +41,8 @@ from streamsync.errors import ConfigError, PeerBrokenError, WireFormatError
 from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import (
     LAST_WORD_S,
+    RETRY_MAX_S,
+    RETRY_MIN_S,
     Fds,
     LinkEvents,
     LinkLost,
@@ -445,6 +447,10 @@ class ZmqDialer(ReceiverLink):
             heartbeat=self.heartbeat,
             events=zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
         )
+        # ZeroMQ tries again until the sender binds: paced as a linked receiver's own tries
+        # (link.Tries), from the shortest pause doubling to the longest, not its 100 ms.
+        self._sock.sock.setsockopt(zmq.RECONNECT_IVL, round(RETRY_MIN_S * 1000))
+        self._sock.sock.setsockopt(zmq.RECONNECT_IVL_MAX, round(RETRY_MAX_S * 1000))
         self._sock.sock.connect(self.address)  # queued until the sender binds
 
     async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
