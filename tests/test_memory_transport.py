@@ -355,11 +355,12 @@ def test_a_survivors_timeout_is_not_blamed_for_a_lost_receiver(
     """One receiver dies mid-sync and the other's receive times out: the sender raises the
     death (PeerBrokenError), in whichever order it hears the two. A survivor that failed
     for a reason of its own is still named (ReceiverFailedError)."""
+    from streamsync.transports.ring import RunningSync
     from streamsync.wire.frames import Failed
 
     for lost_first in (True, False):
         tx = MemorySender("blame", receivers=2)
-        tx._sync_id, tx._members = 7, {0, 1}
+        tx._sync = RunningSync(7, members={0, 1})
 
         lose = partial(tx.on_left, 0, ss.PeerBrokenError("receiver 0 went away"))
         fail = partial(tx.on_reply, Failed(7, 1, survivor_error, "waiting for bucket 3"))

@@ -279,7 +279,8 @@ class LinkedSender(RingSender):
                 # What the receiver said before it went (its failure, its goodbye) may
                 # still be unread: give the reader a moment, so that the reason wins.
                 def heard(peer: Peer = peer) -> bool:
-                    return self._failed is not None or self.peers.get(peer.index) is not peer
+                    failed = self._sync is not None and self._sync.failed is not None
+                    return failed or self.peers.get(peer.index) is not peer
 
                 with contextlib.suppress(SyncTimeoutError):
                     await self._signal.wait_until(heard, timeout=LAST_WORD_S, what="")

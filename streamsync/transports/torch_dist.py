@@ -338,9 +338,12 @@ class GroupSender(LinkedSender):
         with contextlib.suppress(SyncTimeoutError):
             await self._signal.wait_until(
                 lambda: (
-                    self._lost is not None
-                    or bool(self._absent)
-                    or (self._failed is not None and not self._failed_as_consequence())
+                    (sync := self._sync) is not None
+                    and (
+                        sync.lost is not None
+                        or bool(sync.absent)
+                        or (sync.failed is not None and not self._failed_as_consequence())
+                    )
                 ),
                 timeout=0.2,
                 what="",
