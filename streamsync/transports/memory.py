@@ -10,7 +10,7 @@ call. ``secret`` is checked (a receiver whose secret differs from the sender's g
 boundary to sign. Timeouts follow the rule of every transport
 (:mod:`streamsync.transports.options`): a receiver opens at once (both sides may be opened
 by one task), and its first receive waits for a sender to be there until
-``connect_timeout`` after it opened, then ``timeout`` for the sync.
+``connect_timeout`` after it opened (and within that receive's ``timeout``).
 
 Both ends of a channel share one state object (as anyio's memory streams do). Sides
 opened by name in different places of a program find it through the transport object,
@@ -256,20 +256,27 @@ class MemoryReceiver(RingReceiver):
         if chan.joined is not None:
             chan.joined.set()
 
-    async def _meet(self) -> None:
-        """Wait for a sender to be there, until ``connect_timeout`` after opening."""
+    async def _meet(self, timeout: float) -> None:
+        """Wait for a sender to be there, until ``connect_timeout`` after opening and
+        within the receive's ``timeout``."""
         assert self._met is not None
         if self._met.is_set():
             return
-        with anyio.move_on_after(max(0.0, self._meet_by - anyio.current_time())):
+        left = self._meet_by - anyio.current_time()
+        with anyio.move_on_after(max(0.0, min(left, timeout))):
             await self._met.wait()
-        if not self._met.is_set():
+        if self._met.is_set():
+            return
+        if left <= timeout:
             raise SyncTimeoutError(
                 f"memory://{self.name}: no sender answered within {self.connect_timeout:g} s"
             )
+        raise SyncTimeoutError(
+            f"memory://{self.name}: nothing from the sender within {timeout:g} s"
+        )
 
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
-        await self._meet()
+        await self._meet(timeout)
         if self._refused is not None:
             raise self._refused
         assert self._inbox is not None and self._chan is not None
