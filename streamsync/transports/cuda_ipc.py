@@ -6,7 +6,8 @@ receiver rebuilds it on the local index of the same physical device (matched by 
 CUDA events, never a device-wide synchronise: a receiver's stream waits on the slot's
 interprocess event before reading it, and acks only after its sink's copies completed.
 Messages ride the unix link of ``shm://``. URL options: ``receivers``, ``slots``,
-``slot_bytes``; keyword arguments: ``device`` (sender), ``secret``, ``connect_timeout``.
+``slot_bytes``, ``connect_timeout``; keyword arguments: those, ``device`` (sender),
+``secret``.
 
 A receiver in the sender's own process uses the sender's ring as it is (CUDA opens no handle
 in the process that exported it). A sender killed outright cannot remove the files torch and
