@@ -105,8 +105,13 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def summary(self) -> str:
-        """One human line: tensors, bytes, seconds, GB/s."""
+        """One human line: tensors, bytes, seconds, GB/s, and what the sync did not reach:
+        the model's tensors it left untouched (on the receiver that missed the most) and
+        the receivers absent."""
         state = "ok" if self.complete else "PARTIAL"
+        missing = max([len(self.missing), *(len(r.missing) for r in self.instances.values())])
+        if missing:
+            state += f", {missing} missing"
         if self.absent:
             state += f", {len(self.absent)} absent"
         return (

@@ -29,7 +29,7 @@ from streamsync.pipeline import AdapterLike, Chain, Stage, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
 from streamsync.sink import Sink, as_target, as_versioned, call_phase
 from streamsync.sources import PlainStream, named_tensors, unchecked_pairs
-from streamsync.transports import check_options, open_receiver, open_sender
+from streamsync.transports import one_shot_options, open_receiver, open_sender
 from streamsync.transports.base import Incoming, Receiver, ReceiverState, Sender
 from streamsync.wire.bucket import (
     DEFAULT_BUCKET_BYTES,
@@ -70,7 +70,9 @@ async def send(
     ``pipeline`` is applied to it first; given there rather than applied by the caller, a
     trailing ``cast`` is fused into the packing copy. ``endpoint`` is a transport URL (opened
     for this sync, with ``transport_options``) or an open :class:`Sender` (whose slots are
-    reused across syncs). Every wait is bounded by ``timeout`` seconds.
+    reused across syncs). Every wait of the sync is bounded by ``timeout`` seconds; the
+    wait for the receivers to join by ``connect_timeout`` (a transport option, as a keyword
+    or in the URL; given neither, ``timeout``; see :mod:`streamsync.transports.options`).
 
     ``delta=True`` (an open sender only) sends only what changed since the last sync every
     receiver confirmed: each tensor whole, as a patch of its changed elements, or not at
@@ -86,13 +88,15 @@ async def send(
     if delta not in (False, True, "full"):
         raise ConfigError(f"delta={delta!r}: use False, True or 'full'")
     if isinstance(endpoint, str):
-        check_options(endpoint, transport_options, caller=("send", _SEND_KEYWORDS))
+        options = one_shot_options(
+            endpoint, transport_options, timeout=timeout, caller=("send", _SEND_KEYWORDS)
+        )
         if bucket_bytes is not None:
-            transport_options.setdefault("slot_bytes", bucket_bytes)
-        async with open_sender(endpoint, connect_timeout=timeout, **transport_options) as sender:
+            options.setdefault("slot_bytes", bucket_bytes)
+        async with open_sender(endpoint, **options) as sender:
             # One sync, then it closes: once its receivers are there, a later arrival (the
             # next step's receiver, in a loop) is told "busy" and waits for the next sender.
-            await sender.wait_ready(timeout=timeout)
+            await sender.wait_ready(timeout=options.get("connect_timeout", timeout))
             sender.seal()
             return await send(
                 weights,
@@ -453,6 +457,11 @@ async def receive(
     """Receive one sync from ``endpoint`` into ``sink``: ``prepare`` at the first message,
     ``load`` per bucket, ``finalize`` at the end, then report back to the sender.
 
+    ``endpoint`` is a transport URL (opened for this sync, with ``transport_options``) or
+    an open :class:`Receiver`. Every wait of the sync is bounded by ``timeout`` seconds;
+    reaching the sender by ``connect_timeout`` (a transport option, as a keyword or in the
+    URL; given neither, ``timeout``; see :mod:`streamsync.transports.options`).
+
     ``sync_id``, when the caller knows which sync this is (the sender's ``sync_id``): what
     is still queued of earlier syncs (an abort, buckets of a sync given up before this
     receiver began it) is skipped rather than taken for this one.
@@ -463,10 +472,14 @@ async def receive(
     ``loaded`` = what the sink was given) and the sender is told, so it fails too.
     """
     if isinstance(endpoint, str):
-        check_options(
-            endpoint, transport_options, side="receiver", caller=("receive", _RECEIVE_KEYWORDS)
+        options = one_shot_options(
+            endpoint,
+            transport_options,
+            timeout=timeout,
+            side="receiver",
+            caller=("receive", _RECEIVE_KEYWORDS),
         )
-        async with open_receiver(endpoint, **transport_options) as receiver:
+        async with open_receiver(endpoint, **options) as receiver:
             return await receive(
                 receiver,
                 sink,

@@ -355,11 +355,12 @@ def test_a_survivors_timeout_is_not_blamed_for_a_lost_receiver(
     """One receiver dies mid-sync and the other's receive times out: the sender raises the
     death (PeerBrokenError), in whichever order it hears the two. A survivor that failed
     for a reason of its own is still named (ReceiverFailedError)."""
+    from streamsync.transports.ring import RunningSync
     from streamsync.wire.frames import Failed
 
     for lost_first in (True, False):
         tx = MemorySender("blame", receivers=2)
-        tx._sync_id, tx._members = 7, {0, 1}
+        tx._sync = RunningSync(7, members={0, 1})
 
         lose = partial(tx.on_left, 0, ss.PeerBrokenError("receiver 0 went away"))
         fail = partial(tx.on_reply, Failed(7, 1, survivor_error, "waiting for bucket 3"))
@@ -417,3 +418,14 @@ async def test_an_abort_after_every_receiver_closed_mid_sync_is_not_an_index_err
         await rx.aclose()
         with pytest.raises(ss.ReceiverFailedError, match="'c'"):
             await tx.abort(Abort(7, "receiver 0 failed"))
+
+
+async def test_a_receive_before_any_sender_is_bounded_by_both_timeouts() -> None:
+    # It opens at once (one task may open both sides); its receive waits for a sender
+    # within its own timeout, and never past connect_timeout after it opened.
+    async with MemoryReceiver("before-any", connect_timeout=60) as receiver:
+        with pytest.raises(ss.SyncTimeoutError, match=r"nothing from the sender within 0.2 s"):
+            await ss.receive(receiver, None, timeout=0.2)  # type: ignore[arg-type]
+    async with MemoryReceiver("before-any", connect_timeout=0.2) as receiver:
+        with pytest.raises(ss.SyncTimeoutError, match=r"no sender answered within 0.2 s"):
+            await ss.receive(receiver, None, timeout=60)  # type: ignore[arg-type]

@@ -141,3 +141,21 @@ def test_weight_sync_checks_its_options_when_made() -> None:
         WeightSync(object(), "shm://opts-ws", slot=3)  # type: ignore[arg-type]
     with pytest.raises(ss.ConfigError, match=r"slots=0; need at least 1"):
         WeightSync(object(), "shm://opts-ws?slots=0")  # type: ignore[arg-type]
+
+
+def test_connect_timeout_in_the_url_and_a_keyword_must_agree() -> None:
+    # Other options: the keyword wins (above). A bound on waiting given twice and
+    # differently is a mistake to name, not one to settle silently.
+    url = "memory://opts-agree?connect_timeout=2"
+    with pytest.raises(ss.ConfigError, match=r"connect_timeout=3 disagrees with the URL's"):
+        open_sender(url, connect_timeout=3)
+    with pytest.raises(ss.ConfigError, match=r"connect_timeout=3 disagrees with the URL's"):
+        open_receiver(url, connect_timeout=3)
+    assert open_sender(url, connect_timeout=2.0).connect_timeout == 2.0  # type: ignore[attr-defined]
+    assert open_receiver(url).connect_timeout == 2.0  # type: ignore[attr-defined]
+
+
+async def test_send_takes_connect_timeout_as_receive_does() -> None:
+    # It was passed twice to open_sender (a TypeError) before.
+    with pytest.raises(ss.SyncTimeoutError, match=r"0 of 1 receivers joined within 0.1 s"):
+        await ss.send({"w": torch.ones(1)}, "memory://opts-nobody", connect_timeout=0.1)

@@ -477,6 +477,73 @@ class TransportConformance:
 
         asyncio.run(run())
 
+    def test_a_second_sender_on_a_channel_in_use_is_refused(self) -> None:
+        """A second sender on a channel that has one is a ``ConfigError``; the first goes
+        on serving, its rendezvous (a socket file) left in place by the refused one."""
+        url = self.make_url("second")
+
+        async def run() -> None:
+            async with self._tx(url) as tx:
+                caught = await _caught(self._tx(url).__aenter__())
+                assert isinstance(caught, ss.ConfigError), repr(caught)
+                left = [p for p in self.resource_paths(url) if not os.path.exists(p)]
+                assert not left, f"the refused sender removed {left}"
+                async with self._rx(url) as rx:
+                    sink = _HashingSink()
+                    with anyio.fail_after(self.timeout):
+                        done = await _both(
+                            tx=lambda: self._send(tx),
+                            rx=lambda: ss.receive(rx, sink, timeout=self.timeout),
+                        )
+                    assert not isinstance(done["tx"], BaseException), repr(done["tx"])
+                    assert sink.digests == _expected(0)
+
+        asyncio.run(run())
+
+    def test_timeouts_follow_one_rule(self) -> None:
+        """``connect_timeout`` bounds the wait for the peer to be there, whether a keyword
+        or in the URL (the two disagreeing is a ``ConfigError``); without it a one-shot
+        ``send``/``receive`` waits its ``timeout``. Each bound is read from the error's
+        message; the guard only stops a wait far longer than any bound given here."""
+        weights = {"w": torch.ones(1)}
+        tx_opts, rx_opts = self.sender_options, self.receiver_options
+
+        async def gives_up_after(seconds: float, call: Callable[[], Any]) -> None:
+            with anyio.fail_after(10):
+                caught = await _caught(call())
+            assert isinstance(caught, ss.SyncTimeoutError), repr(caught)
+            assert f"within {seconds:g} s" in str(caught), str(caught)
+
+        async def run() -> None:
+            url = self.make_url("nobody")
+            at = f"{url}{'&' if '?' in url else '?'}connect_timeout=0.2"
+            sink = _HashingSink()
+            await gives_up_after(0.3, lambda: ss.receive(url, sink, timeout=0.3, **rx_opts))
+            await gives_up_after(0.2, lambda: ss.receive(at, sink, timeout=60, **rx_opts))
+            await gives_up_after(
+                0.2, lambda: ss.receive(url, sink, timeout=60, connect_timeout=0.2, **rx_opts)
+            )
+            await gives_up_after(0.3, lambda: ss.send(weights, url, timeout=0.3, **tx_opts))
+            await gives_up_after(0.2, lambda: ss.send(weights, at, timeout=60, **tx_opts))
+            await gives_up_after(
+                0.2, lambda: ss.send(weights, url, timeout=60, connect_timeout=0.2, **tx_opts)
+            )
+
+            async def made(opener: Callable[..., Any], **options: Any) -> None:
+                opener(at, connect_timeout=5, **options)  # checks its options when made
+
+            for call in (
+                lambda: ss.send(weights, at, connect_timeout=5, **tx_opts),
+                lambda: ss.receive(at, sink, connect_timeout=5, **rx_opts),
+                lambda: made(open_sender, **tx_opts),
+                lambda: made(open_receiver, **rx_opts),
+            ):
+                caught = await _caught(call())
+                assert isinstance(caught, ss.ConfigError), repr(caught)
+                assert "connect_timeout=5 disagrees with the URL's" in str(caught), caught
+
+        asyncio.run(run())
+
     def test_a_sync_that_fails_before_its_first_bucket_ends_for_the_receivers_there(
         self,
     ) -> None:

@@ -24,6 +24,9 @@ a distribution. A URL's query string and keyword arguments hold the transport's 
 (:mod:`streamsync.transports.options`): anything else is a
 :class:`~streamsync.errors.ConfigError` that lists the valid ones. Secrets are never URL
 options: pass ``secret=`` to the sender and receivers, or set ``$STREAMSYNC_SECRET``.
+Timeouts follow one rule on every transport (see :mod:`streamsync.transports.options`):
+``connect_timeout`` bounds waiting for the peer to be there, a sync's ``timeout`` each wait
+once connected.
 """
 
 from __future__ import annotations
@@ -158,30 +161,66 @@ def check_options(
     """Raise the :class:`ConfigError` that opening ``url``'s ``side`` with ``options``
     would: for callers that take transport options with keywords of their own (``send``,
     ``WeightSync``), at the call; ``caller`` (name and keywords) is listed in the message."""
+    _resolve(url, options, side=side, caller=caller)
+
+
+def _resolve(
+    url: str,
+    options: Mapping[str, Any],
+    *,
+    side: str,
+    caller: tuple[str, Sequence[str]] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> tuple[Transport, Endpoint, dict[str, Any]]:
+    """``url``'s transport, its parsed endpoint and every option of ``side``'s, checked."""
     endpoint = parse_endpoint(url)
     transport = _registry.get(endpoint.scheme, url)
-    declared = transport.sender_options if side == "sender" else transport.receiver_options
-    query = endpoint.query if side == "sender" else {}
-    resolve(endpoint.url, declared, query, options, caller=caller)
+    if side == "sender":
+        declared, query = transport.sender_options, endpoint.query
+    else:
+        # The sender's URL serves both sides: its sender options mean nothing here.
+        declared = transport.receiver_options
+        mine = {o.name for o in declared}
+        senders = {o.name for o in transport.sender_options if o.in_url and o.name not in mine}
+        query = {k: v for k, v in endpoint.query.items() if k not in senders}
+    values = resolve(endpoint.url, declared, query, options, caller=caller, defaults=defaults)
+    return transport, endpoint, values
+
+
+def one_shot_options(
+    url: str,
+    options: Mapping[str, Any],
+    *,
+    timeout: float,
+    side: str = "sender",
+    caller: tuple[str, Sequence[str]] | None = None,
+) -> dict[str, Any]:
+    """``options`` for a call that opens ``url`` for one sync with a ``timeout`` of its own
+    (``send``, ``receive``), checked as :func:`check_options` does: ``connect_timeout``
+    is set, to the keyword's value, else the URL's, else ``timeout``."""
+    *_, values = _resolve(
+        url, options, side=side, caller=caller, defaults={"connect_timeout": timeout}
+    )
+    if "connect_timeout" not in values:
+        return dict(options)  # a transport that takes no connect_timeout
+    return {**options, "connect_timeout": values["connect_timeout"]}
 
 
 def open_sender(url: str, **options: Any) -> Sender:
     """A sender for ``url`` (not yet opened: use ``async with``). ``options`` are the
-    transport's declared options; they override the URL's query."""
-    endpoint = parse_endpoint(url)
-    transport = _registry.get(endpoint.scheme, url)
-    values = resolve(endpoint.url, transport.sender_options, endpoint.query, options)
+    transport's declared options; they override the URL's query, except
+    ``connect_timeout``, which must agree with it. ``connect_timeout`` (default 60 s)
+    bounds each wait for the receivers to join; each sync's own ``timeout`` bounds that
+    sync's waits (see :mod:`streamsync.transports.options`)."""
+    transport, endpoint, values = _resolve(url, options, side="sender")
     return transport.sender(endpoint, values)
 
 
 def open_receiver(url: str, **options: Any) -> Receiver:
     """A receiver for ``url`` (not yet opened: use ``async with``). The sender's URL serves
     both sides: its sender options in the query (``receivers``, ``slots``, ...) are
-    accepted here and mean nothing to a receiver."""
-    endpoint = parse_endpoint(url)
-    transport = _registry.get(endpoint.scheme, url)
-    mine = {o.name for o in transport.receiver_options}
-    senders = {o.name for o in transport.sender_options if o.in_url and o.name not in mine}
-    query = {k: v for k, v in endpoint.query.items() if k not in senders}
-    values = resolve(endpoint.url, transport.receiver_options, query, options)
+    accepted here and mean nothing to a receiver. ``connect_timeout`` (default 60 s)
+    bounds the wait for the sender to be there; each ``receive``'s ``timeout`` bounds that
+    sync's waits (see :mod:`streamsync.transports.options`)."""
+    transport, endpoint, values = _resolve(url, options, side="receiver")
     return transport.receiver(endpoint, values)

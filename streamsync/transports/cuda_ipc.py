@@ -6,7 +6,8 @@ receiver rebuilds it on the local index of the same physical device (matched by 
 CUDA events, never a device-wide synchronise: a receiver's stream waits on the slot's
 interprocess event before reading it, and acks only after its sink's copies completed.
 Messages ride the unix link of ``shm://``. URL options: ``receivers``, ``slots``,
-``slot_bytes``; keyword arguments: ``device`` (sender), ``secret``, ``connect_timeout``.
+``slot_bytes``, ``connect_timeout``; keyword arguments: those, ``device`` (sender),
+``secret``.
 
 A receiver in the sender's own process uses the sender's ring as it is (CUDA opens no handle
 in the process that exported it). A sender killed outright cannot remove the files torch and
@@ -61,10 +62,6 @@ class CudaRing(msgspec.Struct, frozen=True, array_like=True):
     event_sync_required: bool
     slot_events: tuple[bytes, ...]
 
-
-#: This process's exported rings, by their description: a receiver in the same process
-#: takes the ring and its events from here.
-_OWN: dict[bytes, tuple[torch.Tensor, list[Any]]] = {}
 
 #: How long a receiver whose sender vanished waits for that process to end (it is exiting).
 _ENDING_S = 5.0
@@ -136,15 +133,48 @@ def remove_own_event_files(shm_dir: str = "/dev/shm") -> list[str]:
     return _remove_owned(_event_files(os.getpid(), shm_dir))
 
 
-#: The pid whose exit hook is registered (a forked child registers its own).
-_HOOKED: list[int] = []
+class ThisProcess:
+    """What ``cuda-ipc://`` keeps for the process it runs in: the rings its senders
+    exported, by their description (a receiver in the same process takes the ring and its
+    events from here, as CUDA opens no handle in the process that exported it), and the
+    pid whose exit hook is registered (a forked child registers its own). Held by the
+    transport object, :data:`TRANSPORT`, that both sides are made by."""
 
+    def __init__(self) -> None:
+        self._exported: dict[bytes, tuple[torch.Tensor, list[Any]]] = {}
+        self._hooked_pid = 0
 
-def _remove_at_exit() -> None:
-    if _HOOKED[-1:] != [os.getpid()]:
-        _HOOKED[:] = [os.getpid()]
-        # Lowest priority: after multiprocessing's own finalizers and joins.
-        util.Finalize(None, remove_own_event_files, exitpriority=-(2**30))
+    def export(self, handle: bytes, ring: torch.Tensor, events: list[Any]) -> None:
+        """A sender here exported ``ring`` (and its slots' ``events``) as ``handle``."""
+        self._exported[handle] = (ring, events)
+
+    def withdraw(self, handle: bytes) -> None:
+        """The sender of ``handle`` closed."""
+        self._exported.pop(handle, None)
+
+    def exported(self, handle: bytes) -> tuple[torch.Tensor, list[Any]] | None:
+        """The ring and events a sender here exported as ``handle``, if one did."""
+        return self._exported.get(handle)
+
+    def remove_files_at_exit(self) -> None:
+        """Make sure this process removes its event files when it exits."""
+        if self._hooked_pid != os.getpid():
+            self._hooked_pid = os.getpid()
+            # Lowest priority: after multiprocessing's own finalizers and joins.
+            util.Finalize(None, remove_own_event_files, exitpriority=-(2**30))
+
+    def sender(self, endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
+        """The transport's sender factory."""
+        timeout = opts["connect_timeout"]
+        link = UnixLink("cuda-ipc", endpoint.target, receivers=opts["receivers"], timeout=timeout)
+        slots, slot_bytes, device = opts.pop("slots"), opts.pop("slot_bytes"), opts.pop("device")
+        store = CudaSlots(slots, slot_bytes, url=link.url, device=device, here=self)
+        return LinkedSender(link, store, **opts)
+
+    def receiver(self, endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
+        """The transport's receiver factory."""
+        link = UnixDialer("cuda-ipc", endpoint.target)
+        return LinkedReceiver(link, CudaView(link, here=self), **opts)
 
 
 def local_device(uuid: str, local_uuids: list[str], fallback: int) -> int:
@@ -168,10 +198,17 @@ class CudaSlots(SlotStore):
     """Sender side: one exported device buffer of every slot, and an event per slot."""
 
     def __init__(
-        self, slots: int, slot_bytes: int, *, url: str, device: int | str | torch.device | None
+        self,
+        slots: int,
+        slot_bytes: int,
+        *,
+        url: str,
+        device: int | str | torch.device | None,
+        here: ThisProcess,
     ) -> None:
         super().__init__(slots, slot_bytes)
         self.url = url
+        self._here = here
         self._device_arg = device
         self.device: torch.device | None = None
         self._ring: torch.Tensor | None = None
@@ -182,7 +219,7 @@ class CudaSlots(SlotStore):
         from torch.multiprocessing.reductions import reduce_tensor
 
         self.device = cuda_device(self.url, self._device_arg, instead="shm://")
-        _remove_at_exit()
+        self._here.remove_files_at_exit()
         index = self.device.index
         ring = torch.zeros(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
         self._ring = ring
@@ -208,7 +245,7 @@ class CudaSlots(SlotStore):
             )
         )
         torch.cuda.synchronize(self.device)  # the zeroed ring exists before anyone maps it
-        _OWN[self._handle] = (ring, self._events)
+        self._here.export(self._handle, ring, self._events)
 
     def shared(self) -> Shared:
         return Shared(segment="cuda", layout=self._handle)
@@ -218,7 +255,7 @@ class CudaSlots(SlotStore):
         self._events[index].record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        _OWN.pop(self._handle, None)
+        self._here.withdraw(self._handle)
         self._bufs = []
         self._events = []
         self._ring = None
@@ -230,9 +267,10 @@ class CudaSlots(SlotStore):
 class CudaView(SlotView):
     """Receiver side: the sender's ring rebuilt on the same physical device."""
 
-    def __init__(self, link: UnixDialer) -> None:
+    def __init__(self, link: UnixDialer, *, here: ThisProcess) -> None:
         self.url = link.url
         self._link = link
+        self._here = here
         self.device: torch.device | None = None
         self._slots: list[torch.Tensor] = []
         self._events: list[Any] = []
@@ -246,7 +284,7 @@ class CudaView(SlotView):
         for fd in fds:
             os.close(fd)
         cuda_device(self.url, None, instead="shm://")  # CUDA is there
-        _remove_at_exit()
+        self._here.remove_files_at_exit()
         if fds or welcome.segment != "cuda":
             raise WireFormatError("the sender did not describe a CUDA ring")
         try:
@@ -258,7 +296,7 @@ class CudaView(SlotView):
             or len(ring.slot_events) != welcome.slots
         ):
             raise WireFormatError("the CUDA ring does not match its slot layout")
-        own = _OWN.get(welcome.layout)
+        own = self._here.exported(welcome.layout)
         if own is not None:
             buf, events = own
             self.device = buf.device
@@ -315,19 +353,17 @@ class CudaView(SlotView):
                 log("cuda_ipc.leftovers_removed", url=self.url, pid=owner[0], paths=removed)
 
 
-def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedSender:
-    timeout = opts["connect_timeout"]
-    link = UnixLink("cuda-ipc", endpoint.target, receivers=opts["receivers"], timeout=timeout)
-    device = opts.pop("device")
-    store = CudaSlots(opts.pop("slots"), opts.pop("slot_bytes"), url=link.url, device=device)
-    return LinkedSender(link, store, **opts)
+class CudaIpcTransport(Transport):
+    """``cuda-ipc://``: its two factories and what they keep for this process."""
 
+    here: ThisProcess
 
-def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
-    link = UnixDialer("cuda-ipc", endpoint.target)
-    return LinkedReceiver(link, CudaView(link), **opts)
+    def __init__(self) -> None:
+        here = ThisProcess()
+        super().__init__(here.sender, here.receiver, sender_options=(*SENDER_OPTIONS, DEVICE))
+        object.__setattr__(self, "here", here)
 
 
 #: ``cuda-ipc://NAME``: the entry point's object; the sender also takes ``device`` (its
 #: GPU, default the current one).
-TRANSPORT = Transport(_sender, _receiver, sender_options=(*SENDER_OPTIONS, DEVICE))
+TRANSPORT = CudaIpcTransport()

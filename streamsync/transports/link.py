@@ -12,9 +12,11 @@ it also carries a bucket's bytes after its header. Lower-level failures are mapp
   :class:`Peer`) and reporting their frames to :class:`LinkEvents`; ``send(peer, frame,
   payload=None, fds=())``; ``aclose()``. A link keeps accepting while it is open: receivers
   may leave and be replaced.
-- :class:`ReceiverLink`: ``connect()`` (retried until the sender is there; bounded by the
-  caller), ``handshake(hello)`` (the answer and any descriptors passed with it),
-  ``send(frame)``, ``receive()`` (a frame and its payload), ``aclose()``.
+- :class:`ReceiverLink`: ``connect()`` (one try: :class:`NotThere` when nothing listens
+  at the sender's address, for the caller to try again, paced by :class:`Tries`; a link
+  may also keep trying itself, bounded by the caller), ``handshake(hello)`` (the answer
+  and any descriptors passed with it), ``send(frame)``, ``receive()`` (a frame and its
+  payload), ``aclose()``.
 
 Here: :class:`UnixLink`/:class:`UnixDialer`, length-prefixed frames over abstract unix
 sockets, owner-only (``SO_PEERCRED``). ``zmq+*://`` adds its link in
@@ -62,6 +64,41 @@ Fds = tuple[int, ...]
 
 class LinkLost(Exception):
     """A link ended without a goodbye (EOF, reset, heartbeat timeout)."""
+
+
+class NotThere(Exception):
+    """Nothing listens at the sender's address (yet): try again."""
+
+
+#: Shortest and longest pause between a receiver's tries to reach its sender.
+RETRY_MIN_S = 0.002
+RETRY_MAX_S = 0.02
+
+
+@dataclass
+class Tries:
+    """How a receiver paces its tries to reach a sender that is not there yet (none bound
+    yet, or the last one still closing, as between the steps of a one-shot loop): each
+    pause is a tenth of the time waited so far, at least :data:`RETRY_MIN_S` and at most
+    :data:`RETRY_MAX_S`. A sender that comes soon is met within a few milliseconds of
+    coming; one long in coming costs a try every :data:`RETRY_MAX_S`, never a busy loop.
+    Records the tries that failed and the pauses after them."""
+
+    started: float
+    #: Tries that did not get in, and the seconds paused after them (all, and the longest).
+    failed: int = 0
+    paused: float = 0.0
+    longest: float = 0.0
+
+    async def pause(self, deadline: float) -> None:
+        """A try failed: wait before the next (not past ``deadline``)."""
+        now = anyio.current_time()
+        delay = min(RETRY_MAX_S, max(RETRY_MIN_S, (now - self.started) / 10))
+        delay = min(delay, max(0.0, deadline - now))
+        self.failed += 1
+        self.paused += delay
+        self.longest = max(self.longest, delay)
+        await anyio.sleep(delay)
 
 
 #: A read failing: the peer went away.
@@ -345,18 +382,16 @@ class UnixDialer(ReceiverLink):
         self.peer_pid = 0
 
     async def connect(self) -> None:
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            sock.setblocking(False)
-            try:
-                sock.connect(self.address)
-                break
-            except (ConnectionRefusedError, FileNotFoundError, BlockingIOError):
-                sock.close()
-                await anyio.sleep(0.05)  # no sender yet (or its backlog is full)
-            except BaseException:
-                sock.close()
-                raise
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            sock.connect(self.address)
+        except (ConnectionRefusedError, FileNotFoundError, BlockingIOError) as exc:
+            sock.close()
+            raise NotThere(str(exc)) from None  # no sender yet (or its backlog is full)
+        except BaseException:
+            sock.close()
+            raise
         self._link = _Framed(await UNIXSocketStream.from_socket(sock))
         self.peer_pid = _check_owner(sock, self.url, "sender")
 

@@ -31,7 +31,15 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.transports import handshake
-from streamsync.transports.link import LAST_WORD_S, LinkLost, Peer, ReceiverLink, SenderLink
+from streamsync.transports.link import (
+    LAST_WORD_S,
+    LinkLost,
+    NotThere,
+    Peer,
+    ReceiverLink,
+    SenderLink,
+    Tries,
+)
 from streamsync.transports.ring import RingReceiver, RingSender
 from streamsync.transports.slots import SlotStore, SlotView
 from streamsync.wire.frames import (
@@ -269,7 +277,8 @@ class LinkedSender(RingSender):
                 # What the receiver said before it went (its failure, its goodbye) may
                 # still be unread: give the reader a moment, so that the reason wins.
                 def heard(peer: Peer = peer) -> bool:
-                    return self._failed is not None or self.peers.get(peer.index) is not peer
+                    failed = self._sync is not None and self._sync.failed is not None
+                    return failed or self.peers.get(peer.index) is not peer
 
                 with contextlib.suppress(SyncTimeoutError):
                     await self._signal.wait_until(heard, timeout=LAST_WORD_S, what="")
@@ -315,6 +324,8 @@ class LinkedReceiver(RingReceiver):
         self.link = link
         self.view = view
         self.connect_timeout = connect_timeout
+        #: How the last :meth:`open` paced its tries to reach the sender.
+        self.tries = Tries(0.0)
         self._sync_timeout = connect_timeout  # the running receive's, once there is one
         self._secret = handshake.resolve_secret(secret)
         self._codec = WireCodec(self._secret)
@@ -328,7 +339,7 @@ class LinkedReceiver(RingReceiver):
     async def open(self) -> None:
         deadline = anyio.current_time() + self.connect_timeout
         last: StreamsyncError | None = None  # why the last attempt did not get in
-        delay = 0.05
+        self.tries = tries = Tries(anyio.current_time())
         try:
             while True:
                 remaining = deadline - anyio.current_time()
@@ -340,6 +351,8 @@ class LinkedReceiver(RingReceiver):
                     with anyio.fail_after(min(remaining, _ATTEMPT_S)):
                         await self._join()
                     break
+                except NotThere:
+                    pass  # no sender yet
                 except handshake.Busy as exc:
                     last = exc.error  # closing, or full until a leaver is noticed
                 except LinkLost as exc:  # e.g. a sender that closed as we reached it
@@ -357,8 +370,7 @@ class LinkedReceiver(RingReceiver):
                 # Try again on a new link (a new identity: nothing of this one carries over).
                 with anyio.CancelScope(shield=True):
                     await self.link.aclose()
-                await anyio.sleep(min(delay, max(0.0, deadline - anyio.current_time())))
-                delay = min(2 * delay, 0.5)
+                await tries.pause(deadline)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._shutdown()

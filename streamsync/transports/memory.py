@@ -7,7 +7,14 @@ messages travel as objects through per-receiver inboxes. Sender and receivers me
 It takes every option the process transports take, so a user's test makes the production
 call. ``secret`` is checked (a receiver whose secret differs from the sender's gets
 :class:`~streamsync.errors.AuthenticationError`), though nothing crosses a process
-boundary to sign; a receiver's ``connect_timeout`` has no meaning here (it joins at once).
+boundary to sign. Timeouts follow the rule of every transport
+(:mod:`streamsync.transports.options`): a receiver opens at once (both sides may be opened
+by one task), and its first receive waits for a sender to be there until
+``connect_timeout`` after it opened (and within that receive's ``timeout``).
+
+Both ends of a channel share one state object (as anyio's memory streams do). Sides
+opened by name in different places of a program find it through the transport object,
+:data:`TRANSPORT`, which holds each open channel by name until its last side closes.
 """
 
 from __future__ import annotations
@@ -36,21 +43,55 @@ from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
 
-@dataclass
+@dataclass(eq=False)
 class _Channel:
+    """The state a sender and its receivers on one name share."""
+
     name: str
     sender: MemorySender | None = None
     inboxes: list[MemoryObjectSendStream[Message]] = field(default_factory=list)
     receivers: list[MemoryReceiver | None] = field(default_factory=list)
     joined: anyio.Event | None = None
 
+    @property
+    def unused(self) -> bool:
+        return self.sender is None and not any(self.receivers)
 
-_channels: dict[str, _Channel] = {}
+
+class MemoryChannels:
+    """The open ``memory://`` channels of this process, by name: where a sender and
+    receivers opened separately meet. A channel is dropped when its last side closes."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, _Channel] = {}
+
+    def join(self, name: str) -> _Channel:
+        """The channel named ``name``, made if none is open."""
+        return self._by_name.setdefault(name, _Channel(name))
+
+    def leave(self, chan: _Channel) -> None:
+        """A side of ``chan`` closed: forget the channel if nothing uses it now."""
+        if chan.unused and self._by_name.get(chan.name) is chan:
+            del self._by_name[chan.name]
+
+    def sender(self, endpoint: Endpoint, opts: dict[str, Any]) -> MemorySender:
+        """The transport's sender factory."""
+        return MemorySender(endpoint.target, channels=self, **opts)
+
+    def receiver(self, endpoint: Endpoint, opts: dict[str, Any]) -> MemoryReceiver:
+        """The transport's receiver factory."""
+        return MemoryReceiver(endpoint.target, channels=self, **opts)
 
 
-def _forget_if_unused(chan: _Channel) -> None:
-    if chan.sender is None and not any(chan.receivers) and _channels.get(chan.name) is chan:
-        del _channels[chan.name]
+class MemoryTransport(Transport):
+    """``memory://``: its two factories and the channels they meet in."""
+
+    channels: MemoryChannels
+
+    def __init__(self) -> None:
+        channels = MemoryChannels()
+        super().__init__(channels.sender, channels.receiver)
+        object.__setattr__(self, "channels", channels)
 
 
 class MemorySender(RingSender):
@@ -66,24 +107,30 @@ class MemorySender(RingSender):
         connect_timeout: float = 60.0,
         require_all: bool = True,
         secret: bytes | str | None = None,
+        channels: MemoryChannels | None = None,
     ) -> None:
         store = HostSlots(slots, slot_bytes, prefault=False)
         super().__init__(store, receivers=receivers, require_all=require_all)
         self.name = name
         self.connect_timeout = connect_timeout
         self.secret = resolve_secret(secret)
+        self._channels = channels or TRANSPORT.channels
         self._chan: _Channel | None = None
 
     async def open(self) -> None:
-        chan = _channels.setdefault(self.name, _Channel(self.name))
+        chan = self._channels.join(self.name)
         if chan.sender is not None:
             raise ConfigError(f"memory://{self.name} already has a sender")
         chan.sender = self
         self._chan = chan
         for index, receiver in enumerate(chan.receivers):
-            if receiver is not None and receiver.secret != self.secret:
+            if receiver is None:
+                continue
+            if receiver.secret != self.secret:
                 receiver.refuse(self.name)
                 chan.receivers[index] = None
+            else:
+                receiver.met()
         self.store.open()  # allocated once and reused by every sync on this channel
 
     async def _await_receivers(self, timeout: float) -> None:
@@ -138,7 +185,7 @@ class MemorySender(RingSender):
             chan.sender = None
             chan.inboxes = []
             chan.receivers = []
-            _forget_if_unused(chan)
+            self._channels.leave(chan)
         self.store.close()
         self._closed = True
 
@@ -147,14 +194,29 @@ class MemoryReceiver(RingReceiver):
     """Receiver side of ``memory://NAME``."""
 
     def __init__(
-        self, name: str, *, secret: bytes | str | None = None, connect_timeout: float = 60.0
+        self,
+        name: str,
+        *,
+        secret: bytes | str | None = None,
+        connect_timeout: float = 60.0,
+        channels: MemoryChannels | None = None,
     ) -> None:
         self.name = name
         self.secret = resolve_secret(secret)
-        self.connect_timeout = connect_timeout  # joining is immediate in one process
+        self.connect_timeout = connect_timeout
+        self._channels = channels or TRANSPORT.channels
         self._chan: _Channel | None = None
         self._inbox: MemoryObjectReceiveStream[Message] | None = None
         self._refused: AuthenticationError | None = None
+        # Set once a sender is there (or turned this receiver away); until then the first
+        # receive waits for one, until connect_timeout after opening.
+        self._met: anyio.Event | None = None
+        self._meet_by = 0.0
+
+    def met(self) -> None:
+        """A sender is there: the first receive need not wait for one."""
+        if self._met is not None:
+            self._met.set()
 
     def refuse(self, name: str) -> None:
         """Turned away by a sender whose secret differs: the next receive raises."""
@@ -164,11 +226,15 @@ class MemoryReceiver(RingReceiver):
         )
         if self._inbox is not None:
             self._inbox.close()
+        self.met()
 
     async def open(self) -> None:
-        chan = _channels.setdefault(self.name, _Channel(self.name))
+        self._met = anyio.Event()
+        self._meet_by = anyio.current_time() + self.connect_timeout
+        chan = self._channels.join(self.name)
         if chan.sender is not None and chan.sender.secret != self.secret:
             self.refuse(self.name)
+            self._channels.leave(chan)
             assert self._refused is not None
             raise self._refused
         send, recv = anyio.create_memory_object_stream[Message](math.inf)
@@ -184,10 +250,31 @@ class MemoryReceiver(RingReceiver):
         self._inbox = recv
         if chan.sender is not None:
             chan.sender.on_joined(self._index)
+            self.met()
         if chan.joined is not None:
             chan.joined.set()
 
+    async def _meet(self, timeout: float) -> None:
+        """Wait for a sender to be there, until ``connect_timeout`` after opening and
+        within the receive's ``timeout``."""
+        assert self._met is not None
+        if self._met.is_set():
+            return
+        left = self._meet_by - anyio.current_time()
+        with anyio.move_on_after(max(0.0, min(left, timeout))):
+            await self._met.wait()
+        if self._met.is_set():
+            return
+        if left <= timeout:
+            raise SyncTimeoutError(
+                f"memory://{self.name}: no sender answered within {self.connect_timeout:g} s"
+            )
+        raise SyncTimeoutError(
+            f"memory://{self.name}: nothing from the sender within {timeout:g} s"
+        )
+
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
+        await self._meet(timeout)
         if self._refused is not None:
             raise self._refused
         assert self._inbox is not None and self._chan is not None
@@ -234,16 +321,8 @@ class MemoryReceiver(RingReceiver):
             chan.inboxes = []
         if self._inbox is not None:
             self._inbox.close()
-        _forget_if_unused(chan)
-
-
-def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> MemorySender:
-    return MemorySender(endpoint.target, **opts)
-
-
-def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> MemoryReceiver:
-    return MemoryReceiver(endpoint.target, **opts)
+        self._channels.leave(chan)
 
 
 #: ``memory://NAME``: the entry point's object (every transport's options).
-TRANSPORT = Transport(_sender, _receiver)
+TRANSPORT = MemoryTransport()

@@ -2,9 +2,24 @@
 
 Each transport declares the options its sender and its receiver take (:class:`Option`:
 name, type, default, whether the URL's query may carry it). :func:`resolve` merges a URL's
-query with keyword arguments (keywords win), converts and checks each value, and turns
-anything undeclared into a :class:`~streamsync.errors.ConfigError` that names it and lists
-the valid ones.
+query with keyword arguments, converts and checks each value, and turns anything
+undeclared into a :class:`~streamsync.errors.ConfigError` that names it and lists the valid
+ones. A keyword overrides the URL's value, except for an option marked ``must_agree``
+(``connect_timeout``): there a keyword and the URL that disagree are a ``ConfigError``
+naming it.
+
+Timeouts, on every transport (the in-memory fake included), follow one rule:
+
+- ``connect_timeout`` bounds each wait for the peer to be there: a receiver reaching its
+  sender when it opens, a sender waiting for its receivers to join. It is a channel
+  option: a keyword of ``open_sender``/``open_receiver`` (default 60 s) or of
+  ``send``/``receive`` given a URL, or the URL's ``?connect_timeout=``.
+- ``timeout`` (``send``/``receive``) bounds each wait of a sync once the sides are
+  connected: a free slot, the next message, the receivers' reports. A sync that starts on
+  an open sender whose receivers are not all there waits for them within both bounds.
+- ``send``/``receive`` given a URL, with ``connect_timeout`` neither a keyword nor in the
+  URL, wait ``timeout`` for the peer: ``receive(url, sink, timeout=3)`` with no sender
+  gives up after 3 s.
 """
 
 from __future__ import annotations
@@ -38,6 +53,10 @@ class Option:
     minimum: float | None = None
     #: A further check: a complaint, or ``None`` when the value is valid.
     check: Callable[[Any], str | None] | None = None
+    #: Given both in the URL and as a keyword, the two must agree (else a ``ConfigError``
+    #: naming it) rather than the keyword winning: a bound on waiting that a keyword
+    #: silently replaced would leave a user waiting for a limit they did not set.
+    must_agree: bool = False
 
     def convert(self, where: str, raw: Any, *, from_url: bool) -> Any:
         """``raw`` (text from the URL, or a keyword's value) checked and converted."""
@@ -102,14 +121,18 @@ def resolve(
     kwargs: Mapping[str, Any],
     *,
     caller: tuple[str, Sequence[str]] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every declared option's value: keyword arguments over the URL's query over the
-    defaults. An undeclared name, an option the URL may not carry, a value of the wrong
-    type or below its minimum is a :class:`ConfigError` naming it. ``caller`` (its name and
-    its own keywords) makes an unknown keyword's message list those too."""
+    """Every declared option's value: keyword arguments over the URL's query over
+    ``defaults`` (values in place of declared defaults) over the declared defaults. An
+    undeclared name, an option the URL may not carry, a value of the wrong type or below
+    its minimum, a ``must_agree`` option whose keyword and URL values differ is a
+    :class:`ConfigError` naming it. ``caller`` (its name and its own keywords) makes an
+    unknown keyword's message list those too."""
     by_name = {o.name: o for o in declared}
     in_url = [o.name for o in declared if o.in_url]
     values = {o.name: o.default for o in declared}
+    values.update((k, v) for k, v in (defaults or {}).items() if k in by_name)
     for name, raw in query.items():
         option = by_name.get(name)
         if option is None or not option.in_url:
@@ -127,7 +150,13 @@ def resolve(
                 what = f"keyword of {caller[0]}()"
                 raise _unknown(where, name, [*caller[1], *by_name], what)
             raise _unknown(where, name, list(by_name), "option")
-        values[name] = option.convert(where, value, from_url=False)
+        converted = option.convert(where, value, from_url=False)
+        if option.must_agree and name in query and converted != values[name]:
+            raise ConfigError(
+                f"{where}: option {name}={converted!r} disagrees with the URL's "
+                f"{name}={query[name]}; give it once"
+            )
+        values[name] = converted
     return values
 
 
@@ -159,6 +188,16 @@ HEARTBEAT = Option(
 #: The GPU of a CUDA transport (default: the current device).
 DEVICE = Option("device", object, None, "the GPU (default: the current device)", in_url=False)
 
+#: Seconds each wait for the peer to be there may take (see the rule above).
+CONNECT_TIMEOUT = Option(
+    "connect_timeout",
+    float,
+    60.0,
+    "seconds to wait for the peer to be there (send/receive: default their timeout)",
+    minimum=0,
+    must_agree=True,
+)
+
 #: What every sender takes.
 SENDER_OPTIONS: tuple[Option, ...] = (
     Option("receivers", int, 1, "how many receivers each sync waits for", minimum=1),
@@ -166,11 +205,11 @@ SENDER_OPTIONS: tuple[Option, ...] = (
     Option("slot_bytes", int, DEFAULT_BUCKET_BYTES, "bytes per slot", minimum=MIN_BUCKET_BYTES),
     Option("require_all", bool, True, "a sync needs every receiver (False: those there)"),
     SECRET,
-    Option("connect_timeout", float, 60.0, "seconds to wait for receivers", minimum=0),
+    CONNECT_TIMEOUT,
 )
 
 #: What every receiver takes.
 RECEIVER_OPTIONS: tuple[Option, ...] = (
     SECRET,
-    Option("connect_timeout", float, 60.0, "seconds to reach the sender", minimum=0),
+    CONNECT_TIMEOUT,
 )

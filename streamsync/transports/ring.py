@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import anyio
 import torch
@@ -121,6 +122,24 @@ class SlotRing:
             owed.discard(receiver)
 
 
+@dataclass
+class RunningSync:
+    """One sync on a sender, from its begin to its end: who takes part and what they said
+    (made when the sync begins, dropped when it ends: nothing of it outlives it)."""
+
+    sync_id: int
+    #: The receivers taking part: those present when it began.
+    members: set[int] = field(default_factory=set)
+    #: Each member's report.
+    reports: dict[int, Done | Failed] = field(default_factory=dict)
+    #: The first member's failure.
+    failed: Failed | None = None
+    #: A member went away during it (``require_all``): it fails.
+    lost: StreamsyncError | None = None
+    #: Members that took no part (``require_all=False``), each with why.
+    absent: list[str] = field(default_factory=list)
+
+
 class RingSender(Sender):
     """Sender half of the ring protocol over ``store``; transports provide the messaging."""
 
@@ -135,15 +154,8 @@ class RingSender(Sender):
         self.ring = SlotRing(store.slots, receivers)
         self._signal = _Signal()
         self._broken: StreamsyncError | None = None
-        self._reports: dict[int, Done | Failed] = {}
-        self._sync_id: int | None = None
-        self._failed: Failed | None = None
-        #: The receivers taking part in the running sync.
-        self._members: set[int] = set()
-        #: A member went away during the running sync (``require_all``): the sync fails.
-        self._lost: StreamsyncError | None = None
-        #: Members that took no part in the running sync (``require_all=False``).
-        self._absent: list[str] = []
+        #: The running sync (``None`` between syncs).
+        self._sync: RunningSync | None = None
         self._attendance = Attendance()
         #: Per receiver, the version its sink holds (from its last ``Done``): what a delta
         #: sync may be based on. Forgotten when it fails, leaves or misses a sync's end.
@@ -155,6 +167,11 @@ class RingSender(Sender):
     def slot(self, index: int) -> torch.Tensor:
         """The writable uint8 buffer of slot ``index``."""
         return self.store.slot(index)
+
+    @property
+    def _members(self) -> set[int]:
+        """The receivers taking part in the running sync: whom ``_publish`` sends to."""
+        return set() if self._sync is None else self._sync.members
 
     @abstractmethod
     async def _publish(
@@ -207,14 +224,15 @@ class RingSender(Sender):
             except WireFormatError as exc:
                 self.on_broken(exc)
         elif isinstance(msg, Done | Failed):
-            if msg.sync_id == self._sync_id:
-                self._reports[msg.receiver] = msg
+            sync = self._sync
+            if sync is not None and msg.sync_id == sync.sync_id:
+                sync.reports[msg.receiver] = msg
                 if isinstance(msg, Done):
                     self._held[msg.receiver] = msg.held
                 else:
                     self._held.pop(msg.receiver, None)
-                if isinstance(msg, Failed) and self._failed is None:
-                    self._failed = msg
+                if isinstance(msg, Failed) and sync.failed is None:
+                    sync.failed = msg
         elif isinstance(msg, Bye):
             self.on_left(
                 msg.receiver,
@@ -235,13 +253,14 @@ class RingSender(Sender):
         """Receiver ``index`` left or went away (transports call this): it owes nothing; a
         running sync it had not reported on fails (``require_all``) or goes on without it."""
         self.ring.forget(index)
-        if self._sync_id is not None and index in self._members and index not in self._reports:
-            self._members.discard(index)
+        sync = self._sync
+        if sync is not None and index in sync.members and index not in sync.reports:
+            sync.members.discard(index)
             if self.require_all:
-                if self._lost is None:
-                    self._lost = type(why)(f"{why} during sync {self._sync_id}")
+                if sync.lost is None:
+                    sync.lost = type(why)(f"{why} during sync {sync.sync_id}")
             else:
-                self._absent.append(f"{why} during sync {self._sync_id}")
+                sync.absent.append(f"{why} during sync {sync.sync_id}")
         self._signal.notify()
 
     def on_broken(self, exc: StreamsyncError) -> None:
@@ -253,26 +272,27 @@ class RingSender(Sender):
     def _failed_as_consequence(self) -> bool:
         """Whether the receiver that failed only timed out or saw the channel end: then a
         receiver lost meanwhile is the cause to raise (:data:`~streamsync.errors.CONSEQUENCES`)."""
-        return self._failed is not None and self._failed.error in _CONSEQUENCE_NAMES
+        failed = None if self._sync is None else self._sync.failed
+        return failed is not None and failed.error in _CONSEQUENCE_NAMES
 
     # -- protocol ----------------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
             raise ClosedError(f"{type(self).__name__} is closed")
-        if self._failed is not None and not (
-            self._failed_as_consequence() and (self._lost or self._broken)
-        ):
-            raise _receiver_failed(self._failed)
+        sync = self._sync
+        failed, lost = (None, None) if sync is None else (sync.failed, sync.lost)
+        if failed is not None and not (self._failed_as_consequence() and (lost or self._broken)):
+            raise _receiver_failed(failed)
         if self._broken is not None:
             raise self._broken
-        if self._lost is not None:
-            raise self._lost
+        if lost is not None:
+            raise lost
 
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
     ) -> None:
         self.sync_timeout = timeout
-        if seq == 0 and self._sync_id != sync_id:
+        if seq == 0 and (self._sync is None or self._sync.sync_id != sync_id):
             await self._begin(sync_id, timeout)
         self._check()
         if bucket.nbytes > self.slot_bytes:
@@ -319,29 +339,27 @@ class RingSender(Sender):
         self._finish_sync(sync_id)
 
     async def _begin(self, sync_id: int, timeout: float) -> None:
-        if self._sync_id is not None:
+        if self._sync is not None:
             raise SyncInProgressError(
-                f"sync {sync_id} started while sync {self._sync_id} is still running "
+                f"sync {sync_id} started while sync {self._sync.sync_id} is still running "
                 "on this channel"
             )
-        self._sync_id = sync_id
-        self._reports = {}
-        self._failed = None
-        self._lost = None
-        self._absent = []
+        self._sync = sync = RunningSync(sync_id)
         self._check()
         await self._await_receivers(timeout)
-        self._members = self._admit()
-        self._absent += [
+        sync.members = self._admit()
+        sync.absent += [
             f"{self._describe(index)} is not there"
             for index in range(self.receivers)
-            if index not in self._members
+            if index not in sync.members
         ]
 
     async def end(self, end: End, *, timeout: float) -> list[Done]:
         try:
-            if end.buckets == 0 and self._sync_id != end.sync_id:
+            if end.buckets == 0 and (self._sync is None or self._sync.sync_id != end.sync_id):
                 await self._begin(end.sync_id, timeout)
+            sync = self._sync
+            assert sync is not None
             try:
                 self._check()
             except StreamsyncError as exc:
@@ -354,7 +372,7 @@ class RingSender(Sender):
             def ready() -> bool:
                 # A member lost during the sync (require_all) fails it, even when the
                 # members left have all reported: the one that left may have been the only.
-                if self._lost is None and self._members.issubset(self._reports):
+                if sync.lost is None and sync.members.issubset(sync.reports):
                     return True
                 self._check()
                 return False
@@ -362,46 +380,47 @@ class RingSender(Sender):
             await self._signal.wait_until(
                 ready,
                 timeout=timeout,
-                what=f"the reports of {len(self._members)} receiver(s) on sync {end.sync_id}",
+                what=f"the reports of {len(sync.members)} receiver(s) on sync {end.sync_id}",
             )
-            if self._failed is not None:
-                raise _receiver_failed(self._failed)
-            if not self._members:
+            if sync.failed is not None:
+                raise _receiver_failed(sync.failed)
+            if not sync.members:
                 # Without require_all every member left before reporting: none applied it.
-                gone = "; ".join(self._absent) or "no receiver reported"
+                gone = "; ".join(sync.absent) or "no receiver reported"
                 raise PeerBrokenError(f"every receiver left sync {end.sync_id}: {gone}")
-            return [r for r in self._reports.values() if isinstance(r, Done)]
+            return [r for r in sync.reports.values() if isinstance(r, Done)]
         finally:
             self._finish_sync(end.sync_id)
 
     async def abort(self, abort: Abort) -> None:
-        if self._sync_id not in (None, abort.sync_id):
+        begun = self._sync
+        if begun is not None and begun.sync_id != abort.sync_id:
             return  # that sync never started here (SyncInProgressError): leave the running one
-        for index in self._members:
+        sync = self._sync = begun or RunningSync(abort.sync_id)
+        for index in sync.members:
             self._held.pop(index, None)  # it may have applied part of the sync
         try:
             if not self._closed and self._broken is None:
-                if not self._members:
+                if not sync.members:
                     # Nothing of it went out (its receivers did not all come, its source
                     # raised at once): the receivers here wait for its first message, so
                     # they hear it is off rather than wait out their own timeout.
-                    self._members = self._admit()
+                    sync.members = self._admit()
                 with anyio.move_on_after(1.0):
                     await self._publish(abort, None)
         finally:
-            self._finish_sync(abort.sync_id)
-            self._members = set()
+            if begun is not None:
+                self._finish_sync(abort.sync_id)
+            self._sync = None
 
     def _finish_sync(self, sync_id: int) -> None:
         # A receiver's failure ends its sync, not the channel: the next sync starts clean.
         # Slots stay owed until acked: a receiver may still be reading one (it acks what it
         # skips), and reusing it early would hand it another bucket's bytes.
-        if self._sync_id == sync_id:
-            self._attendance = Attendance(tuple(self._absent), self._refusals())
-            self._sync_id = None
-            self._failed = None
-            self._lost = None
-            self._members = set()
+        sync = self._sync
+        if sync is not None and sync.sync_id == sync_id:
+            self._attendance = Attendance(tuple(sync.absent), self._refusals())
+            self._sync = None
 
 
 class RingReceiver(Receiver):

@@ -32,9 +32,9 @@ otherwise, ``*`` for every interface), as ``zmq+tcp``; gloo's own connections us
 interface that reaches HOST (``GLOO_SOCKET_IFNAME`` overrides it). The broadcast bytes are
 neither encrypted nor authenticated (as ``zmq+tcp`` payloads are not).
 
-URL options: ``receivers``, ``slots``, ``slot_bytes``. Keyword arguments: ``secret``,
-``connect_timeout``, ``heartbeat`` (the link's keepalive, seconds), ``device`` (nccl: this side's
-GPU, default the current device).
+URL options: ``receivers``, ``slots``, ``slot_bytes``, ``connect_timeout``. Keyword
+arguments: those, ``secret``, ``heartbeat`` (the link's keepalive, seconds), ``device``
+(nccl: this side's GPU, default the current device).
 """
 
 from __future__ import annotations
@@ -329,9 +329,12 @@ class GroupSender(LinkedSender):
         with contextlib.suppress(SyncTimeoutError):
             await self._signal.wait_until(
                 lambda: (
-                    self._lost is not None
-                    or bool(self._absent)
-                    or (self._failed is not None and not self._failed_as_consequence())
+                    (sync := self._sync) is not None
+                    and (
+                        sync.lost is not None
+                        or bool(sync.absent)
+                        or (sync.failed is not None and not self._failed_as_consequence())
+                    )
                 ),
                 timeout=0.2,
                 what="",

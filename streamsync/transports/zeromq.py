@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import tempfile
 from typing import Any
 
@@ -40,6 +41,8 @@ from streamsync.errors import ConfigError, PeerBrokenError, WireFormatError
 from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import (
     LAST_WORD_S,
+    RETRY_MAX_S,
+    RETRY_MIN_S,
     Fds,
     LinkEvents,
     LinkLost,
@@ -208,6 +211,31 @@ def _socket_id(fd: int) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _socket_id_of(path: str) -> tuple[int, int] | None:
+    """Which file ``path`` names now (``None``: none)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _refuse_if_served(url: str, path: str) -> None:
+    """Raise ``ConfigError`` if a sender listens on the unix socket file ``path`` (a file
+    that refuses connections is a dead sender's, for the new one to replace)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)  # a full backlog: someone serves it
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError, PermissionError):
+        return
+    except OSError:
+        pass
+    finally:
+        probe.close()
+    raise ConfigError(f"{url} already has a sender (listening on {path})")
+
+
 def _send_errors() -> dict[type[BaseException], type[BaseException]]:
     import zmq
 
@@ -232,6 +260,7 @@ class ZmqLink(SenderLink):
         self._by_fd: dict[int, Peer] = {}
         self._sockets: dict[bytes, tuple[int, tuple[int, int] | None]] = {}
         self._file: str | None = None
+        self._file_id: tuple[int, int] | None = None
 
     async def open(self) -> None:
         import zmq
@@ -244,6 +273,11 @@ class ZmqLink(SenderLink):
         # Anyone who can reach the port can send: a peer announcing a bigger message is
         # dropped before ZeroMQ allocates it (receivers only send hellos, acks and reports).
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
+        path = self.address.removeprefix("ipc://")
+        if self.address.startswith("ipc://") and not path.startswith("@"):
+            # ZeroMQ binds an ipc path by removing whatever file is there: a live sender's
+            # socket would be taken over, its sender orphaned.
+            _refuse_if_served(self.url, path)
         try:
             sock.bind(self.address)
         except zmq.ZMQError as exc:
@@ -252,6 +286,7 @@ class ZmqLink(SenderLink):
         if bound.startswith("ipc://") and not bound.startswith("ipc://@"):
             self._file = bound.removeprefix("ipc://")
             os.chmod(self._file, 0o600)
+            self._file_id = _socket_id_of(self._file)
         if self._scheme == "zmq+tcp" and self.address.endswith(":0"):
             host = self._target.rpartition(":")[0]
             self.url = f"zmq+tcp://{host}:{bound.rpartition(':')[2]}"
@@ -362,10 +397,11 @@ class ZmqLink(SenderLink):
             await self._sock.send(parts)
 
     def _remove_file(self) -> None:
-        if self._file is not None:
+        # Only the file this sender bound: one another sender made since is not ours.
+        if self._file is not None and _socket_id_of(self._file) == self._file_id:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._file)
-            self._file = None
+        self._file = None
 
     async def aclose(self) -> None:
         await _close(self._sock, self._monitor, self._ctx)
@@ -409,6 +445,10 @@ class ZmqDialer(ReceiverLink):
             heartbeat=self.heartbeat,
             events=zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
         )
+        # ZeroMQ tries again until the sender binds: paced as a linked receiver's own tries
+        # (link.Tries), from the shortest pause doubling to the longest, not its 100 ms.
+        self._sock.sock.setsockopt(zmq.RECONNECT_IVL, round(RETRY_MIN_S * 1000))
+        self._sock.sock.setsockopt(zmq.RECONNECT_IVL_MAX, round(RETRY_MAX_S * 1000))
         self._sock.sock.connect(self.address)  # queued until the sender binds
 
     async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
