@@ -12,7 +12,6 @@ sync drops the old baseline first (its memory is needed for the new one).
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ from streamsync.errors import ConfigError
 from streamsync.wire import patch as patches
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule
 
-__all__ = ["Baseline", "DeltaRun", "baseline_of", "choose"]
+__all__ = ["Baseline", "DeltaRun", "choose"]
 
 
 @dataclass
@@ -52,25 +51,6 @@ class Baseline:
     def drop(self) -> None:
         self.version = None
         self.tensors = {}
-
-
-_baselines: weakref.WeakKeyDictionary[Any, Baseline] = weakref.WeakKeyDictionary()
-
-
-def baseline_of(sender: Any, *, create: bool = True) -> Baseline | None:
-    """The baseline kept for an open sender (created empty on first use)."""
-    try:
-        found = _baselines.get(sender)
-        if found is None and create:
-            found = _baselines[sender] = Baseline()
-    except TypeError:
-        if not create:
-            return None  # no baseline can have been kept for it
-        raise ConfigError(
-            f"delta syncs keep a baseline per sender, and a {type(sender).__name__} cannot "
-            "be weakly referenced and hashed: give its class __weakref__ (and __hash__)"
-        ) from None
-    return found
 
 
 def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> str | None:

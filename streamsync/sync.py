@@ -13,7 +13,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from streamsync._delta import DeltaRun, baseline_of, choose, decline, trailing_cast
+from streamsync._delta import DeltaRun, choose, decline, trailing_cast
 from streamsync._log import log
 from streamsync.adapters.bucket import Bucketer, bucket_pairs
 from streamsync.errors import (
@@ -45,7 +45,7 @@ from streamsync.wire.bucket import (
     names_of,
 )
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
-from streamsync.wire.plan import BucketPlans, plans_of
+from streamsync.wire.plan import BucketPlans
 
 __all__ = ["DEFAULT_TIMEOUT", "next_sync_id", "receive", "send", "send_aside"]
 
@@ -130,8 +130,7 @@ async def send(
             timeout=timeout,
             checksum=checksum,
         )
-    if (kept := baseline_of(sender, create=False)) is not None:
-        kept.drop()  # this sync moves the receivers past it
+    sender.state.baseline.drop()  # this sync moves the receivers past it
     buckets = _buckets(weights, pipeline, size, sender)
     return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
 
@@ -174,7 +173,7 @@ def _buckets(
             taken = unchecked_pairs(weights)
         if taken is not None:
             items, check = taken
-            plans = plans_of(sender) if sender is not None else None
+            plans = sender.state.plans if sender is not None else None
             return bucket_pairs(
                 items, stage.bucket_bytes, cast=stage.cast, plans=plans, check=check
             )
@@ -213,7 +212,7 @@ async def _send_delta(
 ) -> SyncReport:
     """A delta-tracked sync: diffed against the sender's baseline when every member holds
     its version, else full (and recorded as the next baseline)."""
-    baseline = baseline_of(sender)  # a ConfigError before anything is begun
+    baseline = sender.state.baseline
     try:
         await sender.wait_ready(timeout=timeout)
         held = await sender.begin(sync_id, timeout=timeout)
@@ -221,7 +220,6 @@ async def _send_delta(
         with anyio.CancelScope(shield=True):
             await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
         raise
-    assert baseline is not None
     if full:
         baseline.declined, baseline.judged = None, False  # asked for: measure again
     if baseline.declined is not None:
@@ -360,7 +358,7 @@ async def _send(
             phases["publish"] = after.publish_seconds - before.publish_seconds
         t2 = time.perf_counter()
         end = End(sync_id, seq, tensors, nbytes, base, unchanged())
-        dones = _filled(await sender.end(end, timeout=timeout), sent, plans_of(sender))
+        dones = _filled(await sender.end(end, timeout=timeout), sent, sender.state.plans)
     except BaseException as exc:
         # Complete the partial report a receiver's failure carries with what this side sent.
         report = getattr(exc, "report", None)

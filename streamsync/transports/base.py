@@ -17,10 +17,20 @@ from typing import Self
 
 import torch
 
+from streamsync._delta import Baseline
 from streamsync.wire.bucket import Bucket, Unpacker
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
+from streamsync.wire.plan import BucketPlans
 
-__all__ = ["Attendance", "Incoming", "Receiver", "ReceiverState", "Sender", "SenderStatistics"]
+__all__ = [
+    "Attendance",
+    "Incoming",
+    "Receiver",
+    "ReceiverState",
+    "Sender",
+    "SenderState",
+    "SenderStatistics",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +91,15 @@ class _Resource(ABC):
             )
 
 
+@dataclass
+class SenderState:
+    """What :func:`~streamsync.send` keeps on a sender between syncs: the delta baseline and
+    the bucket plans of its sources."""
+
+    baseline: Baseline = field(default_factory=Baseline)
+    plans: BucketPlans = field(default_factory=BucketPlans)
+
+
 class Sender(_Resource):
     """Send side of a channel."""
 
@@ -88,6 +107,14 @@ class Sender(_Resource):
     receivers: int = 1
     #: Largest bucket one slot holds.
     slot_bytes: int
+    _state: SenderState | None = None
+
+    @property
+    def state(self) -> SenderState:
+        """The sync protocol's state on this channel (created on first use)."""
+        if self._state is None:
+            self._state = SenderState()
+        return self._state
 
     async def wait_ready(self, *, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until every receiver is there to be sent to."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import array
 import itertools
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -31,7 +30,7 @@ from streamsync._dtypes import dtype_from_name
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, NamedTensor
 from streamsync.wire.frames import Layout
 
-__all__ = ["BucketPlans", "PlanRun", "plans_of"]
+__all__ = ["BucketPlans", "PlanRun"]
 
 #: Plans one sender keeps (its model, a LoRA adapter beside it, ...): the oldest goes first.
 PLANS_PER_SENDER: Final = 4
@@ -98,22 +97,6 @@ class BucketPlans:
         self._plans[key] = plan
         while len(self._plans) > PLANS_PER_SENDER:
             del self._plans[next(iter(self._plans))]
-
-
-_by_sender: weakref.WeakKeyDictionary[Any, BucketPlans] = weakref.WeakKeyDictionary()
-
-
-def plans_of(sender: Any) -> BucketPlans | None:
-    """The plans kept for an open sender (empty at first; dropped with the sender), or
-    ``None`` for a sender that cannot be weakly referenced and hashed (a transport of
-    one's own may define such a class): its syncs are bucketed afresh."""
-    try:
-        found = _by_sender.get(sender)
-        if found is None:
-            found = _by_sender[sender] = BucketPlans()
-    except TypeError:
-        return None
-    return found
 
 
 def _plain(item: Any) -> bool:
