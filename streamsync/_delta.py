@@ -12,16 +12,14 @@ sync drops the old baseline first (its memory is needed for the new one).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from streamsync._copies import clone
-from streamsync.errors import ConfigError
 from streamsync.wire import patch as patches
-from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule
+from streamsync.wire.bucket import BucketBuilder, CastRule
 
 __all__ = ["Baseline", "DeltaRun", "choose"]
 
@@ -107,19 +105,6 @@ def decline(baseline: Baseline, report: Any, tensor_bytes: int, *, delta: bool) 
     )
 
 
-def trailing_cast(stages: Sequence[Any]) -> CastRule | None:
-    """The rule of a pipeline's last stage when it is a ``cast``: a delta applies it while
-    comparing (fused for fp32 to bf16), as the bucketer does while packing."""
-    from streamsync.adapters.cast import cast
-    from streamsync.pipeline import Stage
-
-    last = stages[-1] if stages else None
-    if isinstance(last, Stage) and last.op is cast:
-        rule: CastRule = last.rule
-        return rule
-    return None
-
-
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor's bytes as a flat uint8 view."""
     return tensor.reshape(-1).view(torch.uint8)
@@ -133,7 +118,7 @@ class DeltaRun:
     baseline: Baseline
     base: int | None
     bucket_bytes: int
-    #: The pipeline's trailing ``cast`` (fused into the comparison where it can be).
+    #: The bucketer's ``cast`` (fused into the comparison where it can be).
     cast: CastRule | None = None
     unchanged: int = 0
     sparse: int = 0
@@ -152,27 +137,8 @@ class DeltaRun:
         if self.base is None:
             self.baseline.drop()  # a full sync: its tensors become the whole new baseline
 
-    async def buckets(self, source: AsyncIterable[Any]) -> AsyncIterator[Bucket]:
-        """The buckets of this sync: each tensor whole, as a patch, or not at all."""
-        builder = BucketBuilder(self.bucket_bytes)
-        async for item in source:
-            if isinstance(item, Bucket):
-                raise ConfigError(
-                    "delta syncs diff named tensors; the stream already holds buckets "
-                    "(drop the bucket() stage from the pipeline)"
-                )
-            name, tensor = item
-            for full in self._add(builder, name, tensor):
-                full.base = self.base
-                yield full
-                del full
-            del item, tensor
-        last = builder.flush()
-        if last is not None:
-            last.base = self.base
-            yield last
-
-    def _add(self, builder: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
+    def place(self, builder: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
+        """Place ``tensor`` in ``builder``: whole, as a patch, or not at all (unchanged)."""
         if not isinstance(tensor, torch.Tensor):
             return builder.add(name, tensor)  # raises, naming the tensor
         given = tensor.data_ptr()

@@ -102,10 +102,9 @@ async def _stepped(pairs: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
 
 class PlainStream(AsyncIterator[NamedTensor]):
     """What :func:`named_tensors` returns for a model, a mapping or an iterable of pairs: an
-    async stream of them that keeps its source's items. A sync handed it unread, into the
-    bucketer alone (or a fused ``cast``), takes the items (:meth:`take`) and loops over them
-    plainly, as it would over the model itself: one async step per bucket, not per tensor,
-    and the sender's bucket plans."""
+    async stream of them that keeps its source's items. The bucketer, handed it unread,
+    takes the items (:meth:`take`) and loops over them plainly: one async step per bucket,
+    not per tensor, and the sender's bucket plans."""
 
     __slots__ = ("_check", "_items", "_stream")
 

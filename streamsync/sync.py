@@ -13,9 +13,9 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from streamsync._delta import DeltaRun, choose, decline, trailing_cast
+from streamsync._delta import DeltaRun, choose, decline
 from streamsync._log import log
-from streamsync.adapters.bucket import Bucketer, bucket_pairs
+from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import (
     ConfigError,
     DeltaBaseError,
@@ -25,10 +25,10 @@ from streamsync.errors import (
     SyncInProgressError,
     WireFormatError,
 )
-from streamsync.pipeline import AdapterLike, Chain, Stage, reading
+from streamsync.pipeline import AdapterLike, Chain, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
 from streamsync.sink import Sink, as_target, as_versioned, call_phase
-from streamsync.sources import PlainStream, named_tensors, unchecked_pairs
+from streamsync.sources import named_tensors
 from streamsync.transports import (
     Incoming,
     Receiver,
@@ -131,8 +131,10 @@ async def send(
             checksum=checksum,
         )
     sender.state.baseline.drop()  # this sync moves the receivers past it
-    buckets = _buckets(weights, pipeline, size, sender)
-    return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
+    bucketer = Bucketer(size, plans=sender.state.plans)
+    return await _send(
+        _buckets(weights, pipeline, bucketer), sender, sid, timeout=timeout, checksum=checksum
+    )
 
 
 def next_sync_id() -> int:
@@ -157,26 +159,11 @@ def _stream(weights: Any) -> AsyncIterable[Any]:
 
 
 def _buckets(
-    weights: Any, pipeline: AdapterLike | None, size: int, sender: Sender | None = None
+    weights: Any, pipeline: AdapterLike | None, bucketer: Bucketer
 ) -> AsyncIterable[Bucket]:
-    """``weights`` through ``pipeline`` and the bucketer. A plain source (a model, a
-    mapping, an iterable of pairs, or ``named_tensors`` of one, unread) into the bucketer
-    alone, or a ``cast`` fused into it, is bucketed in a plain loop: one async step per
-    bucket, not per tensor, and with the bucket plans ``sender`` keeps for it
-    (:mod:`streamsync.wire.plan`)."""
-    chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
-    (stage, *rest) = chain.stages
-    if not rest and isinstance(stage, Stage) and stage.op is Bucketer:
-        # ``named_tensors(model)`` unread is the model itself here.
-        taken = weights.take() if isinstance(weights, PlainStream) else None
-        if taken is None and not isinstance(weights, AsyncIterable):
-            taken = unchecked_pairs(weights)
-        if taken is not None:
-            items, check = taken
-            plans = sender.state.plans if sender is not None else None
-            return bucket_pairs(
-                items, stage.bucket_bytes, cast=stage.cast, plans=plans, check=check
-            )
+    """``weights`` through ``pipeline`` and ``bucketer`` (a trailing ``cast`` fused into
+    it)."""
+    chain = Chain(pipeline, bucketer) if pipeline is not None else Chain(bucketer)
     return chain(_stream(weights))
 
 
@@ -195,8 +182,10 @@ async def send_aside(
     baseline, stay as they are (a receiver's sink reports the version it still holds)."""
     size = _bucket_size(sender, bucket_bytes)
     sid = next(_sync_ids) if sync_id is None else sync_id
-    buckets = _buckets(weights, pipeline, size, sender)
-    return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
+    bucketer = Bucketer(size, plans=sender.state.plans)
+    return await _send(
+        _buckets(weights, pipeline, bucketer), sender, sid, timeout=timeout, checksum=checksum
+    )
 
 
 async def _send_delta(
@@ -225,7 +214,7 @@ async def _send_delta(
     if baseline.declined is not None:
         # A delta costs more than it saves on this channel: plain dense syncs.
         report = await _send(
-            _buckets(stream, pipeline, size),
+            _buckets(stream, pipeline, Bucketer(size)),
             sender,
             sync_id,
             timeout=timeout,
@@ -238,14 +227,9 @@ async def _send_delta(
         )
     why = choose(baseline, held, full=full)
     base = baseline.version if why is None else None
-    stages = Chain(pipeline).parts if pipeline is not None else ()
-    rule = trailing_cast(stages)
-    if rule is not None:
-        stages = stages[:-1]  # fused into the comparison (or applied there)
-    run = DeltaRun(baseline, base, size, cast=rule)
-    items = Chain(*stages)(stream) if stages else stream
+    run = DeltaRun(baseline, base, size)
     report = await _send(
-        run.buckets(items),
+        _buckets(stream, pipeline, Bucketer(size, delta=run)),
         sender,
         sync_id,
         timeout=timeout,

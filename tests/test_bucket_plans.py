@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 import streamsync as ss
 from streamsync.adapters import cast
-from streamsync.adapters.bucket import bucket_pairs
-from streamsync.pipeline import Chain, Stage
-from streamsync.sources import plain_pairs, unchecked_pairs
+from streamsync.adapters.bucket import Bucketer
+from streamsync.pipeline import Chain
+from streamsync.sources import PlainStream, plain_pairs, unchecked_pairs
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, Unpacker
 from streamsync.wire.frames import BucketHeader
 from streamsync.wire.plan import PLANS_PER_SENDER, BucketPlans
@@ -49,7 +49,7 @@ def _bucketed(
             pairs, check = plain_pairs(tensors), None
         else:
             pairs, check = unchecked_pairs(tensors)
-        buckets = bucket_pairs(pairs, bucket_bytes, cast=rule, plans=plans, check=check)
+        buckets = Bucketer(bucket_bytes, cast=rule, plans=plans)(PlainStream(pairs, check))
         return [b async for b in buckets]
 
     return anyio.run(run)
@@ -222,7 +222,7 @@ def test_items_not_yet_checked_replay_only_while_plain_and_bad_ones_are_named(
 
     async def run(items: list[Any]) -> list[Bucket]:
         pairs, check = unchecked_pairs(items)
-        return [b async for b in bucket_pairs(pairs, 1024, plans=plans, check=check)]
+        return [b async for b in Bucketer(1024, plans=plans)(PlainStream(pairs, check))]
 
     with pytest.raises(TypeError, match="expected \\(name, tensor\\) pairs, got tuple"):
         anyio.run(run, [*tensors.items(), ("w6",)])
@@ -379,7 +379,7 @@ def test_a_stage_without_a_cast_and_one_with_are_different_plans() -> None:
     plans = BucketPlans()
     tensors = {"w": torch.ones(8)}
     stage = Chain(cast(torch.bfloat16), ss.adapters.bucket(1024)).stages[0]
-    assert isinstance(stage, Stage)
+    assert isinstance(stage, Bucketer)
     plain = _packed(_bucketed(tensors, 1024, None, plans))
     casted = _packed(_bucketed(tensors, 1024, stage.cast, plans))
     assert plain != casted
