@@ -15,6 +15,7 @@ import msgspec
 
 from streamsync._delta import DeltaRun, choose, decline
 from streamsync._log import log
+from streamsync._replay import BucketPlans
 from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import (
     ConfigError,
@@ -45,7 +46,6 @@ from streamsync.wire.bucket import (
     names_of,
 )
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
-from streamsync.wire.plan import BucketPlans
 
 __all__ = ["DEFAULT_TIMEOUT", "next_sync_id", "receive", "send", "send_aside"]
 

@@ -1,4 +1,4 @@
-"""Bucket plans a sender keeps between syncs (``streamsync.wire.plan``): a source that
+"""Bucket plans a sender keeps between syncs (``streamsync._replay``): a source that
 matches the last sync's is bucketed by refilling its buckets; one that differs anywhere is
 bucketed correctly all the same, and its new shape becomes the plan."""
 
@@ -16,13 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamsync as ss
+from streamsync._replay import PLANS_PER_SENDER, BucketPlans
 from streamsync.adapters import cast
 from streamsync.adapters.bucket import Bucketer
 from streamsync.pipeline import Chain
 from streamsync.sources import PlainStream, plain_pairs, unchecked_pairs
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, Unpacker
 from streamsync.wire.frames import BucketHeader
-from streamsync.wire.plan import PLANS_PER_SENDER, BucketPlans
 
 Spec = tuple[str, torch.dtype, tuple[int, ...], bool]
 

@@ -16,6 +16,7 @@ from typing import Any, Final
 import torch
 
 from streamsync._delta import DeltaRun
+from streamsync._replay import BucketPlans, PlanRun
 from streamsync.errors import ConfigError
 from streamsync.pipeline import Adapter, NamedTensor, adapter, reading
 from streamsync.sources import PlainStream
@@ -28,7 +29,6 @@ from streamsync.wire.bucket import (
     Unpacker,
 )
 from streamsync.wire.frames import BucketHeader
-from streamsync.wire.plan import BucketPlans, PlanRun
 
 __all__ = ["Bucketer", "bucket", "unbucket"]
 
@@ -40,7 +40,7 @@ class Bucketer(Adapter):
     How a tensor is placed is the builder's strategy: as it is (converted by ``cast`` while
     packing); against a sender's delta baseline (``delta``: each tensor whole, as a patch,
     or not at all); or, with a sender's ``plans``, filling the buckets of the last sync of
-    the same source again while its tensors match them (:mod:`streamsync.wire.plan`). A
+    the same source again while its tensors match them (:mod:`streamsync._replay`). A
     plain source not yet read (what :func:`~streamsync.named_tensors` makes of a model, a
     mapping or an iterable) is read in a plain loop: one async step per bucket, not per
     tensor.

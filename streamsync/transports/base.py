@@ -18,9 +18,9 @@ from typing import Self
 import torch
 
 from streamsync._delta import Baseline
+from streamsync._replay import BucketPlans
 from streamsync.wire.bucket import Bucket, Unpacker
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
-from streamsync.wire.plan import BucketPlans
 
 __all__ = [
     "Attendance",

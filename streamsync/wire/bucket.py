@@ -150,7 +150,7 @@ class Bucket:
         self.holds_tail = False
         #: A delta sync's base version (``BucketHeader.base``).
         self.base: int | None = None
-        #: Its layout, made once for a replayed plan's bucket (:mod:`streamsync.wire.plan`).
+        #: Its layout, made once for a replayed plan's bucket (:mod:`streamsync._replay`).
         self.fixed_layout: Layout | None = None
         #: The source addresses it was last packed from and their :class:`MovePlan` (up to
         #: :data:`KEPT_PLAN_ENTRIES` entries); shared with its :meth:`refilled` twins, which

@@ -1,4 +1,4 @@
-"""Bucket plans a sender keeps between syncs.
+"""Bucket plans a sender keeps between syncs, the bucket builder's replay strategy.
 
 A trainer sends the same tensors in the same order every step, each with the same name,
 dtype and shape, so the buckets it makes are the same every step too: which entries, at
