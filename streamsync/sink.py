@@ -290,16 +290,11 @@ class ModuleSink:
         self._loaded.update(loaded)
 
     def finalize(self) -> LoadResult:
-        laid = self._laid
-        # Every name loaded is the module's (``load`` checks each), and a sync's buckets
-        # share no name (the receiver's unpacker claims each once; one plan's bucket loaded
-        # twice is caught here): as many names as the module has is all of them, and the
-        # usual sync's report is known without a pass over the names.
-        if len(self._loaded) + sum(map(len, laid)) == len(self._names) and len(
-            {id(names) for names in laid}
-        ) == len(laid):
+        # Every name loaded is the module's (``load`` checks each): as many distinct names
+        # as the module has is all of them.
+        loaded = self._loaded.union(*self._laid)
+        if len(loaded) == len(self._names):
             return LoadResult(loaded=self._names, unexpected=tuple(self._unexpected))
-        loaded = self._loaded.union(*laid)
         done = {alias for name in loaded for alias in self._aliases.get(name, (name,))}
         return LoadResult(
             loaded=tuple(sorted(loaded)),
