@@ -238,15 +238,22 @@ async def _send_delta(
         unchanged=lambda: run.unchanged,
         begun=True,
     )
+    return _delta_done(run, report, why)
+
+
+def _delta_done(run: DeltaRun, report: SyncReport, why: str | None) -> SyncReport:
+    """Keep what a delta-tracked sync sent as the next baseline (unless deltas do not pay
+    here) and complete its report."""
+    baseline, base = run.baseline, run.base
     baseline.declined = decline(baseline, report, run.tensor_bytes, delta=base is not None)
     if baseline.declined is None:
-        run.commit(sync_id)
+        run.commit(report.sync_id)
     else:
         baseline.drop()  # the recorded copy would never be used
     scan = run.scanned_bytes / run.scan_seconds / 1e9 if run.scan_seconds > 0 else 0.0
     log(
         "sync.delta",
-        sync_id=sync_id,
+        sync_id=report.sync_id,
         base=base,
         full_reason=why,
         unchanged=run.unchanged,
@@ -269,6 +276,21 @@ async def _send_delta(
             baseline_bytes=baseline.nbytes,
         ),
     )
+
+
+@dataclass
+class _Sending:
+    """How far one sync got on the sending side."""
+
+    sync_id: int
+    start: float = field(default_factory=time.perf_counter)
+    buckets: int = 0
+    tensors: int = 0
+    nbytes: int = 0
+    source_s: float = 0.0
+    send_s: float = 0.0
+    #: Each bucket's names: what a ``Done.carried`` stands for.
+    sent: list[Sequence[str]] = field(default_factory=list)
 
 
 async def _send(
@@ -294,46 +316,10 @@ async def _send(
             await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
         raise
     before = sender.statistics()
-    start = time.perf_counter()
-    seq = tensors = nbytes = 0
-    source_s = send_s = 0.0
-    sent: list[Sequence[str]] = []  # each bucket's names: what a ``Done.carried`` stands for
+    sync = _Sending(sync_id)
     try:
-        async with reading(buckets) as items:
-            try:
-                while True:
-                    t0 = time.perf_counter()
-                    try:
-                        bucket = await anext(items)
-                    except StopAsyncIteration:
-                        break
-                    t1 = time.perf_counter()
-                    await sender.send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
-                    source_s += t1 - t0
-                    send_s += time.perf_counter() - t1
-                    seq += 1
-                    tensors += bucket.tensors
-                    nbytes += bucket.nbytes
-                    sent.append(bucket.names)
-                    del bucket  # packed: its source tensors may go before the next one fills
-            except BaseException as exc:
-                # Cancelled too (WeightSync cancels the send when an engine fails): the
-                # receivers already waiting for this sync, in other threads and processes,
-                # hear it is off and are free for the next one. One whose receive() was
-                # cancelled with ours skips this abort at its next receive() (``abandoned``).
-                with anyio.CancelScope(shield=True):
-                    await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
-                raise
-        log(
-            "sync.send",
-            sync_id=sync_id,
-            bytes=nbytes,
-            buckets=seq,
-            tensors=tensors,
-            seconds=round(send_s, 6),
-            source_seconds=round(source_s, 6),
-        )
-        phases = {"source": source_s, "send": send_s}
+        await _send_buckets(buckets, sender, sync, timeout=timeout, checksum=checksum)
+        phases = {"source": sync.source_s, "send": sync.send_s}
         after = sender.statistics()
         if before is not None and after is not None:
             # What ``send`` was made of: waiting for a free slot, packing, handing it over.
@@ -341,41 +327,95 @@ async def _send(
             phases["pack"] = after.pack_seconds - before.pack_seconds
             phases["publish"] = after.publish_seconds - before.publish_seconds
         t2 = time.perf_counter()
-        end = End(sync_id, seq, tensors, nbytes, base, unchanged())
-        dones = _filled(await sender.end(end, timeout=timeout), sent, sender.state.plans)
+        end = End(sync_id, sync.buckets, sync.tensors, sync.nbytes, base, unchanged())
+        dones = _filled(await sender.end(end, timeout=timeout), sync.sent, sender.state.plans)
     except BaseException as exc:
         # Complete the partial report a receiver's failure carries with what this side sent.
         report = getattr(exc, "report", None)
         if isinstance(exc, StreamsyncError) and report is not None and report.side == "send":
             exc.report = msgspec.structs.replace(
                 report,
-                tensors=tensors,
-                nbytes=nbytes,
-                buckets=seq,
-                seconds=time.perf_counter() - start,
+                tensors=sync.tensors,
+                nbytes=sync.nbytes,
+                buckets=sync.buckets,
+                seconds=time.perf_counter() - sync.start,
             )
         raise
-    end_s = time.perf_counter() - t2
+    phases["end"] = time.perf_counter() - t2
+    return _send_report(sender, sync, dones, phases)
+
+
+async def _send_buckets(
+    buckets: AsyncIterable[Bucket],
+    sender: Sender,
+    sync: _Sending,
+    *,
+    timeout: float,
+    checksum: bool,
+) -> None:
+    """Send every bucket of the sync; abort it on the receivers if that fails."""
+    async with reading(buckets) as items:
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    bucket = await anext(items)
+                except StopAsyncIteration:
+                    break
+                t1 = time.perf_counter()
+                await sender.send(
+                    sync.sync_id, sync.buckets, bucket, timeout=timeout, checksum=checksum
+                )
+                sync.source_s += t1 - t0
+                sync.send_s += time.perf_counter() - t1
+                sync.buckets += 1
+                sync.tensors += bucket.tensors
+                sync.nbytes += bucket.nbytes
+                sync.sent.append(bucket.names)
+                del bucket  # packed: its source tensors may go before the next one fills
+        except BaseException as exc:
+            # Cancelled too (WeightSync cancels the send when an engine fails): the
+            # receivers already waiting for this sync, in other threads and processes,
+            # hear it is off and are free for the next one. One whose receive() was
+            # cancelled with ours skips this abort at its next receive() (``abandoned``).
+            with anyio.CancelScope(shield=True):
+                await sender.abort(Abort(sync.sync_id, f"{type(exc).__name__}: {exc}"))
+            raise
+    log(
+        "sync.send",
+        sync_id=sync.sync_id,
+        bytes=sync.nbytes,
+        buckets=sync.buckets,
+        tensors=sync.tensors,
+        seconds=round(sync.send_s, 6),
+        source_seconds=round(sync.source_s, 6),
+    )
+
+
+def _send_report(
+    sender: Sender, sync: _Sending, dones: list[Done], phases: dict[str, float]
+) -> SyncReport:
+    """The sender's report of a finished sync, from the receivers' ``Done``s."""
     attendance = sender.attendance()
     log(
         "sync.end",
-        sync_id=sync_id,
+        sync_id=sync.sync_id,
         receivers=len(dones),
         absent=len(attendance.absent),
         refused=len(attendance.refused),
-        seconds=round(end_s, 6),
+        seconds=round(phases["end"], 6),
     )
     missing = sorted(set.intersection(*(set(d.missing) for d in dones))) if dones else []
     return _done(
         SyncReport(
-            sync_id=sync_id,
+            sync_id=sync.sync_id,
             side="send",
-            tensors=tensors,
-            nbytes=nbytes,
-            wire_bytes=nbytes,
-            buckets=seq,
-            seconds=time.perf_counter() - start,
-            phases={**phases, "end": end_s},
+            tensors=sync.tensors,
+            nbytes=sync.nbytes,
+            wire_bytes=sync.nbytes,
+            buckets=sync.buckets,
+            seconds=time.perf_counter() - sync.start,
+            phases=phases,
             loaded=_union(d.loaded for d in dones),
             missing=tuple(missing),
             instances={
