@@ -26,7 +26,8 @@ from streamsync._copies import CopyBatch, MovePlan
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.wire.bucket import LaidOut, LayoutPlan
+from streamsync.wire.bucket import LaidOut
+from streamsync.wire.frames import Layout
 
 __all__ = [
     "BUFFER_MANIFEST",
@@ -98,6 +99,10 @@ def set_held_version(module: torch.nn.Module, version: int | None) -> None:
         _versions.pop(module, None)
     else:
         _versions[module] = version
+
+
+#: Bucket layouts a :class:`ModuleSink` keeps the moves of (a trainer repeats a few).
+_LAYOUTS_KEPT: Final = 64
 
 
 @runtime_checkable
@@ -182,11 +187,9 @@ class ModuleSink:
         #: to ``_loaded`` name by name).
         self._laid: list[tuple[str, ...]] = []
         self._unexpected: list[str] = []
-        # Per bucket layout the receiver recognised, its moves into the module (or None:
-        # that layout takes the general path); dropped with the receiver's own plan.
-        self._plans: weakref.WeakKeyDictionary[
-            LayoutPlan, tuple[MovePlan, tuple[str, ...]] | None
-        ] = weakref.WeakKeyDictionary()
+        # Per bucket layout, its moves into the module (or None: that layout takes the
+        # general path); a trainer repeats a few layouts every step.
+        self._plans: dict[Layout, tuple[MovePlan, tuple[str, ...]] | None] = {}
 
     @property
     def version(self) -> int | None:
@@ -235,27 +238,30 @@ class ModuleSink:
             return None  # skipped, or converted by load from the staging buffer
         return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
 
-    def _moves(self, layout: LayoutPlan) -> tuple[MovePlan, tuple[str, ...]] | None:
-        """The memmoves of a bucket of ``layout`` into the module, when every entry is one of
-        its contiguous CPU tensors with the same shape and dtype; else ``None``."""
+    def _moves(self, batch: LaidOut) -> tuple[MovePlan, tuple[str, ...]] | None:
+        """The memmoves of a bucket laid out as ``batch`` into the module, when every entry
+        is one of its contiguous CPU tensors with the same shape and dtype; else ``None``."""
+        layout = batch.layout
         if layout in self._plans:
             return self._plans[layout]
         dst: list[int] = []
         meta = self._meta
         plan: tuple[MovePlan, tuple[str, ...]] | None = None
-        for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes(), strict=True):
+        for name, dtype, shape in zip(batch.names, batch.dtypes, batch.shapes(), strict=True):
             known = meta.get(name)
             if known is None or known[0] != shape or known[1] != dtype or known[2] is None:
                 break
             dst.append(known[2])
         else:
-            plan = MovePlan(dst, layout.offsets, layout.nbytes, spread_small=False), layout.names
+            plan = MovePlan(dst, batch.offsets, batch.sizes, spread_small=False), batch.names
+        if len(self._plans) >= _LAYOUTS_KEPT:
+            self._plans.clear()
         self._plans[layout] = plan
         return plan
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
         if isinstance(tensors, LaidOut) and tensors.data.is_cpu:  # memmoves: host memory only
-            planned = self._moves(tensors.plan)
+            planned = self._moves(tensors)
             if planned is not None:
                 moves, names = planned
                 moves.run(0, tensors.data.data_ptr())

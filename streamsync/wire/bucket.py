@@ -517,9 +517,9 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class LaidOut(Sequence[NamedTensor]):
-    """The tensors of a bucket of plain entries, as views into its bytes built when first
-    asked for; a sink that understands it (``ModuleSink``) copies from :attr:`data` by the
-    :attr:`plan` without building them."""
+    """The checked tensors of a bucket of whole, plain entries, as views into its bytes
+    built when first asked for; a sink that understands it (``ModuleSink``) copies from
+    :attr:`data` by the names, dtypes, shapes and offsets without building them."""
 
     __slots__ = ("_views", "data", "nbytes", "plan")
 
@@ -532,7 +532,32 @@ class LaidOut(Sequence[NamedTensor]):
 
     @property
     def names(self) -> tuple[str, ...]:
+        """Each tensor's name, in bucket order."""
         return self.plan.names
+
+    @property
+    def layout(self) -> Layout:
+        """The bucket's layout as it came (checked): equal for buckets laid out alike."""
+        return self.plan.layout
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """Each tensor's dtype."""
+        return self.plan.dtypes
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Each tensor's offset in :attr:`data`, in bytes."""
+        return self.plan.offsets
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each tensor's bytes."""
+        return self.plan.nbytes
+
+    def shapes(self) -> Iterator[tuple[int, ...]]:
+        """Each tensor's shape."""
+        return self.plan.shapes()
 
     def __len__(self) -> int:
         return len(self.plan.names)
