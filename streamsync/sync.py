@@ -429,19 +429,17 @@ def _send_report(
     )
 
 
-def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans | None) -> list[Done]:
+def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans) -> list[Done]:
     """``dones`` with the names of each that says it loaded what the sync carried: ``sent``
     sorted, each once (kept with the sender's plans for the next sync that sends the same
     lists, as a trainer's replayed plans do)."""
     if not any(d.carried for d in dones):
         return dones
-    memo = kept.sent if kept is not None else None
-    if memo is not None and memo[0] == sent:  # a pointer per bucket where the lists are kept
-        carried = memo[1]
+    if kept.sent is not None and kept.sent[0] == sent:  # a pointer per bucket, when kept
+        carried = kept.sent[1]
     else:
         carried = _sorted_once(itertools.chain.from_iterable(sent))
-        if kept is not None:
-            kept.sent = (sent, carried)
+        kept.sent = (sent, carried)
     return [
         msgspec.structs.replace(d, loaded=carried, carried=False) if d.carried else d for d in dones
     ]

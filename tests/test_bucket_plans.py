@@ -20,7 +20,7 @@ from streamsync._replay import PLANS_PER_SENDER, BucketPlans
 from streamsync.adapters import cast
 from streamsync.adapters.bucket import Bucketer
 from streamsync.pipeline import Chain
-from streamsync.sources import PlainStream, plain_pairs, unchecked_pairs
+from streamsync.sources import PlainStream, unchecked_pairs
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, Unpacker
 from streamsync.wire.frames import BucketHeader
 
@@ -46,7 +46,7 @@ def _bucketed(
     # send() gives them, checked by the replay or by the source's check.
     async def run() -> list[Bucket]:
         if checked:
-            pairs, check = plain_pairs(tensors), None
+            pairs, check = iter(tensors.items()), None
         else:
             pairs, check = unchecked_pairs(tensors)
         buckets = Bucketer(bucket_bytes, cast=rule, plans=plans)(PlainStream(pairs, check))

@@ -17,7 +17,7 @@ from streamsync.adapters import bucket, cast
 from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import ConfigError
 from streamsync.pipeline import Chain
-from streamsync.sources import PlainStream, plain_pairs
+from streamsync.sources import PlainStream
 from streamsync.wire.bucket import Bucket
 
 
@@ -120,7 +120,7 @@ def test_the_plain_loop_makes_the_buckets_the_bucket_adapter_makes(
             yield pair
 
     async def both() -> tuple[list[Bucket], list[Bucket]]:
-        plain = [b async for b in chain(PlainStream(plain_pairs(tensors), None))]
+        plain = [b async for b in chain(named_tensors(tensors))]
         streamed = [b async for b in chain(one_at_a_time())]
         return plain, streamed
 

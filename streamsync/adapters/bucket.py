@@ -141,20 +141,16 @@ class _Plain:
         """A bucket the builder made, before it is handed on."""
 
     def replay(self, pairs: Iterator[Any]) -> Iterator[Bucket]:
-        """Buckets made before the loop from ``pairs``, a plain source (none here)."""
         return iter(())
 
     def rest(self, pairs: Iterator[Any]) -> Iterator[Any]:
-        """What of ``pairs`` the loop places."""
         return pairs
 
     def upstream(self, bucket: Bucket) -> list[Bucket]:
-        """A bucket made upstream: handed on after what the builder holds."""
         pending = self.builder.flush()
         return [bucket] if pending is None else [pending, bucket]
 
     def finish(self) -> list[Bucket]:
-        """The last bucket, once the source ended."""
         last = self.builder.flush()
         if last is None:
             return []

@@ -22,15 +22,7 @@ from streamsync._replay import BucketPlans
 from streamsync.wire.bucket import Bucket, Unpacker
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
-__all__ = [
-    "Attendance",
-    "Incoming",
-    "Receiver",
-    "ReceiverState",
-    "Sender",
-    "SenderState",
-    "SenderStatistics",
-]
+__all__ = ["Attendance", "Incoming", "Receiver", "ReceiverState", "Sender", "SenderStatistics"]
 
 
 @dataclass(frozen=True, slots=True)

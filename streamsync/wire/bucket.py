@@ -521,39 +521,15 @@ class LaidOut(Sequence[NamedTensor]):
     built when first asked for; a sink that understands it (``ModuleSink``) copies from
     :attr:`data` by the names, dtypes, shapes and offsets without building them."""
 
-    __slots__ = ("_views", "data", "nbytes", "plan")
-
     def __init__(self, plan: LayoutPlan, data: torch.Tensor, nbytes: int) -> None:
         self.plan = plan
+        #: The layout as it came (checked), each tensor's name, dtype, offset and bytes.
+        self.layout, self.names, self.dtypes = plan.layout, plan.names, plan.dtypes
+        self.offsets, self.sizes = plan.offsets, plan.nbytes
         #: The bucket's bytes (uint8), of which the first ``nbytes`` are the bucket.
         self.data = data
         self.nbytes = nbytes
         self._views: list[NamedTensor] | None = None
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Each tensor's name, in bucket order."""
-        return self.plan.names
-
-    @property
-    def layout(self) -> Layout:
-        """The bucket's layout as it came (checked): equal for buckets laid out alike."""
-        return self.plan.layout
-
-    @property
-    def dtypes(self) -> tuple[torch.dtype, ...]:
-        """Each tensor's dtype."""
-        return self.plan.dtypes
-
-    @property
-    def offsets(self) -> np.ndarray:
-        """Each tensor's offset in :attr:`data`, in bytes."""
-        return self.plan.offsets
-
-    @property
-    def sizes(self) -> np.ndarray:
-        """Each tensor's bytes."""
-        return self.plan.nbytes
 
     def shapes(self) -> Iterator[tuple[int, ...]]:
         """Each tensor's shape."""
