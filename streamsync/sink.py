@@ -3,7 +3,9 @@
 A sink has ``prepare()``, called once before the first bucket of a sync; ``load(tensors)``,
 called once per bucket with that bucket's complete tensors; and ``finalize()``, called once
 after the last bucket, which may return a :class:`~streamsync.LoadResult`. Each method may be
-a plain or an ``async`` function.
+a plain or an ``async`` function. A sink that routes buffers may offer
+``declare_buffers(names)``: the buffer names the trainer declared
+(:func:`~streamsync.adapters.split_buffers`), taken out of the stream before ``load``.
 
 **The tensors handed to ``load`` are views into a transport slot that is reused as soon as
 ``load`` returns.** A sink must copy what it keeps; keeping a view is how an engine ends up
@@ -271,8 +273,6 @@ class ModuleSink:
         meta = self._meta
         loaded: list[str] = []
         for name, src in tensors:
-            if name == BUFFER_MANIFEST:
-                continue  # buffers are parameters' peers here: every name is copied in place
             known = meta.get(name)
             if known is not None and known[0] == src.shape and known[1] == src.dtype:
                 # The common case, checked from the cache: the name, shape and dtype match.

@@ -26,9 +26,9 @@ from streamsync.errors import (
     SyncInProgressError,
     WireFormatError,
 )
-from streamsync.pipeline import AdapterLike, Chain, reading
+from streamsync.pipeline import AdapterLike, Chain, NamedTensor, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
-from streamsync.sink import Sink, as_target, as_versioned, call_phase
+from streamsync.sink import BUFFER_MANIFEST, Sink, as_target, as_versioned, call_phase
 from streamsync.sources import named_tensors
 from streamsync.transports import (
     Incoming,
@@ -672,8 +672,11 @@ async def _load_all(
         assert incoming.data is not None
         t0 = time.perf_counter()
         batch = unpacker.feed(msg, incoming.data, target=target)
+        names = names_of(batch)
+        if BUFFER_MANIFEST in names:
+            batch = _declare_buffers(sink, batch)
         await call_phase(sink.load, batch)
-        sync.applied.extend(names_of(batch))
+        sync.applied.extend(names)
         sync.load_s += time.perf_counter() - t0
         sync.nbytes += msg.nbytes
         sync.buckets += 1
@@ -695,6 +698,18 @@ async def _load_all(
         buckets=sync.buckets,
         seconds=round(sync.load_s, 6),
     )
+
+
+def _declare_buffers(sink: Sink, batch: Sequence[NamedTensor]) -> list[NamedTensor]:
+    """``batch`` less the trainer's buffer manifest (see
+    :func:`~streamsync.adapters.split_buffers`), whose names go to the sink's
+    ``declare_buffers`` where it has one: a fact of the stream, not a tensor to load."""
+    from streamsync.adapters.split_buffers import manifest_names
+
+    declare = getattr(sink, "declare_buffers", None)
+    if declare is not None:
+        declare(manifest_names(dict(batch)[BUFFER_MANIFEST]))
+    return [(name, tensor) for name, tensor in batch if name != BUFFER_MANIFEST]
 
 
 async def _fail(receiver: Receiver, sync: _Progress, exc: BaseException, timeout: float) -> None:
