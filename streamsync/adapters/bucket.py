@@ -100,23 +100,26 @@ class Bucketer(Adapter):
                     rest = strategy.rest(pairs)
                     if taken[1] is not None:
                         rest = taken[1](rest)
+                plain = pairs is not None
                 while True:
-                    item: Any = next(rest, end) if pairs is not None else await anext(items, end)
-                    if item is end:
-                        break
-                    if isinstance(item, Bucket):
-                        for done in strategy.upstream(item):
-                            yield done
-                            del done
-                        continue
+                    item: Any = next(rest, end) if plain else await anext(items, end)
+                    if type(item) is not tuple:
+                        if item is end:
+                            break
+                        if isinstance(item, Bucket):
+                            for done in strategy.upstream(item):
+                                yield done
+                                del done
+                            continue
                     name, tensor = item
                     del item
                     full = place(name, tensor)
                     del tensor  # held by the bucket alone from here
-                    for done in full:
-                        made(done)
-                        yield done
-                        del done
+                    if full:
+                        for done in full:
+                            made(done)
+                            yield done
+                            del done
                     del full
             finally:
                 close = getattr(pairs, "close", None)
