@@ -32,9 +32,7 @@ __all__ = ["format_per_tensor", "run_per_tensor"]
 def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any]:
     """Time each step; returns microseconds per tensor by step (the ``--json``)."""
     import streamsync as ss
-    from streamsync.adapters.bucket import Bucketer, bucket_pairs
-    from streamsync.pipeline import Chain
-    from streamsync.sources import plain_pairs
+    from streamsync.adapters.bucket import Bucketer
     from streamsync.wire.bucket import Bucket, Unpacker, allocate_slot
     from streamsync.wire.frames import BucketHeader
 
@@ -60,12 +58,16 @@ def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any
     async def produce() -> None:
         # What ``send`` does with a model and no pipeline: a plain loop per bucket.
         buckets.clear()
-        async for bucket in bucket_pairs(plain_pairs(source), 1 << 30):
+        async for bucket in Bucketer(1 << 30)(ss.named_tensors(source)):
             buckets.append(bucket)
 
     async def produce_streamed() -> None:
         # An async stream of named tensors (any pipeline): an async step per tensor.
-        async for _ in Chain(Bucketer(1 << 30))(ss.named_tensors(source)):
+        async def one_at_a_time() -> Any:
+            async for pair in ss.named_tensors(source):
+                yield pair
+
+        async for _ in Bucketer(1 << 30)(one_at_a_time()):
             pass
 
     steps: dict[str, float] = {}

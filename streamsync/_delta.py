@@ -12,17 +12,14 @@ sync drops the old baseline first (its memory is needed for the new one).
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from streamsync._copies import clone
-from streamsync.errors import ConfigError
 from streamsync.wire import patch as patches
-from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule
+from streamsync.wire.bucket import BucketBuilder, CastRule
 
 
 @dataclass
@@ -50,25 +47,6 @@ class Baseline:
     def drop(self) -> None:
         self.version = None
         self.tensors = {}
-
-
-_baselines: weakref.WeakKeyDictionary[Any, Baseline] = weakref.WeakKeyDictionary()
-
-
-def baseline_of(sender: Any, *, create: bool = True) -> Baseline | None:
-    """The baseline kept for an open sender (created empty on first use)."""
-    try:
-        found = _baselines.get(sender)
-        if found is None and create:
-            found = _baselines[sender] = Baseline()
-    except TypeError:
-        if not create:
-            return None  # no baseline can have been kept for it
-        raise ConfigError(
-            f"delta syncs keep a baseline per sender, and a {type(sender).__name__} cannot "
-            "be weakly referenced and hashed: give its class __weakref__ (and __hash__)"
-        ) from None
-    return found
 
 
 def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> str | None:
@@ -125,19 +103,6 @@ def decline(baseline: Baseline, report: Any, tensor_bytes: int, *, delta: bool) 
     )
 
 
-def trailing_cast(stages: Sequence[Any]) -> CastRule | None:
-    """The rule of a pipeline's last stage when it is a ``cast``: a delta applies it while
-    comparing (fused for fp32 to bf16), as the bucketer does while packing."""
-    from streamsync.adapters.cast import cast
-    from streamsync.pipeline import Stage
-
-    last = stages[-1] if stages else None
-    if isinstance(last, Stage) and last.op is cast:
-        rule: CastRule = last.rule
-        return rule
-    return None
-
-
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor's bytes as a flat uint8 view."""
     return tensor.reshape(-1).view(torch.uint8)
@@ -151,7 +116,7 @@ class DeltaRun:
     baseline: Baseline
     base: int | None
     bucket_bytes: int
-    #: The pipeline's trailing ``cast`` (fused into the comparison where it can be).
+    #: The bucketer's ``cast`` (fused into the comparison where it can be).
     cast: CastRule | None = None
     unchanged: int = 0
     sparse: int = 0
@@ -170,27 +135,8 @@ class DeltaRun:
         if self.base is None:
             self.baseline.drop()  # a full sync: its tensors become the whole new baseline
 
-    async def buckets(self, source: AsyncIterable[Any]) -> AsyncIterator[Bucket]:
-        """The buckets of this sync: each tensor whole, as a patch, or not at all."""
-        builder = BucketBuilder(self.bucket_bytes)
-        async for item in source:
-            if isinstance(item, Bucket):
-                raise ConfigError(
-                    "delta syncs diff named tensors; the stream already holds buckets "
-                    "(drop the bucket() stage from the pipeline)"
-                )
-            name, tensor = item
-            for full in self._add(builder, name, tensor):
-                full.base = self.base
-                yield full
-                del full
-            del item, tensor
-        last = builder.flush()
-        if last is not None:
-            last.base = self.base
-            yield last
-
-    def _add(self, builder: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
+    def place(self, builder: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
+        """Place ``tensor`` in ``builder``: whole, as a patch, or not at all (unchanged)."""
         if not isinstance(tensor, torch.Tensor):
             return builder.add(name, tensor)  # raises, naming the tensor
         given = tensor.data_ptr()

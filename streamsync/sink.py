@@ -3,7 +3,9 @@
 A sink has ``prepare()``, called once before the first bucket of a sync; ``load(tensors)``,
 called once per bucket with that bucket's complete tensors; and ``finalize()``, called once
 after the last bucket, which may return a :class:`~streamsync.LoadResult`. Each method may be
-a plain or an ``async`` function.
+a plain or an ``async`` function. A sink that routes buffers may offer
+``declare_buffers(names)``: the buffer names the trainer declared
+(:func:`~streamsync.adapters.split_buffers`), taken out of the stream before ``load``.
 
 **The tensors handed to ``load`` are views into a transport slot that is reused as soon as
 ``load`` returns.** A sink must copy what it keeps; keeping a view is how an engine ends up
@@ -26,7 +28,8 @@ from streamsync._copies import CopyBatch, MovePlan
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.wire.bucket import LaidOut, LayoutPlan
+from streamsync.wire.bucket import LaidOut
+from streamsync.wire.frames import Layout
 
 #: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
 #: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.
@@ -86,6 +89,10 @@ def set_held_version(module: torch.nn.Module, version: int | None) -> None:
         _versions.pop(module, None)
     else:
         _versions[module] = version
+
+
+#: Bucket layouts a :class:`ModuleSink` keeps the moves of (a trainer repeats a few).
+_LAYOUTS_KEPT: Final = 64
 
 
 @runtime_checkable
@@ -170,11 +177,9 @@ class ModuleSink:
         #: to ``_loaded`` name by name).
         self._laid: list[tuple[str, ...]] = []
         self._unexpected: list[str] = []
-        # Per bucket layout the receiver recognised, its moves into the module (or None:
-        # that layout takes the general path); dropped with the receiver's own plan.
-        self._plans: weakref.WeakKeyDictionary[
-            LayoutPlan, tuple[MovePlan, tuple[str, ...]] | None
-        ] = weakref.WeakKeyDictionary()
+        # Per bucket layout, its moves into the module (or None: that layout takes the
+        # general path); a trainer repeats a few layouts every step.
+        self._plans: dict[Layout, tuple[MovePlan, tuple[str, ...]] | None] = {}
 
     @property
     def version(self) -> int | None:
@@ -223,27 +228,30 @@ class ModuleSink:
             return None  # skipped, or converted by load from the staging buffer
         return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
 
-    def _moves(self, layout: LayoutPlan) -> tuple[MovePlan, tuple[str, ...]] | None:
-        """The memmoves of a bucket of ``layout`` into the module, when every entry is one of
-        its contiguous CPU tensors with the same shape and dtype; else ``None``."""
+    def _moves(self, batch: LaidOut) -> tuple[MovePlan, tuple[str, ...]] | None:
+        """The memmoves of a bucket laid out as ``batch`` into the module, when every entry
+        is one of its contiguous CPU tensors with the same shape and dtype; else ``None``."""
+        layout = batch.layout
         if layout in self._plans:
             return self._plans[layout]
         dst: list[int] = []
         meta = self._meta
         plan: tuple[MovePlan, tuple[str, ...]] | None = None
-        for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes(), strict=True):
+        for name, dtype, shape in zip(batch.names, batch.dtypes, batch.shapes(), strict=True):
             known = meta.get(name)
             if known is None or known[0] != shape or known[1] != dtype or known[2] is None:
                 break
             dst.append(known[2])
         else:
-            plan = MovePlan(dst, layout.offsets, layout.nbytes, spread_small=False), layout.names
+            plan = MovePlan(dst, batch.offsets, batch.sizes, spread_small=False), batch.names
+        if len(self._plans) >= _LAYOUTS_KEPT:
+            self._plans.clear()
         self._plans[layout] = plan
         return plan
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
         if isinstance(tensors, LaidOut) and tensors.data.is_cpu:  # memmoves: host memory only
-            planned = self._moves(tensors.plan)
+            planned = self._moves(tensors)
             if planned is not None:
                 moves, names = planned
                 moves.run(0, tensors.data.data_ptr())
@@ -253,8 +261,6 @@ class ModuleSink:
         meta = self._meta
         loaded: list[str] = []
         for name, src in tensors:
-            if name == BUFFER_MANIFEST:
-                continue  # buffers are parameters' peers here: every name is copied in place
             known = meta.get(name)
             if known is not None and known[0] == src.shape and known[1] == src.dtype:
                 # The common case, checked from the cache: the name, shape and dtype match.
@@ -278,16 +284,11 @@ class ModuleSink:
         self._loaded.update(loaded)
 
     def finalize(self) -> LoadResult:
-        laid = self._laid
-        # Every name loaded is the module's (``load`` checks each), and a sync's buckets
-        # share no name (the receiver's unpacker claims each once; one plan's bucket loaded
-        # twice is caught here): as many names as the module has is all of them, and the
-        # usual sync's report is known without a pass over the names.
-        if len(self._loaded) + sum(map(len, laid)) == len(self._names) and len(
-            {id(names) for names in laid}
-        ) == len(laid):
+        # Every name loaded is the module's (``load`` checks each): as many distinct names
+        # as the module has is all of them.
+        loaded = self._loaded.union(*self._laid)
+        if len(loaded) == len(self._names):
             return LoadResult(loaded=self._names, unexpected=tuple(self._unexpected))
-        loaded = self._loaded.union(*laid)
         done = {alias for name in loaded for alias in self._aliases.get(name, (name,))}
         return LoadResult(
             loaded=tuple(sorted(loaded)),

@@ -100,10 +100,9 @@ async def _stepped(pairs: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
 
 class PlainStream(AsyncIterator[NamedTensor]):
     """What :func:`named_tensors` returns for a model, a mapping or an iterable of pairs: an
-    async stream of them that keeps its source's items. A sync handed it unread, into the
-    bucketer alone (or a fused ``cast``), takes the items (:meth:`take`) and loops over them
-    plainly, as it would over the model itself: one async step per bucket, not per tensor,
-    and the sender's bucket plans."""
+    async stream of them that keeps its source's items. The bucketer, handed it unread,
+    takes the items (:meth:`take`) and loops over them plainly: one async step per bucket,
+    not per tensor, and the sender's bucket plans."""
 
     __slots__ = ("_check", "_items", "_stream")
 
@@ -207,10 +206,10 @@ def named_tensors(
 
 
 def unchecked_pairs(obj: Any, *, merged: bool = False) -> tuple[Iterator[Any], Checker | None]:
-    """:func:`plain_pairs` of ``obj`` in two parts: its items, and the function that turns
-    them into named tensors (``None`` where the items already are). A mapping's or an
-    iterable's items are checked there; a bucket plan's replay checks a plain pair itself,
-    without a generator step per tensor."""
+    """What :func:`named_tensors` yields from ``obj`` in two parts: its items, and the
+    function that turns them into named tensors (``None`` where the items already are). A
+    mapping's or an iterable's items are checked there; a bucket plan's replay checks a
+    plain pair itself, without a generator step per tensor."""
     from streamsync.lora import is_peft_model
 
     if is_peft_model(obj):
@@ -230,11 +229,3 @@ def unchecked_pairs(obj: Any, *, merged: bool = False) -> tuple[Iterator[Any], C
         f"named_tensors() takes an nn.Module, a mapping of tensors or an iterable of "
         f"(name, tensor) pairs, not {type(obj).__name__}"
     )
-
-
-def plain_pairs(obj: Any, *, merged: bool = False) -> Iterator[NamedTensor]:
-    """What :func:`named_tensors` yields, as a plain iterator, for every ``obj`` but an
-    async iterable (a ``TypeError`` for that): the senders' loop over a model's tensors
-    without an async step per tensor."""
-    items, check = unchecked_pairs(obj, merged=merged)
-    return check(items) if check is not None else items

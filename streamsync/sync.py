@@ -13,9 +13,10 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from streamsync._delta import DeltaRun, baseline_of, choose, decline, trailing_cast
+from streamsync._delta import DeltaRun, choose, decline
 from streamsync._log import log
-from streamsync.adapters.bucket import Bucketer, bucket_pairs
+from streamsync._replay import BucketPlans
+from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import (
     ConfigError,
     DeltaBaseError,
@@ -25,10 +26,10 @@ from streamsync.errors import (
     SyncInProgressError,
     WireFormatError,
 )
-from streamsync.pipeline import AdapterLike, Chain, Stage, reading
+from streamsync.pipeline import AdapterLike, Chain, NamedTensor, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
-from streamsync.sink import Sink, as_target, as_versioned, call_phase
-from streamsync.sources import PlainStream, named_tensors, unchecked_pairs
+from streamsync.sink import BUFFER_MANIFEST, Sink, as_target, as_versioned, call_phase
+from streamsync.sources import named_tensors
 from streamsync.transports import one_shot_options, open_receiver, open_sender
 from streamsync.transports.base import Incoming, Receiver, ReceiverState, Sender
 from streamsync.wire.bucket import (
@@ -38,7 +39,6 @@ from streamsync.wire.bucket import (
     names_of,
 )
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
-from streamsync.wire.plan import BucketPlans, plans_of
 
 #: Seconds any single wait may take unless told otherwise.
 DEFAULT_TIMEOUT = 60.0
@@ -125,10 +125,11 @@ async def send(
             timeout=timeout,
             checksum=checksum,
         )
-    if (kept := baseline_of(sender, create=False)) is not None:
-        kept.drop()  # this sync moves the receivers past it
-    buckets = _buckets(weights, pipeline, size, sender)
-    return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
+    sender.state.baseline.drop()  # this sync moves the receivers past it
+    bucketer = Bucketer(size, plans=sender.state.plans)
+    return await _send(
+        _buckets(weights, pipeline, bucketer), sender, sid, timeout=timeout, checksum=checksum
+    )
 
 
 def next_sync_id() -> int:
@@ -153,26 +154,11 @@ def _stream(weights: Any) -> AsyncIterable[Any]:
 
 
 def _buckets(
-    weights: Any, pipeline: AdapterLike | None, size: int, sender: Sender | None = None
+    weights: Any, pipeline: AdapterLike | None, bucketer: Bucketer
 ) -> AsyncIterable[Bucket]:
-    """``weights`` through ``pipeline`` and the bucketer. A plain source (a model, a
-    mapping, an iterable of pairs, or ``named_tensors`` of one, unread) into the bucketer
-    alone, or a ``cast`` fused into it, is bucketed in a plain loop: one async step per
-    bucket, not per tensor, and with the bucket plans ``sender`` keeps for it
-    (:mod:`streamsync.wire.plan`)."""
-    chain = Chain(pipeline, Bucketer(size)) if pipeline is not None else Chain(Bucketer(size))
-    (stage, *rest) = chain.stages
-    if not rest and isinstance(stage, Stage) and stage.op is Bucketer:
-        # ``named_tensors(model)`` unread is the model itself here.
-        taken = weights.take() if isinstance(weights, PlainStream) else None
-        if taken is None and not isinstance(weights, AsyncIterable):
-            taken = unchecked_pairs(weights)
-        if taken is not None:
-            items, check = taken
-            plans = plans_of(sender) if sender is not None else None
-            return bucket_pairs(
-                items, stage.bucket_bytes, cast=stage.cast, plans=plans, check=check
-            )
+    """``weights`` through ``pipeline`` and ``bucketer`` (a trailing ``cast`` fused into
+    it)."""
+    chain = Chain(pipeline, bucketer) if pipeline is not None else Chain(bucketer)
     return chain(_stream(weights))
 
 
@@ -191,8 +177,10 @@ async def send_aside(
     baseline, stay as they are (a receiver's sink reports the version it still holds)."""
     size = _bucket_size(sender, bucket_bytes)
     sid = next(_sync_ids) if sync_id is None else sync_id
-    buckets = _buckets(weights, pipeline, size, sender)
-    return await _send(buckets, sender, sid, timeout=timeout, checksum=checksum)
+    bucketer = Bucketer(size, plans=sender.state.plans)
+    return await _send(
+        _buckets(weights, pipeline, bucketer), sender, sid, timeout=timeout, checksum=checksum
+    )
 
 
 async def _send_delta(
@@ -208,7 +196,7 @@ async def _send_delta(
 ) -> SyncReport:
     """A delta-tracked sync: diffed against the sender's baseline when every member holds
     its version, else full (and recorded as the next baseline)."""
-    baseline = baseline_of(sender)  # a ConfigError before anything is begun
+    baseline = sender.state.baseline
     try:
         await sender.wait_ready(timeout=timeout)
         held = await sender.begin(sync_id, timeout=timeout)
@@ -216,13 +204,12 @@ async def _send_delta(
         with anyio.CancelScope(shield=True):
             await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
         raise
-    assert baseline is not None
     if full:
         baseline.declined, baseline.judged = None, False  # asked for: measure again
     if baseline.declined is not None:
         # A delta costs more than it saves on this channel: plain dense syncs.
         report = await _send(
-            _buckets(stream, pipeline, size),
+            _buckets(stream, pipeline, Bucketer(size)),
             sender,
             sync_id,
             timeout=timeout,
@@ -235,14 +222,9 @@ async def _send_delta(
         )
     why = choose(baseline, held, full=full)
     base = baseline.version if why is None else None
-    stages = Chain(pipeline).parts if pipeline is not None else ()
-    rule = trailing_cast(stages)
-    if rule is not None:
-        stages = stages[:-1]  # fused into the comparison (or applied there)
-    run = DeltaRun(baseline, base, size, cast=rule)
-    items = Chain(*stages)(stream) if stages else stream
+    run = DeltaRun(baseline, base, size)
     report = await _send(
-        run.buckets(items),
+        _buckets(stream, pipeline, Bucketer(size, delta=run)),
         sender,
         sync_id,
         timeout=timeout,
@@ -251,15 +233,22 @@ async def _send_delta(
         unchanged=lambda: run.unchanged,
         begun=True,
     )
+    return _delta_done(run, report, why)
+
+
+def _delta_done(run: DeltaRun, report: SyncReport, why: str | None) -> SyncReport:
+    """Keep what a delta-tracked sync sent as the next baseline (unless deltas do not pay
+    here) and complete its report."""
+    baseline, base = run.baseline, run.base
     baseline.declined = decline(baseline, report, run.tensor_bytes, delta=base is not None)
     if baseline.declined is None:
-        run.commit(sync_id)
+        run.commit(report.sync_id)
     else:
         baseline.drop()  # the recorded copy would never be used
     scan = run.scanned_bytes / run.scan_seconds / 1e9 if run.scan_seconds > 0 else 0.0
     log(
         "sync.delta",
-        sync_id=sync_id,
+        sync_id=report.sync_id,
         base=base,
         full_reason=why,
         unchanged=run.unchanged,
@@ -282,6 +271,21 @@ async def _send_delta(
             baseline_bytes=baseline.nbytes,
         ),
     )
+
+
+@dataclass
+class _Sending:
+    """How far one sync got on the sending side."""
+
+    sync_id: int
+    start: float = field(default_factory=time.perf_counter)
+    buckets: int = 0
+    tensors: int = 0
+    nbytes: int = 0
+    source_s: float = 0.0
+    send_s: float = 0.0
+    #: Each bucket's names: what a ``Done.carried`` stands for.
+    sent: list[Sequence[str]] = field(default_factory=list)
 
 
 async def _send(
@@ -307,46 +311,10 @@ async def _send(
             await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
         raise
     before = sender.statistics()
-    start = time.perf_counter()
-    seq = tensors = nbytes = 0
-    source_s = send_s = 0.0
-    sent: list[Sequence[str]] = []  # each bucket's names: what a ``Done.carried`` stands for
+    sync = _Sending(sync_id)
     try:
-        async with reading(buckets) as items:
-            try:
-                while True:
-                    t0 = time.perf_counter()
-                    try:
-                        bucket = await anext(items)
-                    except StopAsyncIteration:
-                        break
-                    t1 = time.perf_counter()
-                    await sender.send(sync_id, seq, bucket, timeout=timeout, checksum=checksum)
-                    source_s += t1 - t0
-                    send_s += time.perf_counter() - t1
-                    seq += 1
-                    tensors += bucket.tensors
-                    nbytes += bucket.nbytes
-                    sent.append(bucket.names)
-                    del bucket  # packed: its source tensors may go before the next one fills
-            except BaseException as exc:
-                # Cancelled too (WeightSync cancels the send when an engine fails): the
-                # receivers already waiting for this sync, in other threads and processes,
-                # hear it is off and are free for the next one. One whose receive() was
-                # cancelled with ours skips this abort at its next receive() (``abandoned``).
-                with anyio.CancelScope(shield=True):
-                    await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
-                raise
-        log(
-            "sync.send",
-            sync_id=sync_id,
-            bytes=nbytes,
-            buckets=seq,
-            tensors=tensors,
-            seconds=round(send_s, 6),
-            source_seconds=round(source_s, 6),
-        )
-        phases = {"source": source_s, "send": send_s}
+        await _send_buckets(buckets, sender, sync, timeout=timeout, checksum=checksum)
+        phases = {"source": sync.source_s, "send": sync.send_s}
         after = sender.statistics()
         if before is not None and after is not None:
             # What ``send`` was made of: waiting for a free slot, packing, handing it over.
@@ -354,41 +322,95 @@ async def _send(
             phases["pack"] = after.pack_seconds - before.pack_seconds
             phases["publish"] = after.publish_seconds - before.publish_seconds
         t2 = time.perf_counter()
-        end = End(sync_id, seq, tensors, nbytes, base, unchanged())
-        dones = _filled(await sender.end(end, timeout=timeout), sent, plans_of(sender))
+        end = End(sync_id, sync.buckets, sync.tensors, sync.nbytes, base, unchanged())
+        dones = _filled(await sender.end(end, timeout=timeout), sync.sent, sender.state.plans)
     except BaseException as exc:
         # Complete the partial report a receiver's failure carries with what this side sent.
         report = getattr(exc, "report", None)
         if isinstance(exc, StreamsyncError) and report is not None and report.side == "send":
             exc.report = msgspec.structs.replace(
                 report,
-                tensors=tensors,
-                nbytes=nbytes,
-                buckets=seq,
-                seconds=time.perf_counter() - start,
+                tensors=sync.tensors,
+                nbytes=sync.nbytes,
+                buckets=sync.buckets,
+                seconds=time.perf_counter() - sync.start,
             )
         raise
-    end_s = time.perf_counter() - t2
+    phases["end"] = time.perf_counter() - t2
+    return _send_report(sender, sync, dones, phases)
+
+
+async def _send_buckets(
+    buckets: AsyncIterable[Bucket],
+    sender: Sender,
+    sync: _Sending,
+    *,
+    timeout: float,
+    checksum: bool,
+) -> None:
+    """Send every bucket of the sync; abort it on the receivers if that fails."""
+    async with reading(buckets) as items:
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    bucket = await anext(items)
+                except StopAsyncIteration:
+                    break
+                t1 = time.perf_counter()
+                await sender.send(
+                    sync.sync_id, sync.buckets, bucket, timeout=timeout, checksum=checksum
+                )
+                sync.source_s += t1 - t0
+                sync.send_s += time.perf_counter() - t1
+                sync.buckets += 1
+                sync.tensors += bucket.tensors
+                sync.nbytes += bucket.nbytes
+                sync.sent.append(bucket.names)
+                del bucket  # packed: its source tensors may go before the next one fills
+        except BaseException as exc:
+            # Cancelled too (WeightSync cancels the send when an engine fails): the
+            # receivers already waiting for this sync, in other threads and processes,
+            # hear it is off and are free for the next one. One whose receive() was
+            # cancelled with ours skips this abort at its next receive() (``abandoned``).
+            with anyio.CancelScope(shield=True):
+                await sender.abort(Abort(sync.sync_id, f"{type(exc).__name__}: {exc}"))
+            raise
+    log(
+        "sync.send",
+        sync_id=sync.sync_id,
+        bytes=sync.nbytes,
+        buckets=sync.buckets,
+        tensors=sync.tensors,
+        seconds=round(sync.send_s, 6),
+        source_seconds=round(sync.source_s, 6),
+    )
+
+
+def _send_report(
+    sender: Sender, sync: _Sending, dones: list[Done], phases: dict[str, float]
+) -> SyncReport:
+    """The sender's report of a finished sync, from the receivers' ``Done``s."""
     attendance = sender.attendance()
     log(
         "sync.end",
-        sync_id=sync_id,
+        sync_id=sync.sync_id,
         receivers=len(dones),
         absent=len(attendance.absent),
         refused=len(attendance.refused),
-        seconds=round(end_s, 6),
+        seconds=round(phases["end"], 6),
     )
     missing = sorted(set.intersection(*(set(d.missing) for d in dones))) if dones else []
     return _done(
         SyncReport(
-            sync_id=sync_id,
+            sync_id=sync.sync_id,
             side="send",
-            tensors=tensors,
-            nbytes=nbytes,
-            wire_bytes=nbytes,
-            buckets=seq,
-            seconds=time.perf_counter() - start,
-            phases={**phases, "end": end_s},
+            tensors=sync.tensors,
+            nbytes=sync.nbytes,
+            wire_bytes=sync.nbytes,
+            buckets=sync.buckets,
+            seconds=time.perf_counter() - sync.start,
+            phases=phases,
             loaded=_union(d.loaded for d in dones),
             missing=tuple(missing),
             instances={
@@ -402,19 +424,17 @@ async def _send(
     )
 
 
-def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans | None) -> list[Done]:
+def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans) -> list[Done]:
     """``dones`` with the names of each that says it loaded what the sync carried: ``sent``
     sorted, each once (kept with the sender's plans for the next sync that sends the same
     lists, as a trainer's replayed plans do)."""
     if not any(d.carried for d in dones):
         return dones
-    memo = kept.sent if kept is not None else None
-    if memo is not None and memo[0] == sent:  # a pointer per bucket where the lists are kept
-        carried = memo[1]
+    if kept.sent is not None and kept.sent[0] == sent:  # a pointer per bucket, when kept
+        carried = kept.sent[1]
     else:
         carried = _sorted_once(itertools.chain.from_iterable(sent))
-        if kept is not None:
-            kept.sent = (sent, carried)
+        kept.sent = (sent, carried)
     return [
         msgspec.structs.replace(d, loaded=carried, carried=False) if d.carried else d for d in dones
     ]
@@ -656,8 +676,11 @@ async def _load_all(
         assert incoming.data is not None
         t0 = time.perf_counter()
         batch = unpacker.feed(msg, incoming.data, target=target)
+        names = names_of(batch)
+        if BUFFER_MANIFEST in names:
+            batch = _declare_buffers(sink, batch)
         await call_phase(sink.load, batch)
-        sync.applied.extend(names_of(batch))
+        sync.applied.extend(names)
         sync.load_s += time.perf_counter() - t0
         sync.nbytes += msg.nbytes
         sync.buckets += 1
@@ -679,6 +702,18 @@ async def _load_all(
         buckets=sync.buckets,
         seconds=round(sync.load_s, 6),
     )
+
+
+def _declare_buffers(sink: Sink, batch: Sequence[NamedTensor]) -> list[NamedTensor]:
+    """``batch`` less the trainer's buffer manifest (see
+    :func:`~streamsync.adapters.split_buffers`), whose names go to the sink's
+    ``declare_buffers`` where it has one: a fact of the stream, not a tensor to load."""
+    from streamsync.adapters.split_buffers import manifest_names
+
+    declare = getattr(sink, "declare_buffers", None)
+    if declare is not None:
+        declare(manifest_names(dict(batch)[BUFFER_MANIFEST]))
+    return [(name, tensor) for name, tensor in batch if name != BUFFER_MANIFEST]
 
 
 async def _fail(receiver: Receiver, sync: _Progress, exc: BaseException, timeout: float) -> None:

@@ -191,7 +191,7 @@ def test_fusion_does_not_depend_on_grouping() -> None:
     ):
         # One cast per bucket: the earlier cast runs on its own (fusing two would round once
         # where the unfused chain rounds twice).
-        assert [type(s) for s in chain.stages] == [Stage, Stage]
+        assert [type(s) for s in chain.stages] == [Stage, Bucketer]
         assert chain.stages[0] is one and isinstance(chain.stages[1], Bucketer)
         assert chain.stages[1].cast is two.rule
     unfused = Chain(one, bucket(4096), fuse=False)

@@ -1,4 +1,4 @@
-"""Bucket plans a sender keeps between syncs (``streamsync.wire.plan``): a source that
+"""Bucket plans a sender keeps between syncs (``streamsync._replay``): a source that
 matches the last sync's is bucketed by refilling its buckets; one that differs anywhere is
 bucketed correctly all the same, and its new shape becomes the plan."""
 
@@ -16,14 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamsync as ss
+from streamsync._replay import PLANS_PER_SENDER, BucketPlans
 from streamsync.adapters import cast
-from streamsync.adapters.bucket import bucket_pairs
-from streamsync.errors import ConfigError
-from streamsync.pipeline import Chain, Stage
-from streamsync.sources import plain_pairs, unchecked_pairs
+from streamsync.adapters.bucket import Bucketer
+from streamsync.pipeline import Chain
+from streamsync.sources import PlainStream, unchecked_pairs
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, Unpacker
 from streamsync.wire.frames import BucketHeader
-from streamsync.wire.plan import PLANS_PER_SENDER, BucketPlans, plans_of
 
 Spec = tuple[str, torch.dtype, tuple[int, ...], bool]
 
@@ -47,10 +46,10 @@ def _bucketed(
     # send() gives them, checked by the replay or by the source's check.
     async def run() -> list[Bucket]:
         if checked:
-            pairs, check = plain_pairs(tensors), None
+            pairs, check = iter(tensors.items()), None
         else:
             pairs, check = unchecked_pairs(tensors)
-        buckets = bucket_pairs(pairs, bucket_bytes, cast=rule, plans=plans, check=check)
+        buckets = Bucketer(bucket_bytes, cast=rule, plans=plans)(PlainStream(pairs, check))
         return [b async for b in buckets]
 
     return anyio.run(run)
@@ -223,7 +222,7 @@ def test_items_not_yet_checked_replay_only_while_plain_and_bad_ones_are_named(
 
     async def run(items: list[Any]) -> list[Bucket]:
         pairs, check = unchecked_pairs(items)
-        return [b async for b in bucket_pairs(pairs, 1024, plans=plans, check=check)]
+        return [b async for b in Bucketer(1024, plans=plans)(PlainStream(pairs, check))]
 
     with pytest.raises(TypeError, match="expected \\(name, tensor\\) pairs, got tuple"):
         anyio.run(run, [*tensors.items(), ("w6",)])
@@ -299,7 +298,7 @@ async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(
         del added[:]
         await sync(tx, rx)
         assert added == []  # and the new shape is the plan from then on
-        assert len(plans_of(tx)) == 1
+        assert len(tx.state.plans) == 1
 
 
 async def test_named_tensors_partly_read_sends_the_rest_and_taken_yields_nothing() -> None:
@@ -380,7 +379,7 @@ def test_a_stage_without_a_cast_and_one_with_are_different_plans() -> None:
     plans = BucketPlans()
     tensors = {"w": torch.ones(8)}
     stage = Chain(cast(torch.bfloat16), ss.adapters.bucket(1024)).stages[0]
-    assert isinstance(stage, Stage)
+    assert isinstance(stage, Bucketer)
     plain = _packed(_bucketed(tensors, 1024, None, plans))
     casted = _packed(_bucketed(tensors, 1024, stage.cast, plans))
     assert plain != casted
@@ -388,7 +387,9 @@ def test_a_stage_without_a_cast_and_one_with_are_different_plans() -> None:
     assert len(plans) == 2
 
 
-async def test_a_sender_that_cannot_keep_plans_still_sends_and_is_told_it_cannot_delta() -> None:
+async def test_a_sender_that_cannot_be_weakly_referenced_keeps_plans_and_deltas() -> None:
+    # The plans and the baseline live on the sender's own state, not in a table keyed by
+    # the sender: a wrapper of one's own without ``__weakref__`` gets both.
     class Slotted:
         """A sender of one's own whose class has no ``__weakref__``."""
 
@@ -407,7 +408,7 @@ async def test_a_sender_that_cannot_keep_plans_still_sends_and_is_told_it_cannot
         ss.open_receiver("memory://slotted") as rx,
     ):
         tx = Slotted(opened)
-        assert plans_of(tx) is None
+        assert tx.state is opened.state
         for _ in range(2):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ss.receive, rx, sink)
@@ -415,11 +416,12 @@ async def test_a_sender_that_cannot_keep_plans_still_sends_and_is_told_it_cannot
             for k, v in weights.items():
                 assert torch.equal(sink.got[k], v)
             weights = {k: v + 1 for k, v in weights.items()}
-        with pytest.raises(ConfigError, match="Slotted cannot be weakly referenced"):
-            await ss.send(weights, tx, delta=True)  # type: ignore[arg-type]
-        # Refused before anything began: the next sync goes through.
+        assert len(opened.state.plans) == 1
         async with anyio.create_task_group() as tg:
             tg.start_soon(ss.receive, rx, sink)
-            await ss.send(weights, tx, bucket_bytes=1024)  # type: ignore[arg-type]
+            sent = await ss.send(weights, tx, delta=True)  # type: ignore[arg-type]
+        # The sink keeps no version, so the delta-tracked sync goes full, and is recorded.
+        assert sent.delta is not None and sent.delta.base is None
+        assert opened.state.baseline.version == sent.sync_id
         for k, v in weights.items():
             assert torch.equal(sink.got[k], v)

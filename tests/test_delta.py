@@ -394,14 +394,12 @@ def test_a_channel_declines_deltas_that_take_longer_than_moving_everything() -> 
 
 
 async def test_a_declined_channel_sends_dense_syncs_until_a_full_one_is_asked_for() -> None:
-    from streamsync._delta import baseline_of
-
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
         await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
-        kept = baseline_of(tx)
-        assert kept is not None and kept.version is not None
+        kept = tx.state.baseline
+        assert kept.version is not None
         kept.declined = "deltas do not pay on this channel (as measured)"
         kept.drop()
         for s in range(2):

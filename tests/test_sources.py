@@ -3,6 +3,8 @@ them with."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import anyio
 import pytest
 import torch
@@ -12,10 +14,10 @@ from hypothesis import strategies as st
 
 from streamsync import named_tensors
 from streamsync.adapters import bucket, cast
-from streamsync.adapters.bucket import bucket_pairs
+from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import ConfigError
-from streamsync.pipeline import Chain, Stage
-from streamsync.sources import plain_pairs
+from streamsync.pipeline import Chain
+from streamsync.sources import PlainStream
 from streamsync.wire.bucket import Bucket
 
 
@@ -100,8 +102,8 @@ def test_the_plain_loop_makes_the_buckets_the_bucket_adapter_makes(
     big: int,
     to_bf16: bool,
 ) -> None:
-    # send() buckets a model, mapping or iterable in a plain loop (bucket_pairs); any other
-    # source goes through the bucket adapter. Both must give the same bytes in the same
+    # The bucketer reads a model, mapping or iterable not yet read in a plain loop; any
+    # other source one tensor at a time. Both must give the same bytes in the same
     # layouts: chunks, casts and non-contiguous tensors included.
     tensors = {}
     for i, (dtype, shape, transpose) in enumerate(specs):
@@ -111,11 +113,15 @@ def test_the_plain_loop_makes_the_buckets_the_bucket_adapter_makes(
     stages = (cast(torch.bfloat16), bucket(bucket_bytes)) if to_bf16 else (bucket(bucket_bytes),)
     chain = Chain(*stages)
     (fused,) = chain.stages
-    assert isinstance(fused, Stage)
+    assert isinstance(fused, Bucketer)
+
+    async def one_at_a_time() -> AsyncIterator[tuple[str, torch.Tensor]]:
+        async for pair in named_tensors(tensors):
+            yield pair
 
     async def both() -> tuple[list[Bucket], list[Bucket]]:
-        plain = [b async for b in bucket_pairs(plain_pairs(tensors), bucket_bytes, cast=fused.cast)]
-        streamed = [b async for b in chain(named_tensors(tensors))]
+        plain = [b async for b in chain(named_tensors(tensors))]
+        streamed = [b async for b in chain(one_at_a_time())]
         return plain, streamed
 
     plain, streamed = anyio.run(both)
@@ -139,7 +145,7 @@ async def test_the_plain_loop_closes_its_source_when_stopped_early() -> None:
             closed.append(True)
 
     pairs = gen()  # held here, so only the loop's own close can end it
-    buckets = bucket_pairs(pairs, 1024)
+    buckets = Bucketer(1024)(PlainStream(pairs, None))
     first = await anext(buckets)
     assert first.names == ["t0"]
     await buckets.aclose()
@@ -154,7 +160,7 @@ async def test_the_plain_loop_hands_on_each_bucket_as_it_fills() -> None:
             made.append(i)
             yield f"t{i}", torch.ones(256)  # 1 KiB: one to a 1 KiB bucket
 
-    buckets = bucket_pairs(gen(), 1024)
+    buckets = Bucketer(1024)(PlainStream(gen(), None))
     await anext(buckets)
     assert made == [0, 1]  # the second tensor closed the first bucket
     await buckets.aclose()

@@ -182,6 +182,44 @@ async def test_sender_side_manifest_routes_names_the_engine_holds_as_parameters(
     }
 
 
+class _Declaring:
+    """A sink that records what it loads and the buffer names declared to it."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.declared: list[frozenset[str]] = []
+
+    def prepare(self) -> None:
+        pass
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.seen += [n for n, _ in tensors]
+
+    def finalize(self) -> None:
+        pass
+
+    def declare_buffers(self, names: frozenset[str]) -> None:
+        self.declared.append(names)
+
+
+async def test_the_manifest_is_a_fact_of_the_stream_that_no_sink_loads() -> None:
+    # The receive path takes the manifest out of the stream: a sink that routes buffers is
+    # told the names, and no sink's load is handed the manifest tensor.
+    trainer = trained()
+    plain = LoadWeights(Engine())
+    await sync(trainer, plain, split_buffers(trainer))
+    assert plain.seen and MANIFEST_NAME not in plain.seen
+    declaring = _Declaring()
+    await sync(trainer, declaring, split_buffers(trainer))
+    assert declaring.seen and MANIFEST_NAME not in declaring.seen
+    assert declaring.declared == [buffer_names(trainer)]
+    # A strict ModuleSink takes the stream as it takes the model's own tensors.
+    twin = Trainer()
+    await sync(trainer, ss.ModuleSink(twin), split_buffers(trainer))
+    for name, want in trainer.state_dict().items():
+        assert torch.equal(twin.state_dict()[name], want), name
+
+
 def test_buffer_names_are_the_persistent_ones() -> None:
     assert buffer_names(Trainer()) == {BIAS.format(0), BIAS.format(1)}
 

@@ -8,11 +8,18 @@ chunks (receivers do the same through :class:`~streamsync.wire.bucket.Unpacker`)
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Final
 
-from streamsync.pipeline import NamedTensor, adapter
+import torch
+
+from streamsync._delta import DeltaRun
+from streamsync._replay import BucketPlans, PlanRun
+from streamsync.errors import ConfigError
+from streamsync.pipeline import Adapter, NamedTensor, adapter, reading
+from streamsync.sources import PlainStream
 from streamsync.wire.bucket import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -22,112 +29,189 @@ from streamsync.wire.bucket import (
     Unpacker,
 )
 from streamsync.wire.frames import BucketHeader
-from streamsync.wire.plan import BucketPlans, PlanRun
-
-if TYPE_CHECKING:
-    from streamsync.sources import Checker
 
 
-def _configure(
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, cast: CastRule | None = None
-) -> dict[str, Any]:
-    BucketBuilder(bucket_bytes)  # validates the size now, not at first use
-    return {"bucket_bytes": bucket_bytes, "cast": cast}
+class Bucketer(Adapter):
+    """The bucket builder: named tensors in, :class:`~streamsync.wire.bucket.Bucket` plans
+    out, at most ``bucket_bytes`` each. Buckets already made upstream pass through.
+
+    How a tensor is placed is the builder's strategy: as it is (converted by ``cast`` while
+    packing); against a sender's delta baseline (``delta``: each tensor whole, as a patch,
+    or not at all); or, with a sender's ``plans``, filling the buckets of the last sync of
+    the same source again while its tensors match them (:mod:`streamsync._replay`). A
+    plain source not yet read (what :func:`~streamsync.named_tensors` makes of a model, a
+    mapping or an iterable) is read in a plain loop: one async step per bucket, not per
+    tensor.
+    """
+
+    def __init__(
+        self,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        *,
+        cast: CastRule | None = None,
+        plans: BucketPlans | None = None,
+        delta: DeltaRun | None = None,
+    ) -> None:
+        BucketBuilder(bucket_bytes)  # validates the size now, not at first use
+        self.bucket_bytes, self.cast, self.plans, self.delta = bucket_bytes, cast, plans, delta
+
+    def casting(self, rule: CastRule) -> Bucketer | None:
+        """This bucketer converting by ``rule`` while packing (a preceding ``cast`` fused
+        into it), or ``None`` where it converts already: one cast per bucket, since a
+        second would round twice, which one packing copy cannot."""
+        if self.cast is not None:
+            return None
+        return Bucketer(self.bucket_bytes, cast=rule, plans=self.plans, delta=self.delta)
+
+    def __repr__(self) -> str:
+        cast = f", cast={self.cast!r}" if self.cast is not None else ""
+        return f"bucket({self.bucket_bytes}{cast})"
+
+    def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Bucket]:
+        return self._buckets(source)
+
+    def _strategy(self, builder: BucketBuilder, taken: tuple[Any, Any] | None) -> _Plain:
+        if self.delta is not None:
+            self.delta.cast = self.cast  # applied while comparing (fused where it can be)
+            return _Delta(builder, self.delta)
+        if taken is not None and self.plans is not None:
+            return _Replay(builder, self.plans, checked=taken[1] is None)
+        return _Plain(builder)
+
+    async def _buckets(self, source: AsyncIterable[Any]) -> AsyncIterator[Bucket]:
+        """The one bucketing loop, whichever the strategy and the source."""
+        taken = source.take() if isinstance(source, PlainStream) else None
+        cast = self.cast if self.delta is None else None
+        builder = BucketBuilder(self.bucket_bytes, cast=cast)
+        strategy = self._strategy(builder, taken)
+        place, made = strategy.place, strategy.made
+        end = _END
+        async with reading(source) as items:
+            pairs: Iterator[Any] | None = None
+            rest: Iterator[Any] = iter(())
+            try:
+                if taken is not None:
+                    pairs = taken[0]
+                    for done in strategy.replay(pairs):
+                        yield done
+                        del done  # a finished bucket goes before the next one fills
+                    rest = strategy.rest(pairs)
+                    if taken[1] is not None:
+                        rest = taken[1](rest)
+                plain = pairs is not None
+                while True:
+                    item: Any = next(rest, end) if plain else await anext(items, end)
+                    if type(item) is not tuple:
+                        if item is end:
+                            break
+                        if isinstance(item, Bucket):
+                            for done in strategy.upstream(item):
+                                yield done
+                                del done
+                            continue
+                    name, tensor = item
+                    del item
+                    full = place(name, tensor)
+                    del tensor  # held by the bucket alone from here
+                    if full:
+                        for done in full:
+                            made(done)
+                            yield done
+                            del done
+                    del full
+            finally:
+                close = getattr(pairs, "close", None)
+                if close is not None:
+                    close()
+        for done in strategy.finish():
+            yield done
 
 
-@adapter(configure=_configure)
-async def bucket(
-    source: AsyncIterable[NamedTensor | Bucket], *, bucket_bytes: int, cast: CastRule | None
-) -> AsyncIterator[Bucket]:
+#: Marks the end of a source in the bucketer's loop.
+_END: Final = object()
+
+
+class _Plain:
+    """The bucketer's plain strategy: each tensor placed as it is."""
+
+    def __init__(self, builder: BucketBuilder) -> None:
+        self.builder = builder
+        self.place: Callable[[str, torch.Tensor], Sequence[Bucket]] = builder.add
+
+    def made(self, bucket: Bucket) -> None:
+        """A bucket the builder made, before it is handed on."""
+
+    def replay(self, pairs: Iterator[Any]) -> Iterator[Bucket]:
+        return iter(())
+
+    def rest(self, pairs: Iterator[Any]) -> Iterator[Any]:
+        return pairs
+
+    def upstream(self, bucket: Bucket) -> list[Bucket]:
+        pending = self.builder.flush()
+        return [bucket] if pending is None else [pending, bucket]
+
+    def finish(self) -> list[Bucket]:
+        last = self.builder.flush()
+        if last is None:
+            return []
+        self.made(last)
+        return [last]
+
+
+class _Replay(_Plain):
+    """The plain strategy with a sender's bucket plans: the last sync's buckets replayed
+    while the source matches them, and what this sync makes kept for the next."""
+
+    def __init__(self, builder: BucketBuilder, plans: BucketPlans, *, checked: bool = True):
+        super().__init__(builder)
+        self.run = PlanRun(plans, builder, checked=checked)
+        self.made = self.run.recorded  # type: ignore[method-assign]
+        record, add = self.run.record, builder.add
+
+        def place(name: str, tensor: torch.Tensor) -> Sequence[Bucket]:
+            record(name, tensor)
+            return add(name, tensor)
+
+        self.place = place
+
+    def replay(self, pairs: Iterator[Any]) -> Iterator[Bucket]:
+        return self.run.replay(pairs)
+
+    def rest(self, pairs: Iterator[Any]) -> Iterator[Any]:
+        pending, self.run.pending = self.run.pending, None
+        return pairs if pending is None else itertools.chain((pending,), pairs)
+
+    def finish(self) -> list[Bucket]:
+        last = super().finish()
+        self.run.commit()
+        return last
+
+
+class _Delta(_Plain):
+    """The delta strategy: each tensor whole, as a patch against the sender's baseline, or
+    not at all (:class:`~streamsync._delta.DeltaRun`); every bucket says its base."""
+
+    def __init__(self, builder: BucketBuilder, run: DeltaRun) -> None:
+        super().__init__(builder)
+        self.run = run
+        self.place = functools.partial(run.place, builder)
+
+    def made(self, bucket: Bucket) -> None:
+        bucket.base = self.run.base
+
+    def upstream(self, bucket: Bucket) -> list[Bucket]:
+        raise ConfigError(
+            "delta syncs diff named tensors; the stream already holds buckets "
+            "(drop the bucket() stage from the pipeline)"
+        )
+
+
+def bucket(bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, cast: CastRule | None = None) -> Bucketer:
     """``bucket(bucket_bytes=64 MiB, *, cast=None)``: groups named tensors into buckets of at
     most ``bucket_bytes`` (≥ 1 KiB); buckets already made upstream pass through. ``cast``
     (what a preceding ``cast(...)`` fuses into) converts while packing."""
-    builder = BucketBuilder(bucket_bytes, cast=cast)
-    async for item in source:
-        if isinstance(item, Bucket):
-            # Already bucketed upstream: pass it through, after what we hold.
-            pending = builder.flush()
-            if pending is not None:
-                yield pending
-            yield item
-            continue
-        name, tensor = item
-        for full in builder.add(name, tensor):
-            yield full
-            # Drop our reference before awaiting the source again: a finished bucket must
-            # not stay alive while the next one fills.
-            del full
-        del item, tensor
-    last = builder.flush()
-    if last is not None:
-        yield last
-
-
-async def bucket_pairs(
-    pairs: Iterator[Any],
-    bucket_bytes: int,
-    *,
-    cast: CastRule | None = None,
-    plans: BucketPlans | None = None,
-    check: Checker | None = None,
-) -> AsyncIterator[Bucket]:
-    """What ``bucket(bucket_bytes, cast=cast)`` makes of a plain iterator of named tensors,
-    built in a plain loop: one async step per bucket rather than per tensor. With ``plans``
-    (a sender's), the buckets of the last sync of the same source are filled again while
-    its tensors match them (:mod:`streamsync.wire.plan`), and what this sync makes is kept
-    for the next. With ``check``, ``pairs`` are items not yet checked
-    (:func:`~streamsync.sources.unchecked_pairs`): the replay takes the plain ones as they
-    are, ``check`` the rest. ``pairs`` is closed however this ends."""
-    builder = BucketBuilder(bucket_bytes, cast=cast)
-    add = builder.add
-    run = PlanRun(plans, builder, checked=check is None) if plans is not None else None
-    try:
-        if run is None:
-            for name, tensor in check(pairs) if check is not None else pairs:
-                full = add(name, tensor)
-                if full:
-                    del tensor
-                    for done in full:
-                        yield done
-                        del done  # as in bucket(): a finished bucket goes before the next fills
-                    del full
-        else:
-            it = iter(pairs)
-            for done in run.replay(it):
-                yield done
-                del done
-            rest: Iterator[Any] = (
-                itertools.chain((run.pending,), it) if run.pending is not None else it
-            )
-            run.pending = None
-            if check is not None:
-                rest = check(rest)
-            record, recorded = run.record, run.recorded
-            for name, tensor in rest:
-                record(name, tensor)
-                full = add(name, tensor)
-                if full:
-                    del tensor
-                    for done in full:
-                        recorded(done)
-                        yield done
-                        del done
-                    del full
-    finally:
-        close = getattr(pairs, "close", None)
-        if close is not None:
-            close()
-    last = builder.flush()
-    if run is not None:
-        if last is not None:
-            run.recorded(last)
-        run.commit()
-    if last is not None:
-        yield last
-
-
-#: ``Bucketer(bucket_bytes)`` is ``bucket(bucket_bytes)``; ``isinstance(s, Bucketer)`` too.
-Bucketer = bucket
+    return Bucketer(bucket_bytes, cast=cast)
 
 
 @adapter

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from streamsync._dtypes import CASTABLE
-from streamsync.adapters.bucket import bucket
+from streamsync.adapters.bucket import Bucketer
 from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
 from streamsync.pipeline import Adapter, NamedTensor, Stage, adapter
 from streamsync.wire.bucket import CastRule
@@ -38,10 +38,7 @@ def _configure(dtype: torch.dtype, *, only: Callable[[str], bool] | None = None)
 
 
 def _into_bucket(stage: Stage, following: Adapter) -> Adapter | None:
-    # One cast per bucket: a second would round twice, which one packing copy cannot.
-    if isinstance(following, Stage) and following.op is bucket and following.cast is None:
-        return bucket(following.bucket_bytes, cast=stage.rule)
-    return None
+    return following.casting(stage.rule) if isinstance(following, Bucketer) else None
 
 
 @adapter(configure=_configure, fuse=_into_bucket)

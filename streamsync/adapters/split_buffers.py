@@ -8,8 +8,9 @@ shape-checked and cast, into each model instance it serves (a main model, a draf
 the name; names travel unchanged. A name is a buffer if any receiving instance registers it
 as one, or if the sender declared it with this adapter, in the manifest tensor
 :data:`MANIFEST_NAME` (UTF-8 JSON as ``uint8``) sent first, even where the engine holds it as
-a parameter. :class:`~streamsync.ModuleSink` copies buffers by name anyway and skips the
-manifest.
+a parameter. The receive path takes the manifest out of the stream and hands its names to
+a sink's ``declare_buffers``; no sink loads it. :class:`~streamsync.ModuleSink` copies
+buffers by name anyway.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def _encode(names: Iterable[str]) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _decode(tensor: torch.Tensor) -> set[str]:
+def manifest_names(tensor: torch.Tensor) -> frozenset[str]:
+    """The buffer names a manifest tensor declares (a :class:`~streamsync.WireFormatError`
+    for one that is not a manifest)."""
     try:
         if tensor.dtype != torch.uint8 or tensor.dim() != 1:
             raise ValueError(f"dtype {tensor.dtype}, {tensor.dim()} dims")
@@ -58,7 +61,7 @@ def _decode(tensor: torch.Tensor) -> set[str]:
             f"tensor {MANIFEST_NAME!r} is not a buffer manifest (1-D uint8 JSON list of "
             f"names): {exc}"
         ) from None
-    return set(names)
+    return frozenset(names)
 
 
 def _configure(buffers: torch.nn.Module | Iterable[str]) -> dict[str, Any]:
@@ -154,7 +157,7 @@ class BufferRouter:
         plan: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
         for name, tensor in tensors:
             if name == MANIFEST_NAME:
-                self.declared |= _decode(tensor)
+                self.declared |= manifest_names(tensor)
                 continue
             if not self.is_buffer(name):
                 rest.append((name, tensor))
@@ -231,6 +234,10 @@ class BufferSink:
             return None
         result: torch.Tensor | None = inner(name, dtype, shape)
         return result
+
+    def declare_buffers(self, names: frozenset[str]) -> None:
+        """The trainer's buffer names, from its manifest (the receive path hands it here)."""
+        self.router.declared |= names
 
     async def load(self, tensors: Sequence[NamedTensor]) -> None:
         rest, _ = self.router.split(tensors)

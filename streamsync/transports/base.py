@@ -17,6 +17,8 @@ from typing import Self
 
 import torch
 
+from streamsync._delta import Baseline
+from streamsync._replay import BucketPlans
 from streamsync.wire.bucket import Bucket, Unpacker
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
@@ -79,6 +81,15 @@ class _Resource(ABC):
             )
 
 
+@dataclass
+class SenderState:
+    """What :func:`~streamsync.send` keeps on a sender between syncs: the delta baseline and
+    the bucket plans of its sources."""
+
+    baseline: Baseline = field(default_factory=Baseline)
+    plans: BucketPlans = field(default_factory=BucketPlans)
+
+
 class Sender(_Resource):
     """Send side of a channel."""
 
@@ -86,6 +97,14 @@ class Sender(_Resource):
     receivers: int = 1
     #: Largest bucket one slot holds.
     slot_bytes: int
+    _state: SenderState | None = None
+
+    @property
+    def state(self) -> SenderState:
+        """The sync protocol's state on this channel (created on first use)."""
+        if self._state is None:
+            self._state = SenderState()
+        return self._state
 
     async def wait_ready(self, *, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until every receiver is there to be sent to."""

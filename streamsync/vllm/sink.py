@@ -38,7 +38,7 @@ import xxhash
 
 from streamsync._copies import clone, copy_tensors
 from streamsync._log import log
-from streamsync.adapters.split_buffers import MANIFEST_NAME, BufferRouter
+from streamsync.adapters.split_buffers import BufferRouter
 from streamsync.errors import ConfigError, ReceiverFailedError, StreamsyncError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
@@ -271,15 +271,17 @@ class VllmSink:
                     quirk.before_prepare(inst)
                 self.lifecycle.prepare(inst)
 
+    def declare_buffers(self, names: frozenset[str]) -> None:
+        """The trainer's buffer names, from its manifest (the receive path hands it here)."""
+        self._router.declared |= names
+
     def load(self, tensors: Sequence[NamedTensor]) -> None:
         if self._copies is not None:
             tensors = self._keep(tensors)
         with self._context():
             params: list[NamedTensor] = []
             for name, tensor in tensors:
-                if name == MANIFEST_NAME:
-                    self._router.split([(name, tensor)])  # records the declared buffers
-                elif self._router.is_buffer(name):
+                if self._router.is_buffer(name):
                     self._buffers.append((name, clone(tensor)))  # a view: keep a copy
                 else:
                     params.append((name, tensor))
@@ -307,9 +309,6 @@ class VllmSink:
         out: list[NamedTensor] = []
         moves: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, tensor in tensors:
-            if name == MANIFEST_NAME:
-                out.append((name, tensor))
-                continue
             copy = self.target(name, tensor.dtype, tuple(tensor.shape))
             assert copy is not None
             if copy is not tensor:

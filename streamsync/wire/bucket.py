@@ -134,7 +134,7 @@ class Bucket:
         self.holds_tail = False
         #: A delta sync's base version (``BucketHeader.base``).
         self.base: int | None = None
-        #: Its layout, made once for a replayed plan's bucket (:mod:`streamsync.wire.plan`).
+        #: Its layout, made once for a replayed plan's bucket (:mod:`streamsync._replay`).
         self.fixed_layout: Layout | None = None
         #: The source addresses it was last packed from and their :class:`MovePlan` (up to
         #: :data:`KEPT_PLAN_ENTRIES` entries); shared with its :meth:`refilled` twins, which
@@ -501,22 +501,23 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class LaidOut(Sequence[NamedTensor]):
-    """The tensors of a bucket of plain entries, as views into its bytes built when first
-    asked for; a sink that understands it (``ModuleSink``) copies from :attr:`data` by the
-    :attr:`plan` without building them."""
-
-    __slots__ = ("_views", "data", "nbytes", "plan")
+    """The checked tensors of a bucket of whole, plain entries, as views into its bytes
+    built when first asked for; a sink that understands it (``ModuleSink``) copies from
+    :attr:`data` by the names, dtypes, shapes and offsets without building them."""
 
     def __init__(self, plan: LayoutPlan, data: torch.Tensor, nbytes: int) -> None:
         self.plan = plan
+        #: The layout as it came (checked), each tensor's name, dtype, offset and bytes.
+        self.layout, self.names, self.dtypes = plan.layout, plan.names, plan.dtypes
+        self.offsets, self.sizes = plan.offsets, plan.nbytes
         #: The bucket's bytes (uint8), of which the first ``nbytes`` are the bucket.
         self.data = data
         self.nbytes = nbytes
         self._views: list[NamedTensor] | None = None
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.plan.names
+    def shapes(self) -> Iterator[tuple[int, ...]]:
+        """Each tensor's shape."""
+        return self.plan.shapes()
 
     def __len__(self) -> int:
         return len(self.plan.names)
@@ -615,6 +616,23 @@ class Unpacker:
         A bucket of whole, plain tensors whose layout was checked before (a trainer repeats
         its layouts every step) is checked by its layout and returned as a :class:`LaidOut`,
         whose views are built only if asked for."""
+        self._check_header(header, data)
+        self._completed_here = False
+        if not header.layout.extras and self._pending is None and self._patching is None:
+            plan = self._plan(header.layout)
+            if plan.end > header.nbytes:
+                self._outside(plan, header)
+            self._claim_all(plan)
+            self._seq += 1
+            self._nbytes += header.nbytes
+            self._tensors += len(plan)
+            return LaidOut(plan, data, header.nbytes)
+        self._seq += 1
+        self._nbytes += header.nbytes
+        return self._feed_entries(header, data, target)
+
+    def _check_header(self, header: BucketHeader, data: torch.Tensor) -> None:
+        """Refuse a bucket of another sync, out of order, or larger than its slot."""
         if header.sync_id != self._sync_id:
             raise WireFormatError(
                 f"bucket of sync {header.sync_id} arrived during sync {self._sync_id}"
@@ -628,36 +646,35 @@ class Unpacker:
                 f"bucket {header.seq} claims {header.nbytes} bytes; the slot holds {data.numel()}"
             )
         if self._checked_limit != self.max_tensor_bytes or len(self._checked) > _CHECKED_MAX:
+            # What was checked under another limit is checked again.
             self._checked = {}
             self._plans, self._planned = {}, 0
             self._checked_limit = self.max_tensor_bytes
             self._disjoint = ()
-        layout = header.layout
-        if not layout.extras and self._pending is None and self._patching is None:
-            plan = self._plans.get(layout)
-            if plan is None:
-                # Checked entry by entry once; the entries themselves are not kept. The names
-                # kept are interned: one string per name with the sink's (ModuleSink interns
-                # its own), not a decoded copy of each held for as long as the plan.
-                layout = msgspec.structs.replace(layout, names=tuple(map(sys.intern, layout.names)))
-                plan = LayoutPlan(layout, [self._check_entry(e)[0] for e in layout.entries()])
-                if len(self._plans) >= _PLANS_MAX or self._planned + len(plan) > _CHECKED_MAX:
-                    self._plans, self._planned = {}, 0
-                    self._disjoint = ()
-                self._plans[layout] = plan
-                self._planned += len(plan)
-            if plan.end > header.nbytes:
-                self._outside(plan, header)
-            self._claim_all(plan)
-            self._seq += 1
-            self._nbytes += header.nbytes
-            self._tensors += len(plan)
-            self._completed_here = False
-            return LaidOut(plan, data, header.nbytes)
-        self._seq += 1
-        self._nbytes += header.nbytes
+
+    def _plan(self, layout: Layout) -> LayoutPlan:
+        """The checked plan of a layout of whole, plain tensors: checked entry by entry the
+        first time it comes, recognised by its value after that."""
+        plan = self._plans.get(layout)
+        if plan is None:
+            # The entries themselves are not kept. The names kept are interned: one string
+            # per name with the sink's (ModuleSink interns its own), not a decoded copy of
+            # each held for as long as the plan.
+            layout = msgspec.structs.replace(layout, names=tuple(map(sys.intern, layout.names)))
+            plan = LayoutPlan(layout, [self._check_entry(e)[0] for e in layout.entries()])
+            if len(self._plans) >= _PLANS_MAX or self._planned + len(plan) > _CHECKED_MAX:
+                self._plans, self._planned = {}, 0
+                self._disjoint = ()
+            self._plans[layout] = plan
+            self._planned += len(plan)
+        return plan
+
+    def _feed_entries(
+        self, header: BucketHeader, data: torch.Tensor, target: TargetFn | None
+    ) -> list[NamedTensor]:
+        """:meth:`feed` for a bucket checked entry by entry (chunks, patches, checksums,
+        or a layout not seen before)."""
         out: list[NamedTensor] = []
-        self._completed_here = False
         checked = self._checked
         # ``data`` as each dtype, made once per bucket, with its offset in its storage (in
         # elements): an entry's view is then one ``as_strided`` of it.
@@ -665,7 +682,7 @@ class Unpacker:
         bucket_nbytes = header.nbytes
         # Patches are applied once the whole bucket is checked: a bad one applies nothing.
         patching: list[tuple[torch.Tensor, patches.Patch, int, str | None]] = []
-        for entry in layout.entries():
+        for entry in header.layout.entries():
             kind = checked.get(entry)
             if kind is None:
                 kind = checked[entry] = self._check_entry(entry)
@@ -680,13 +697,7 @@ class Unpacker:
                 patching.append(self._check_patch(header, entry, dtype, itemsize, data, target))
                 continue
             if entry.checksum is None and entry.chunks == 1:
-                if self._pending is not None:
-                    # A chunked tensor's chunks come first in each bucket until it is whole.
-                    raise WireFormatError(
-                        f"tensor {entry.name!r} arrived before chunked tensor "
-                        f"{self._pending.name!r} was complete"
-                    )
-                self._claim(entry.name)
+                self._whole(entry)
                 typed_view = typed.get(dtype)
                 if typed_view is None:
                     usable = bucket_nbytes - bucket_nbytes % itemsize
@@ -697,26 +708,16 @@ class Unpacker:
                 # lie inside the bucket, as a whole tensor of its shape.
                 tensor = torch.as_strided(view, entry.shape, strides, base + offset // itemsize)
                 out.append((entry.name, tensor))
-                self._tensors += 1
                 continue
             region = data[offset : offset + nbytes]
-            if entry.checksum is not None:
-                digest = _digest(region)
-                if digest != entry.checksum:
-                    raise ChecksumError(
-                        f"tensor {entry.name!r} (chunk {entry.chunk}/{entry.chunks}) in bucket "
-                        f"{header.seq} does not match its checksum"
-                    )
+            if entry.checksum is not None and _digest(region) != entry.checksum:
+                raise ChecksumError(
+                    f"tensor {entry.name!r} (chunk {entry.chunk}/{entry.chunks}) in bucket "
+                    f"{header.seq} does not match its checksum"
+                )
             if entry.chunks == 1:
-                if self._pending is not None:
-                    # A chunked tensor's chunks come first in each bucket until it is whole.
-                    raise WireFormatError(
-                        f"tensor {entry.name!r} arrived before chunked tensor "
-                        f"{self._pending.name!r} was complete"
-                    )
-                self._claim(entry.name)
+                self._whole(entry)
                 out.append((entry.name, region.view(dtype).view(entry.shape)))
-                self._tensors += 1
                 continue
             done = self._feed_chunk(entry, dtype, itemsize, region, target)
             if done is not None:
@@ -726,6 +727,17 @@ class Unpacker:
             if whole is not None:
                 out.append((whole, owner))
         return out
+
+    def _whole(self, entry: Entry) -> None:
+        """Claim a whole tensor's name (after any chunked tensor is complete)."""
+        if self._pending is not None:
+            # A chunked tensor's chunks come first in each bucket until it is whole.
+            raise WireFormatError(
+                f"tensor {entry.name!r} arrived before chunked tensor "
+                f"{self._pending.name!r} was complete"
+            )
+        self._claim(entry.name)
+        self._tensors += 1
 
     def _check_patch(
         self,

@@ -1,4 +1,4 @@
-"""Bucket plans a sender keeps between syncs.
+"""Bucket plans a sender keeps between syncs, the bucket builder's replay strategy.
 
 A trainer sends the same tensors in the same order every step, each with the same name,
 dtype and shape, so the buckets it makes are the same every step too: which entries, at
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import array
 import itertools
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -96,22 +95,6 @@ class BucketPlans:
         self._plans[key] = plan
         while len(self._plans) > PLANS_PER_SENDER:
             del self._plans[next(iter(self._plans))]
-
-
-_by_sender: weakref.WeakKeyDictionary[Any, BucketPlans] = weakref.WeakKeyDictionary()
-
-
-def plans_of(sender: Any) -> BucketPlans | None:
-    """The plans kept for an open sender (empty at first; dropped with the sender), or
-    ``None`` for a sender that cannot be weakly referenced and hashed (a transport of
-    one's own may define such a class): its syncs are bucketed afresh."""
-    try:
-        found = _by_sender.get(sender)
-        if found is None:
-            found = _by_sender[sender] = BucketPlans()
-    except TypeError:
-        return None
-    return found
 
 
 def _plain(item: Any) -> bool:
