@@ -36,6 +36,7 @@ __all__ = [
     "SenderAbortedError",
     "ReceiverFailedError",
     "DeltaBaseError",
+    "UnsupportedVersionError",
     "CONSEQUENCES",
     "described",
     "describe",
@@ -112,6 +113,11 @@ class LoraError(StreamsyncError, ValueError):
     """A LoRA adapter the engine cannot serve (an engine without LoRA, a rank above its
     ``max_lora_rank``, target modules or shapes its model lacks, more adapters than it
     holds): raised before anything is installed, so the previous version keeps serving."""
+
+
+class UnsupportedVersionError(StreamsyncError, ImportError):
+    """An installed dependency (vLLM, TRL) is outside the versions whose internals
+    streamsync was tested with: the message names it, its version and the tested range."""
 
 
 class SyncTimeoutError(StreamsyncError, TimeoutError):

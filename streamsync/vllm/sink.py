@@ -20,15 +20,14 @@ the same bytes. After the lifecycle, no parameter or buffer may be left on the m
 such a sync fails by name.
 
 With ``delta=True`` the sink keeps a copy of every tensor it received, in checkpoint
-coordinates (the wire's names, dtypes and shapes), beside the main model: a delta sync
-patches those copies (``target``) and then loads every copy through the ordinary lifecycle,
-so fused, sharded, quantized and repacked layers are rebuilt from whole checkpoint tensors
-as in a full sync. That costs one host copy of the synced weights per worker."""
+coordinates (the wire's names, dtypes and shapes), in the worker's :class:`WorkerState`: a
+delta sync patches those copies (``target``) and then loads every copy through the ordinary
+lifecycle, so fused, sharded, quantized and repacked layers are rebuilt from whole checkpoint
+tensors as in a full sync. That costs one host copy of the synced weights per worker."""
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,15 +41,29 @@ from streamsync.adapters.split_buffers import MANIFEST_NAME, BufferRouter
 from streamsync.errors import ConfigError, ReceiverFailedError, StreamsyncError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.sink import held_version, set_held_version
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
-#: Per main model, the checkpoint-coordinate copies a delta-tracking sink keeps.
-_kept_copies: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
+__all__ = [
+    "ModelInstance",
+    "VllmSink",
+    "WorkerState",
+    "checkpoint_name",
+    "model_instances",
+    "tied_names",
+]
 
-__all__ = ["ModelInstance", "VllmSink", "checkpoint_name", "model_instances", "tied_names"]
+
+@dataclass
+class WorkerState:
+    """What one vLLM worker keeps between syncs, by model instance name (``"main"``,
+    ``"drafter"``): the version each instance holds, and the checkpoint-coordinate copies a
+    delta-tracking sink patches. The worker's entry point makes one and hands it to every
+    sink it builds."""
+
+    #: The version (sync id) each instance was last completely synced to.
+    versions: dict[str, int] = field(default_factory=dict)
+    #: Per instance, the copies of every tensor it received (``delta=True`` only).
+    copies: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -180,6 +193,7 @@ class VllmSink:
         vllm_config: Any = None,
         quirks: Sequence[Any] | None = None,
         delta: bool = False,
+        state: WorkerState | None = None,
     ) -> None:
         if not instances:
             raise ConfigError("VllmSink needs at least one model instance")
@@ -192,12 +206,13 @@ class VllmSink:
         self._router = BufferRouter({inst.name: inst.model for inst in self.instances})
         self._buffers: list[NamedTensor] = []
         self._prepared = False  # between prepare and finalize: what abort undoes
-        main = self.instances[0].model
+        self.state = state if state is not None else WorkerState()
+        main = self.instances[0].name
         if delta:
-            self._copies: dict[str, torch.Tensor] | None = _kept_copies.setdefault(main, {})
+            self._copies: dict[str, torch.Tensor] | None = self.state.copies.setdefault(main, {})
         else:
             self._copies = None
-            _kept_copies.pop(main, None)  # a full sync without tracking: the copies go stale
+            self.state.copies.pop(main, None)  # a full sync without tracking: they go stale
         self._received: set[str] = set()
 
     @property
@@ -205,13 +220,16 @@ class VllmSink:
         """The version every instance holds, when this sink keeps copies to patch."""
         if self._copies is None:
             return None
-        held = {held_version(inst.model) for inst in self.instances}
+        held = {self.state.versions.get(inst.name) for inst in self.instances}
         return held.pop() if len(held) == 1 else None
 
     @version.setter
     def version(self, version: int | None) -> None:
         for inst in self.instances:
-            set_held_version(inst.model, version)
+            if version is None:
+                self.state.versions.pop(inst.name, None)
+            else:
+                self.state.versions[inst.name] = version
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The kept copy of ``name`` (allocated at its first sync) when the sink keeps
@@ -232,8 +250,10 @@ class VllmSink:
         quirks: Sequence[str] | None = None,
         instances: Sequence[str] | None = None,
         delta: bool = False,
+        state: WorkerState | None = None,
     ) -> VllmSink:
-        """The sink for a vLLM worker (what ``WorkerExtension`` uses)."""
+        """The sink for a vLLM worker (what ``WorkerExtension`` uses); ``state``: what the
+        worker keeps between syncs."""
         from streamsync.vllm.quirks import quirks_by_name
 
         found = model_instances(worker)
@@ -245,6 +265,7 @@ class VllmSink:
             vllm_config=worker.vllm_config,
             quirks=quirks_by_name(quirks) if quirks is not None else None,
             delta=delta,
+            state=state,
         )
 
     @contextlib.contextmanager
