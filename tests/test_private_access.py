@@ -100,7 +100,8 @@ def _handles_objects(path: Path, tree: ast.Module) -> bool:
 
 def test_private_code_of_vllm_and_trl_is_touched_in_their_compat_modules_only() -> None:
     trees = _sources()
-    own = _own_names(trees)
+    # The compat modules' own names (a wrapper named as vLLM's method) are not streamsync's.
+    own = _own_names({p: t for p, t in trees.items() if p not in COMPAT.values()})
     offenders = {
         str(path.relative_to(PACKAGE)): uses
         for path, tree in trees.items()

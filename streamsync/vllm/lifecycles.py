@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from streamsync._copies import clone
-from streamsync.errors import ConfigError, ReceiverFailedError
+from streamsync.errors import ConfigError, ReceiverFailedError, UnsupportedVersionError
 from streamsync.pipeline import NamedTensor
 
 if TYPE_CHECKING:
@@ -209,6 +209,8 @@ def choose_lifecycle(name: str | None = None) -> Lifecycle:
     for cls in LIFECYCLES.values():
         try:
             return cls()
+        except UnsupportedVersionError:
+            raise  # a vLLM whose internals were not tested: no quiet fallback
         except ImportError:
             continue
     raise ConfigError(
