@@ -36,7 +36,6 @@ __all__ = [
     "SenderAbortedError",
     "ReceiverFailedError",
     "DeltaBaseError",
-    "UnsupportedVersionError",
     "CONSEQUENCES",
     "described",
     "describe",

@@ -17,8 +17,6 @@ from typing import Any
 
 from streamsync.errors import UnsupportedVersionError
 
-__all__ = ["TESTED", "check_version", "installed_version", "rollout_loop_kwargs", "started"]
-
 #: The TRL versions this module was tested with: from the first, up to (not including) the
 #: second.
 TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((1, 16, 0), (1, 17, 0))

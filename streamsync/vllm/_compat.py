@@ -28,20 +28,6 @@ import torch
 from streamsync._versions import vllm_version
 from streamsync.errors import UnsupportedVersionError
 
-__all__ = [
-    "TESTED",
-    "adapter_manager",
-    "check_version",
-    "cpu_prepack_moe_weight",
-    "is_recorded",
-    "layers_waiting",
-    "lora_source",
-    "pending_tensors",
-    "put_back",
-    "uses_zentorch",
-    "validate_lora",
-]
-
 #: The vLLM versions this module was tested with: from the first, up to (not including) the
 #: second.
 TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 0), (0, 33, 0))

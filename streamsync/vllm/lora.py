@@ -37,8 +37,6 @@ from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.vllm.sink import WorkerState
 
-__all__ = ["LoraEngine", "LoraSink", "LoraStore", "build", "check"]
-
 
 @dataclass
 class _Version:

@@ -50,15 +50,6 @@ from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
-__all__ = [
-    "ModelInstance",
-    "VllmSink",
-    "WorkerState",
-    "checkpoint_name",
-    "model_instances",
-    "tied_names",
-]
-
 
 @dataclass
 class WorkerState:
