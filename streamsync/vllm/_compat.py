@@ -120,16 +120,17 @@ def is_recorded(model: torch.nn.Module) -> bool:
     return any(m in info for m in model.modules())
 
 
-def pending_tensors() -> Iterator[tuple[dict[str, Any], str]]:
-    """Each tensor argument a layer still waiting for weights holds (every layer of this
-    process), as the ``(arguments, key)`` of vLLM's record, so it can be replaced."""
+def replace_pending(replace: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Put ``replace(tensor)`` in place of each tensor a layer still waiting for weights
+    holds (every layer of this process: vLLM's records keep the loader's arguments until
+    the layer is complete)."""
     for info in list(_layerwise().LAYERWISE_INFO.values()):
         if not info.loaded_weights:
             continue
         for _, bound in info.loaded_weights:
             for key, value in bound.arguments.items():
                 if isinstance(value, torch.Tensor) and key != "param":
-                    yield bound.arguments, key
+                    bound.arguments[key] = replace(value)
 
 
 def layers_waiting(

@@ -100,12 +100,15 @@ class LayerwiseReload:
         # them now (only the pending layers' tensors, typically one layer's worth). They
         # are found in vLLM's records of every layer of this process (a record made during
         # this load included), which costs a tenth of walking the model's modules.
-        for arguments, key in self._compat.pending_tensors():
-            value = arguments[key]
-            if id(value) not in self._owned:
-                owned = clone(value)
-                self._owned[id(owned)] = owned
-                arguments[key] = owned
+        self._compat.replace_pending(self._own)
+
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` if this lifecycle copied it already, else its copy."""
+        if id(tensor) in self._owned:
+            return tensor
+        owned = clone(tensor)
+        self._owned[id(owned)] = owned
+        return owned
 
     def finalize(self, inst: ModelInstance) -> None:
         _require_whole_layers(inst)
