@@ -160,3 +160,59 @@ def test_the_trl_compat_module_refuses_an_untested_trl_by_name() -> None:
         message = str(caught.value)
         assert f"TRL {'.'.join(map(str, version))} is installed" in message
         assert ">=1.16.0,<1.17.0" in message
+
+
+def _state_kept_elsewhere(tree: ast.Module) -> list[str]:
+    """What in ``tree`` keeps streamsync's state outside its own objects: a module-level weak
+    table or lock (state keyed by other objects), an attribute of streamsync's written onto
+    another object, or a write into an object's ``__dict__``."""
+    found: list[str] = []
+    for node in tree.body:
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        if isinstance(value, ast.Call):
+            called = ast.unparse(value.func)
+            if called.endswith(("WeakKeyDictionary", "WeakValueDictionary", "Lock", "RLock")):
+                found.append(f"line {node.lineno}: module-level {called}()")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if node.attr.startswith("_streamsync"):
+                found.append(f"line {node.lineno}: .{node.attr} written")
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "__dict__":
+                found.append(f"line {node.lineno}: .__dict__[...] written")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+        ):
+            found.append(f"line {node.lineno}: setattr(...)")
+    return found
+
+
+def test_vllm_and_trl_state_lives_in_streamsyncs_own_objects() -> None:
+    """No module-level table keyed by other objects, and nothing written onto vLLM's, TRL's
+    or the user's objects, where streamsync meets them (the compat modules aside: vLLM's
+    LoRA loader sees only its own manager, so the adapter store rides on it there)."""
+    offenders = {
+        str(path.relative_to(PACKAGE)): found
+        for path, tree in _sources().items()
+        if path.relative_to(PACKAGE).parts[0] in ("vllm", "integrations")
+        and path not in COMPAT.values()
+        for found in [_state_kept_elsewhere(tree)]
+        if found
+    }
+    assert offenders == {}
+
+
+def test_the_state_pin_finds_each_kind() -> None:
+    source = """
+import threading, weakref
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+QUIRKS: dict[str, object] = {}
+tensor._streamsync_owned = True
+worker.__dict__["receivers"] = 1
+setattr(llm, "channels", {})
+"""
+    found = _state_kept_elsewhere(ast.parse(source))
+    assert [f.split(":")[0] for f in found] == [f"line {n}" for n in (3, 4, 6, 7, 8)]
