@@ -86,6 +86,11 @@ class LoraError(StreamsyncError, ValueError):
     holds): raised before anything is installed, so the previous version keeps serving."""
 
 
+class UnsupportedVersionError(StreamsyncError, ImportError):
+    """An installed dependency (vLLM, TRL) is outside the versions whose internals
+    streamsync was tested with: the message names it, its version and the tested range."""
+
+
 class SyncTimeoutError(StreamsyncError, TimeoutError):
     """A wait ran past its timeout: the message says what was awaited and from whom."""
 

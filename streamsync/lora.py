@@ -211,5 +211,14 @@ def lora_id(name: str) -> int:
 
 
 def version_path(name: str, version: int) -> str:
-    """The reserved path of version ``version`` of adapter ``name``."""
+    """The path vLLM knows version ``version`` of adapter ``name`` by (a ``LoRARequest``
+    needs one, and its prefix cache keys blocks on it); nothing is read from it."""
     return f"{LORA_PATH_PREFIX}{name}/v{version}"
+
+
+def path_version(name: str, path: str) -> int | None:
+    """The version :func:`version_path` made ``path`` for adapter ``name``, or ``None`` when
+    it is not such a path (an adapter of the user's own, on disk)."""
+    prefix = f"{LORA_PATH_PREFIX}{name}/v"
+    digits = path.removeprefix(prefix) if path.startswith(prefix) else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None

@@ -15,7 +15,14 @@ from conftest import extra
 import streamsync as ss
 from streamsync.engine.channel import WeightSync
 from streamsync.engine.messages import LoraTarget, WorkerOptions
-from streamsync.lora import LORA_PATH_PREFIX, base_name, lora_adapter, lora_id, version_path
+from streamsync.lora import (
+    LORA_PATH_PREFIX,
+    base_name,
+    lora_adapter,
+    lora_id,
+    path_version,
+    version_path,
+)
 from streamsync.testing.models import build_tiny_model
 
 peft = extra("peft", "lora")
@@ -171,13 +178,21 @@ def test_ids_and_paths_are_stable_per_name() -> None:
     assert version_path("policy", 7).startswith("/")  # absolute: vLLM never asks the Hub
 
 
+def test_a_version_is_read_back_from_its_path_only() -> None:
+    assert path_version("policy", version_path("policy", 7)) == 7
+    assert path_version("policy", version_path("policy", 0)) == 0
+    assert path_version("policy", version_path("reference", 7)) is None  # another adapter's
+    assert path_version("policy", "/adapters/policy/v7") is None  # the user's, on disk
+    assert path_version("policy", f"{LORA_PATH_PREFIX}policy/v7x") is None
+    assert path_version("policy", f"{LORA_PATH_PREFIX}policy/v") is None
+
+
 def test_the_lora_target_crosses_the_rpc_as_plain_values() -> None:
-    target = LoraTarget(
-        name="p", path="/streamsync-lora/p/v1", config={"r": 8}, keep=("/streamsync-lora/p/v0",)
-    )
+    target = LoraTarget(name="p", version=1, config={"r": 8}, keep=(0,))
     options = WorkerOptions(lora=target)
     wire = options.to_wire()
-    assert list(wire["lora"]["keep"]) == ["/streamsync-lora/p/v0"]
+    assert wire["lora"]["version"] == 1
+    assert list(wire["lora"]["keep"]) == [0]
     assert WorkerOptions.from_wire(wire) == options
 
 

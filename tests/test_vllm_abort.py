@@ -25,7 +25,8 @@ def test_failed_sync_leaves_the_engine_serving(tmp_path: Path) -> None:
     try:
         name = "model.layers.1.mlp.down_proj.weight"
         bad = {**trainer.state_dict(), name: torch.zeros(3, 5)}
-        with pytest.raises(ss.ReceiverFailedError, match=rf"{name}.*\(3, 5\)"):
+        shapes = r"received shape \[3, 5\], the engine's is \[128, 256\]"
+        with pytest.raises(ss.ShapeMismatchError, match=rf"{name}.*{shapes}"):
             sync(llm, bad, endpoint)  # type: ignore[arg-type]
         engine_outputs(llm)  # serves: no meta tensor left in the model
         perturb(trainer, seed=5)

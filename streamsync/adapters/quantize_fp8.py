@@ -143,7 +143,10 @@ async def quantize_fp8(
     source: AsyncIterable[NamedTensor], *, block: Block, skip: Callable[[str], bool] | None
 ) -> AsyncIterator[NamedTensor]:
     """``quantize_fp8(block=(128, 128), skip=None)``: each eligible weight (module docstring),
-    then its scale; ``skip``: a predicate on names, or regexes (searched), of more to skip."""
+    then its scale; ``skip``: a predicate on names, or regexes (searched), of more to skip.
+
+    Only for an engine that serves FP8 weights: into one whose weights are bf16 or fp32 the
+    sync is refused with :class:`~streamsync.ConfigError` before anything is loaded."""
     async for name, tensor in source:
         if not eligible(name, tensor, skip):
             yield name, tensor

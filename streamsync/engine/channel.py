@@ -101,8 +101,9 @@ class LoraClient(EngineClient, Protocol):
 
 @dataclass(frozen=True)
 class _Lora:
-    """An adapter a channel installed: its serving version's path, its rank."""
+    """An adapter a channel installed: its serving version, that version's path, its rank."""
 
+    version: int
     path: str
     rank: int
 
@@ -506,10 +507,11 @@ class WeightSync:
         sync_id = next_sync_id()
         target = LoraTarget(
             name=name,
-            path=version_path(name, sync_id),
+            version=sync_id,
             config=lora.config,
-            keep=(current.path,) if current is not None else (),
+            keep=(current.version,) if current is not None else (),
         )
+        path = version_path(name, sync_id)
         options = msgspec.structs.replace(self.worker_options, lora=target)
         report = await self._round(
             lora.tensors,
@@ -523,14 +525,14 @@ class WeightSync:
 
         async def install(e: int, client: LoraClient) -> None:
             try:
-                in_flight[e] = await client.install_lora(name, engine_id, target.path)
+                in_flight[e] = await client.install_lora(name, engine_id, path)
             except StreamsyncError as exc:
                 exc.engine = self._engine(e)
                 raise
             except Exception as exc:
                 where = "the engine" if not self.fanout else f"engine {e}"
                 error = LoraError(
-                    f"{where} did not install LoRA adapter {name!r} ({target.path}): "
+                    f"{where} did not install LoRA adapter {name!r} ({path}): "
                     f"{type(exc).__name__}: {exc}"
                 )
                 error.engine = self._engine(e)
@@ -543,14 +545,14 @@ class WeightSync:
                 async with anyio.create_task_group() as tg:
                     for e, client in enumerate(clients):
                         tg.start_soon(install, e, client)
-        self._loras[name] = _Lora(target.path, lora.rank)
+        self._loras[name] = _Lora(sync_id, path, lora.rank)
         counts = [n for n in in_flight if n is not None]
         running = sum(counts) if len(counts) == len(in_flight) else None
         if running:
-            warn("lora.in_flight", name=name, path=target.path, requests=running)
-        log("lora.installed", name=name, path=target.path, lora_id=engine_id, rank=lora.rank)
+            warn("lora.in_flight", name=name, path=path, requests=running)
+        log("lora.installed", name=name, path=path, lora_id=engine_id, rank=lora.rank)
         return msgspec.structs.replace(
-            report, lora=LoraReport(name=name, path=target.path, rank=lora.rank, in_flight=running)
+            report, lora=LoraReport(name=name, path=path, rank=lora.rank, in_flight=running)
         )
 
     def lora(self, name: str) -> tuple[int, str]:
@@ -578,7 +580,7 @@ class WeightSync:
         for client in clients:
             await client.remove_lora(name, lora_id(name))
         self._loras.pop(name, None)
-        target = LoraTarget(name=name, path=version_path(name, 0), remove=True)
+        target = LoraTarget(name=name, version=0, remove=True)
         options = msgspec.structs.replace(self.worker_options, lora=target)
         await self._round((), options, None, False)
         log("lora.removed", name=name)

@@ -44,14 +44,13 @@ class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     #: The adapter's name.
     name: str
-    #: This version's path (a reserved absolute path, never read from disk): the engine's
-    #: key for the version.
-    path: str
+    #: This version: the id of the sync that carries it.
+    version: int
     #: The adapter's LoRA config as JSON values (peft's ``LoraConfig.to_dict()``: ``r``,
     #: ``lora_alpha``, ``target_modules``, ...).
     config: dict[str, Any] = {}
     #: Other versions of ``name`` the workers keep (the one serving until this one is in).
-    keep: tuple[str, ...] = ()
+    keep: tuple[int, ...] = ()
     #: Drop every version of ``name`` instead (the sync carries no tensors).
     remove: bool = False
 

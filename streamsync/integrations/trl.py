@@ -243,15 +243,17 @@ class WeightTransfer:
                 "adapter_only: the trainer's weight_transfer is not this WeightTransfer; "
                 "build it with AsyncGRPOTrainer(..., weight_transfer=transfer)"
             )
+        from streamsync.integrations import _trl_compat
+
         worker = getattr(trainer, "rollout_worker", None)
-        loop_kwargs = getattr(worker, "_loop_kwargs", None)
-        if not isinstance(loop_kwargs, dict) or "lora_name" not in loop_kwargs:
+        loop_kwargs = _trl_compat.rollout_loop_kwargs(worker)
+        if loop_kwargs is None:
             raise ConfigError(
                 f"adapter_only: the trainer's rollout worker is a {type(worker).__name__}, not "
                 "TRL's AsyncRolloutWorker (of TRL 1.16); a rollout worker of your own must ask "
                 f"the server for model '{name}-v<trainer.model_version>' itself"
             )
-        if getattr(worker, "_process", None) is not None:
+        if _trl_compat.started(worker):
             raise ConfigError("adapter_only: call it before trainer.train()")
         check_lora_name(f"{name}-v1")
         loop_kwargs["lora_name"] = name

@@ -11,21 +11,30 @@ because vLLM refuses extension attributes that clash with the worker's own
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
 from streamsync.engine.messages import WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
 
-
-def _receivers(worker: Any) -> WorkerReceivers:
-    receivers = worker.__dict__.get("_streamsync_receivers")
-    if receivers is None:
-        receivers = worker.__dict__["_streamsync_receivers"] = WorkerReceivers()
-    return receivers  # type: ignore[no-any-return]
+if TYPE_CHECKING:
+    from streamsync.vllm.sink import WorkerState
 
 
 class WorkerExtension:
     """Methods vLLM adds to each worker (main model and drafter live in the same worker)."""
+
+    @functools.cached_property
+    def streamsync_receivers(self) -> WorkerReceivers:
+        """This worker's receivers, kept across syncs."""
+        return WorkerReceivers()
+
+    @functools.cached_property
+    def streamsync_state(self) -> WorkerState:
+        """What this worker keeps between syncs for its models (versions, delta copies)."""
+        from streamsync.vllm.sink import WorkerState
+
+        return WorkerState()
 
     def streamsync_receive(self, endpoint: str, options: Any = None) -> dict[str, Any]:
         """Receive one sync from ``endpoint`` into every model instance of this worker.
@@ -40,20 +49,21 @@ class WorkerExtension:
 
         def sink(opts: WorkerOptions) -> Sink:
             if opts.lora is not None:
-                return LoraSink.from_worker(self, opts.lora)
+                return LoraSink.from_worker(self, opts.lora, self.streamsync_state)
             return VllmSink.from_worker(
                 self,
                 lifecycle=opts.lifecycle,
                 quirks=opts.quirks,
                 instances=opts.instances,
                 delta=opts.delta,
+                state=self.streamsync_state,
             )
 
-        return _receivers(self).handle(endpoint, options, sink).to_wire()
+        return self.streamsync_receivers.handle(endpoint, options, sink).to_wire()
 
     def streamsync_close(self, endpoint: str | None = None) -> int:
         """Close this worker's receivers (all, or the one for ``endpoint``); returns how many."""
-        return _receivers(self).close(endpoint)
+        return self.streamsync_receivers.close(endpoint)
 
     def streamsync_describe(self) -> dict[str, Any]:
         """The model instances this worker serves and their parameter/buffer names."""

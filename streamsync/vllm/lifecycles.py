@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from streamsync._copies import clone
-from streamsync.errors import ConfigError, ReceiverFailedError
+from streamsync.errors import ConfigError, ReceiverFailedError, UnsupportedVersionError
 from streamsync.pipeline import NamedTensor
 
 if TYPE_CHECKING:
@@ -65,65 +65,54 @@ class LayerwiseReload:
     def __init__(self) -> None:
         from vllm.model_executor.model_loader import reload
 
+        from streamsync.vllm import _compat
+
         self._reload = reload
+        self._compat = _compat
+        # The copies this lifecycle made of pending tensors, by id (each kept alive here, so
+        # no id is reused while it is listed).
+        self._owned: dict[int, torch.Tensor] = {}
 
     def prepare(self, inst: ModelInstance) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
         # Metadata is recorded when vLLM loads the model; record it if it was not.
-        if not any(m in LAYERWISE_INFO for m in inst.model.modules()):
+        if not self._compat.is_recorded(inst.model):
             self._reload.record_metadata_for_reloading(inst.model)
         self._reload.initialize_layerwise_reload(inst.model)
+        self._owned = {}
 
     def load(self, inst: ModelInstance, tensors: Sequence[NamedTensor]) -> set[str]:
         loaded = set(inst.model.load_weights(tensors))  # type: ignore[operator]
         self._detach_pending()
         return loaded
 
-    @staticmethod
-    def _detach_pending() -> None:
+    def _detach_pending(self) -> None:
         # A layer whose weights straddle buckets keeps the tensors it was given until it is
         # complete; those are views of a transport slot that is about to be reused. Copy
         # them now (only the pending layers' tensors, typically one layer's worth). They
         # are found in vLLM's records of every layer of this process (a record made during
         # this load included), which costs a tenth of walking the model's modules.
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        self._compat.replace_pending(self._own)
 
-        for info in list(LAYERWISE_INFO.values()):
-            if not info.loaded_weights:
-                continue
-            for _, bound in info.loaded_weights:
-                for key, value in bound.arguments.items():
-                    if (
-                        isinstance(value, torch.Tensor)
-                        and key != "param"
-                        and not getattr(value, "_streamsync_owned", False)
-                    ):
-                        owned = clone(value)
-                        owned._streamsync_owned = True  # type: ignore[attr-defined]
-                        bound.arguments[key] = owned
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` if this lifecycle copied it already, else its copy."""
+        if id(tensor) in self._owned:
+            return tensor
+        owned = clone(tensor)
+        self._owned[id(owned)] = owned
+        return owned
 
     def finalize(self, inst: ModelInstance) -> None:
         _require_whole_layers(inst)
         self._reload.finalize_layerwise_reload(inst.model, inst.model_config)
+        self._owned = {}
 
     def abort(self, inst: ModelInstance) -> None:
         """Put every layer still waiting for weights back on its processed tensors (the
         old weights; layers that completed keep the new ones). Finalizing instead would
         process the incomplete layers from uninitialised memory, and leaving them would
         leave meta tensors in the model, which kills the engine at its next step."""
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        for module in inst.model.modules():
-            info = layerwise.LAYERWISE_INFO.get(module)
-            if info is None or not info.can_load():
-                continue
-            if info.kernel_tensors is not None:
-                layerwise._place_kernel_tensors(module, info)
-            info.reset()
-        layerwise.LOADING_LAYERS.clear()
-        if hasattr(inst.model, "_original_do_torchao_reload"):
-            inst.model._do_torchao_reload = inst.model._original_do_torchao_reload
+        self._compat.put_back(inst.model)
+        self._owned = {}
 
 
 def _require_whole_layers(inst: ModelInstance) -> None:
@@ -131,13 +120,12 @@ def _require_whole_layers(inst: ModelInstance) -> None:
     from fresh, uninitialised memory for the rest. Raised before anything is processed, so
     :meth:`LayerwiseReload.abort` puts every waiting layer back on its old weights."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.model_loader.reload import layerwise
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
-    for prefix, layer in inst.model.named_modules():
-        info = layerwise.LAYERWISE_INFO.get(layer)
-        if info is None or info.load_numel_total is None or info.load_numel <= 0:
-            continue  # not waiting for weights, or given none (it keeps its old ones)
+    from streamsync.vllm import _compat
+
+    # Layers given none of their weights are not listed: they keep their old ones.
+    for prefix, layer, info in _compat.layers_waiting(inst.model):
         if is_deferred_attention_layer(layer) or info.load_numel >= info.load_numel_total:
             continue
         shards: dict[str, set[object]] = {}
@@ -145,8 +133,8 @@ def _require_whole_layers(inst: ModelInstance) -> None:
             shards.setdefault(name, set()).add(bound.arguments.get("loaded_shard_id"))
         gaps = [
             f"{prefix}.{name}"
-            for name, param in layer._parameters.items()
-            if param is not None and name not in SKIP_LOAD_TENSORS and name not in shards
+            for name, _ in layer.named_parameters(recurse=False)
+            if name not in SKIP_LOAD_TENSORS and name not in shards
         ]
         expected = _stacked_shards(layer)
         if expected is not None:
@@ -215,6 +203,8 @@ def choose_lifecycle(name: str | None = None) -> Lifecycle:
     for cls in LIFECYCLES.values():
         try:
             return cls()
+        except UnsupportedVersionError:
+            raise  # a vLLM whose internals were not tested: no quiet fallback
         except ImportError:
             continue
     raise ConfigError(

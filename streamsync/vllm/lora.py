@@ -5,16 +5,16 @@ a :class:`LoraSink`. At ``finalize`` the sink builds the adapter the way vLLM's 
 does (``LoRAModel.from_lora_tensors`` with the engine's ``PEFTHelper`` checks) and checks
 every module and shape against the engine's LoRA layers as each layer will take them, so a
 bad adapter fails by name on every worker before any is installed. It then *stages* the
-version: the tensors, and the checked ``LoRAModel``, go into this engine's store under
-(name, path).
+version: the tensors, and the checked ``LoRAModel``, go into this engine's
+:class:`LoraStore` under the adapter's name and the sync's version.
 
 Installing is vLLM's own ``add_lora(LoRARequest(name, id, path, load_inplace=True))`` (the
 trainer calls it once every worker has staged): vLLM's worker manager builds the new
-version, and only then drops the old one. vLLM reads an adapter through
-``WorkerLoRAManager._load_adapter``; :func:`install_loader` wraps it once per process so
-that a path under :data:`~streamsync.lora.LORA_PATH_PREFIX` is built from the store instead
-(any other path goes to vLLM's loader). vLLM reloads adapters whenever it drops them (its
-LRU cache, ``reset_lora_state`` after a weight update), and the store answers then too.
+version, and only then drops the old one. vLLM reads adapters from disk only, so the store
+answers its loads instead (:func:`streamsync.vllm._compat.lora_source`) for requests whose
+path is a version's reserved path (:func:`~streamsync.lora.version_path`); any other path
+goes to vLLM's loader. vLLM reloads adapters whenever it drops them (its LRU cache,
+``reset_lora_state`` after a weight update), and the store answers then too.
 
 Each version has its own path, and vLLM's prefix cache keys blocks on the adapter's name and
 path, so KV computed under an old version is never served for a new one.
@@ -23,7 +23,6 @@ path, so KV computed under an old version is never served for a new one.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +32,10 @@ import torch
 from streamsync._log import log, warn
 from streamsync.engine.messages import LoraTarget
 from streamsync.errors import LoraError
-from streamsync.lora import LORA_PATH_PREFIX, lora_id
+from streamsync.lora import lora_id, path_version
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.sink import held_version
+from streamsync.vllm.sink import WorkerState
 
 
 @dataclass
@@ -51,15 +50,6 @@ class _Version:
     #: vLLM loaded it (it serves, or served): a version staged by a sync that failed on
     #: another worker never is.
     loaded: bool = False
-
-
-#: Per engine (its LoRA model manager): adapter name -> {path: version}, newest last.
-_stores: weakref.WeakKeyDictionary[Any, dict[str, dict[str, _Version]]] = (
-    weakref.WeakKeyDictionary()
-)
-_install_lock = threading.Lock()
-# The store is staged into on a worker's receive thread and read by vLLM's engine thread.
-_store_lock = threading.Lock()
 
 
 _NO_LORA = (
@@ -81,8 +71,10 @@ class LoraEngine:
     @classmethod
     def of_manager(cls, manager: Any) -> LoraEngine:
         """From vLLM's ``WorkerLoRAManager``."""
+        from streamsync.vllm import _compat
+
         return cls(
-            manager._adapter_manager,
+            _compat.adapter_manager(manager),
             manager.lora_config,
             manager.vocab_size,
             manager.max_position_embeddings,
@@ -115,52 +107,70 @@ class LoraEngine:
         )
 
     @property
-    def store(self) -> dict[str, dict[str, _Version]]:
-        """This engine's staged versions: adapter name -> {path: version}, newest last."""
-        return _stores.setdefault(self.adapters, {})
+    def store(self) -> LoraStore:
+        """This engine's staged versions (made at the first adapter sync, and from then on
+        answering vLLM's adapter loads)."""
+        from streamsync.vllm import _compat
+
+        return _compat.lora_source(self.adapters, LoraStore)
 
 
-def install_loader() -> None:
-    """Wrap vLLM's ``WorkerLoRAManager._load_adapter`` (once per process): a request whose
-    path is under :data:`~streamsync.lora.LORA_PATH_PREFIX` is built from the staged tensors
-    of its engine; any other goes to vLLM's loader."""
-    from vllm.lora.worker_manager import WorkerLoRAManager
+class LoraStore:
+    """One engine's staged adapter versions: adapter name -> {sync version: version}, newest
+    last. Called by vLLM's adapter loader (see the module); staged into on a worker's
+    receive thread and read on vLLM's engine thread, under one lock."""
 
-    with _install_lock:
-        if getattr(WorkerLoRAManager._load_adapter, "_streamsync", False):
-            return
-        original = WorkerLoRAManager._load_adapter
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._adapters: dict[str, dict[int, _Version]] = {}
 
-        def _load_adapter(self: Any, lora_request: Any) -> Any:
-            path = lora_request.lora_path
-            if not str(path).startswith(LORA_PATH_PREFIX):
-                return original(self, lora_request)
-            return _from_store(LoraEngine.of_manager(self), lora_request)
+    def __call__(self, worker_manager: Any, request: Any) -> Any:
+        """The ``LoRAModel`` for vLLM's ``request``, or ``None`` when its path is not one of
+        streamsync's (vLLM's own loader reads it)."""
+        from vllm.exceptions import LoRAAdapterNotFoundError
 
-        _load_adapter._streamsync = True  # type: ignore[attr-defined]
-        WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+        name = request.lora_name
+        version = path_version(name, request.lora_path)
+        if version is None:
+            return None
+        with self._lock:
+            versions = self._adapters.get(name)
+            if not versions:
+                raise LoRAAdapterNotFoundError(name, request.lora_path)
+            entry = versions.get(version)
+            if entry is None:
+                # A request older than the versions kept (it outlived two updates): the newest.
+                newest = next(reversed(versions))
+                warn("lora.old_version", name=name, version=version, now=newest)
+                entry = versions[newest]
+            lora, entry.built = entry.built, None
+            entry.loaded = True
+        if lora is None:
+            engine = LoraEngine.of_manager(worker_manager)
+            lora = build(engine, request.lora_int_id, entry.tensors, entry.config)
+        lora.id = request.lora_int_id
+        lora.is_3d_lora_weight = bool(getattr(request, "is_3d_lora_weight", False))
+        return lora
 
+    def held(self) -> list[str]:
+        """The adapters vLLM has loaded a version of, sorted."""
+        with self._lock:
+            return sorted(n for n, v in self._adapters.items() if any(e.loaded for e in v.values()))
 
-def _from_store(engine: LoraEngine, request: Any) -> Any:
-    from vllm.exceptions import LoRAAdapterNotFoundError
+    def stage(self, name: str, version: int, entry: _Version, keep: Sequence[int]) -> int:
+        """Stage ``entry`` as ``version`` of adapter ``name``, dropping the versions other
+        than those in ``keep``; how many versions of ``name`` are now staged."""
+        with self._lock:
+            versions = self._adapters.setdefault(name, {})
+            for old in [v for v in versions if v != version and v not in keep]:
+                del versions[old]
+            versions[version] = entry
+            return len(versions)
 
-    with _store_lock:
-        versions = engine.store.get(request.lora_name)
-        if not versions:
-            raise LoRAAdapterNotFoundError(request.lora_name, request.lora_path)
-        entry = versions.get(request.lora_path)
-        if entry is None:
-            # A request older than the versions kept (it outlived two updates): the newest.
-            newest = next(reversed(versions))
-            warn("lora.old_version", name=request.lora_name, path=request.lora_path, now=newest)
-            entry = versions[newest]
-        lora, entry.built = entry.built, None
-        entry.loaded = True
-    if lora is None:
-        lora = build(engine, request.lora_int_id, entry.tensors, entry.config)
-    lora.id = request.lora_int_id
-    lora.is_3d_lora_weight = bool(getattr(request, "is_3d_lora_weight", False))
-    return lora
+    def remove(self, name: str) -> None:
+        """Drop every version of adapter ``name``."""
+        with self._lock:
+            self._adapters.pop(name, None)
 
 
 def build(
@@ -171,6 +181,8 @@ def build(
     ``tensors`` (vLLM scales ``lora_B`` in place when it installs)."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
+
+    from streamsync.vllm import _compat
 
     adapters = engine.adapters
     try:
@@ -193,9 +205,7 @@ def build(
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
-        adapters._validate_moe_lora_format(lora)
-        adapters._validate_modules_to_save(lora)
-        adapters._validate_token_classification_lora(lora)
+        _compat.validate_lora(adapters, lora)
     except (ValueError, RuntimeError) as exc:
         raise LoraError(f"LoRA adapter: {exc}") from None
     return lora
@@ -285,20 +295,26 @@ class LoraSink:
     and stages them at ``finalize`` (see the module). The base weights are untouched, so the
     version the worker reports holding (for delta syncs) is the base's."""
 
-    def __init__(self, engine: LoraEngine, target: LoraTarget, main: torch.nn.Module) -> None:
+    def __init__(
+        self, engine: LoraEngine, target: LoraTarget, state: WorkerState | None = None
+    ) -> None:
         self.engine = engine
         self.lora = target
-        self._main = main
+        self.state = state if state is not None else WorkerState()
         self._tensors: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_worker(cls, worker: Any, target: LoraTarget) -> LoraSink:
-        """The sink for a vLLM worker (what ``WorkerExtension`` uses)."""
-        return cls(LoraEngine.of_worker(worker), target, worker.model_runner.get_model())
+    def from_worker(
+        cls, worker: Any, target: LoraTarget, state: WorkerState | None = None
+    ) -> LoraSink:
+        """The sink for a vLLM worker (what ``WorkerExtension`` uses); ``state``: what the
+        worker keeps between syncs."""
+        return cls(LoraEngine.of_worker(worker), target, state)
 
     @property
     def version(self) -> int | None:
-        return held_version(self._main)
+        """The version the worker's main model holds."""
+        return self.state.versions.get("main")
 
     @version.setter
     def version(self, version: int | None) -> None:
@@ -328,13 +344,11 @@ class LoraSink:
         target = self.lora
         store = self.engine.store
         if target.remove:
-            with _store_lock:
-                store.pop(target.name, None)
+            store.remove(target.name)
             return LoadResult()
         config = self.engine.lora_config
         limit = config.max_cpu_loras or config.max_loras
-        with _store_lock:
-            held = sorted(n for n, v in store.items() if any(e.loaded for e in v.values()))
+        held = store.held()
         if target.name not in held and len(held) + 1 > limit:
             raise LoraError(
                 f"LoRA adapter {target.name!r} would be adapter {len(held) + 1} on an engine "
@@ -351,18 +365,14 @@ class LoraSink:
                 f"LoRA adapter {target.name!r} could not be checked against the engine: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        install_loader()
-        with _store_lock:
-            versions = store.setdefault(target.name, {})
-            for path in [p for p in versions if p != target.path and p not in target.keep]:
-                del versions[path]
-            versions[target.path] = _Version(self._tensors, dict(target.config), built)
+        entry = _Version(self._tensors, dict(target.config), built)
+        versions = store.stage(target.name, target.version, entry, target.keep)
         log(
             "lora.staged",
             name=target.name,
-            path=target.path,
+            version=target.version,
             tensors=len(self._tensors),
-            versions=len(versions),
+            versions=versions,
         )
         names = tuple(sorted(self._tensors))
         self._tensors = {}

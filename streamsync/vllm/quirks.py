@@ -51,7 +51,7 @@ class CpuMoePrepack:
         pass
 
     def after_finalize(self, inst: ModelInstance) -> None:
-        from vllm._custom_ops import cpu_prepack_moe_weight
+        from streamsync.vllm._compat import cpu_prepack_moe_weight
 
         repacked = 0
         for prefix, layer, experts in _cpu_moe_layers(inst.model):
@@ -70,13 +70,13 @@ def _cpu_moe_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Modu
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:
         return
+    from streamsync.vllm._compat import uses_zentorch
+
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts) and not getattr(
-            experts, "_use_zentorch", False
-        ):
+        if isinstance(experts, CPUUnquantizedExperts) and not uses_zentorch(experts):
             yield prefix, module, experts
 
 

@@ -20,15 +20,15 @@ the same bytes. After the lifecycle, no parameter or buffer may be left on the m
 such a sync fails by name.
 
 With ``delta=True`` the sink keeps a copy of every tensor it received, in checkpoint
-coordinates (the wire's names, dtypes and shapes), beside the main model: a delta sync
-patches those copies (``target``) and then loads every copy through the ordinary lifecycle,
-so fused, sharded, quantized and repacked layers are rebuilt from whole checkpoint tensors
-as in a full sync. That costs one host copy of the synced weights per worker."""
+coordinates (the wire's names, dtypes and shapes), in the worker's :class:`WorkerState`: a
+delta sync patches those copies (``target``) and then loads every copy through the ordinary
+lifecycle, so fused, sharded, quantized and repacked layers are rebuilt from whole checkpoint
+tensors as in a full sync. That costs one host copy of the synced weights per worker."""
 
 from __future__ import annotations
 
 import contextlib
-import weakref
+import difflib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,16 +39,29 @@ import xxhash
 from streamsync._copies import clone, copy_tensors
 from streamsync._log import log
 from streamsync.adapters.split_buffers import BufferRouter
-from streamsync.errors import ConfigError, ReceiverFailedError, StreamsyncError
+from streamsync.errors import (
+    ConfigError,
+    ReceiverFailedError,
+    ShapeMismatchError,
+    StreamsyncError,
+    UnknownTensorError,
+)
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.sink import held_version, set_held_version
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
-#: Per main model, the checkpoint-coordinate copies a delta-tracking sink keeps.
-_kept_copies: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
+
+@dataclass
+class WorkerState:
+    """What one vLLM worker keeps between syncs, by model instance name (``"main"``,
+    ``"drafter"``): the version each instance holds, and the checkpoint-coordinate copies a
+    delta-tracking sink patches. The worker's entry point makes one and hands it to every
+    sink it builds."""
+
+    #: The version (sync id) each instance was last completely synced to.
+    versions: dict[str, int] = field(default_factory=dict)
+    #: Per instance, the copies of every tensor it received (``delta=True`` only).
+    copies: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -155,6 +168,91 @@ def _require_materialised(inst: ModelInstance) -> None:
         )
 
 
+def _is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype.is_floating_point and tensor.element_size() == 1
+
+
+def _require_fp8_engine(inst: ModelInstance, tensors: Sequence[NamedTensor]) -> None:
+    """Refuse FP8 weights (``quantize_fp8()``'s) for an instance whose engine is not FP8,
+    before any is loaded: vLLM would cast some into its weights and fail on the scales."""
+    from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
+
+    fp8 = next((n for n, t in tensors if _is_fp8(t) or n.endswith(SCALE_SUFFIX)), None)
+    if fp8 is None or getattr(inst.model_config, "quantization", None) is not None:
+        return
+    dtypes = {p.dtype for p in inst.model.parameters()}
+    if any(dtype.is_floating_point and dtype.itemsize == 1 for dtype in dtypes):
+        return
+    shown = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    raise ConfigError(
+        f"model instance {inst.name!r}: tensor {fp8!r} is FP8 (quantize_fp8's), but the "
+        f"engine's weights are not FP8 (they are {shown}): drop quantize_fp8() from the "
+        "pipeline, or serve an FP8 checkpoint"
+    )
+
+
+#: Where a checkpoint name lands in an instance: the layer, its parameter's name there, and
+#: the shard of a fused layer (``q``/``k``/``v``, ``gate``/``up``) as an index, or ``None``.
+_Landing = tuple[torch.nn.Module, str, int | None]
+
+
+def _landings(inst: ModelInstance) -> dict[str, _Landing]:
+    """Every checkpoint name ``inst`` knows (its parameters' and, for fused layers, their
+    parts' from the model's ``packed_modules_mapping``), with where it lands."""
+    packed: dict[str, list[str]] = dict(getattr(inst.model, "packed_modules_mapping", {}) or {})
+    out: dict[str, _Landing] = {}
+    for prefix, module in inst.model.named_modules():
+        prefix = checkpoint_name(f"{prefix}.").rstrip(".")
+        parent, _, last = prefix.rpartition(".")
+        for pname, _ in module.named_parameters(recurse=False):
+            out.setdefault(f"{prefix}.{pname}".lstrip("."), (module, pname, None))
+            for shard, part in enumerate(packed.get(last, ())):
+                out.setdefault(f"{parent}.{part}.{pname}".lstrip("."), (module, pname, shard))
+    return out
+
+
+def _checkpoint_shape(landing: _Landing) -> tuple[int, ...] | None:
+    """The shape a checkpoint tensor landing there has: a linear layer's full (unsharded)
+    ``[out, in]`` weight and ``[out]`` bias, a shard's part of a fused one; otherwise the
+    parameter's shape."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    module, pname, shard = landing
+    if isinstance(module, LinearBase) and pname in ("weight", "bias"):
+        sizes = getattr(module, "output_sizes", None)
+        out = sizes[shard] if shard is not None and sizes else module.output_size
+        return (int(out), int(module.input_size)) if pname == "weight" else (int(out),)
+    return tuple(getattr(module, pname).shape) if shard is None else None
+
+
+def _named_failure(
+    inst: ModelInstance, name: str | None, tensor: torch.Tensor, exc: Exception
+) -> StreamsyncError:
+    """The error of the model's loader failing on tensor ``name``, as a plain module's sink
+    names it: an unknown name with its close matches, a shape with both shapes; any other
+    failure as the loader gave it, with the tensor's name."""
+    landings = _landings(inst) if name is not None else {}
+    landing = landings.get(name) if name is not None else None
+    model = type(inst.model).__name__
+    if name is not None and landing is None:
+        close = difflib.get_close_matches(name, list(landings), n=3)
+        hint = f"; close matches: {', '.join(close)}" if close else ""
+        return UnknownTensorError(
+            f"tensor {name!r} is not a parameter or buffer of {model} (model instance "
+            f"{inst.name!r}){hint}"
+        )
+    want = _checkpoint_shape(landing) if landing is not None else None
+    if want is not None and want != tuple(tensor.shape):
+        return ShapeMismatchError(
+            f"tensor {name!r}: received shape {list(tensor.shape)}, the engine's is "
+            f"{list(want)} (model instance {inst.name!r}, {model})"
+        )
+    return ReceiverFailedError(
+        f"model instance {inst.name!r} could not load tensor {name!r} of shape "
+        f"{tuple(tensor.shape)}: {type(exc).__name__}: {exc}"
+    )
+
+
 class _Tracked(list[NamedTensor]):
     """A bucket that remembers the last name its consumer took (the model's loader walks
     it; when the loader fails, that is the tensor it failed on)."""
@@ -178,6 +276,7 @@ class VllmSink:
         vllm_config: Any = None,
         quirks: Sequence[Any] | None = None,
         delta: bool = False,
+        state: WorkerState | None = None,
     ) -> None:
         if not instances:
             raise ConfigError("VllmSink needs at least one model instance")
@@ -190,12 +289,13 @@ class VllmSink:
         self._router = BufferRouter({inst.name: inst.model for inst in self.instances})
         self._buffers: list[NamedTensor] = []
         self._prepared = False  # between prepare and finalize: what abort undoes
-        main = self.instances[0].model
+        self.state = state if state is not None else WorkerState()
+        main = self.instances[0].name
         if delta:
-            self._copies: dict[str, torch.Tensor] | None = _kept_copies.setdefault(main, {})
+            self._copies: dict[str, torch.Tensor] | None = self.state.copies.setdefault(main, {})
         else:
             self._copies = None
-            _kept_copies.pop(main, None)  # a full sync without tracking: the copies go stale
+            self.state.copies.pop(main, None)  # a full sync without tracking: they go stale
         self._received: set[str] = set()
 
     @property
@@ -203,13 +303,16 @@ class VllmSink:
         """The version every instance holds, when this sink keeps copies to patch."""
         if self._copies is None:
             return None
-        held = {held_version(inst.model) for inst in self.instances}
+        held = {self.state.versions.get(inst.name) for inst in self.instances}
         return held.pop() if len(held) == 1 else None
 
     @version.setter
     def version(self, version: int | None) -> None:
         for inst in self.instances:
-            set_held_version(inst.model, version)
+            if version is None:
+                self.state.versions.pop(inst.name, None)
+            else:
+                self.state.versions[inst.name] = version
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The kept copy of ``name`` (allocated at its first sync) when the sink keeps
@@ -230,8 +333,10 @@ class VllmSink:
         quirks: Sequence[str] | None = None,
         instances: Sequence[str] | None = None,
         delta: bool = False,
+        state: WorkerState | None = None,
     ) -> VllmSink:
-        """The sink for a vLLM worker (what ``WorkerExtension`` uses)."""
+        """The sink for a vLLM worker (what ``WorkerExtension`` uses); ``state``: what the
+        worker keeps between syncs."""
         from streamsync.vllm.quirks import quirks_by_name
 
         found = model_instances(worker)
@@ -243,6 +348,7 @@ class VllmSink:
             vllm_config=worker.vllm_config,
             quirks=quirks_by_name(quirks) if quirks is not None else None,
             delta=delta,
+            state=state,
         )
 
     @contextlib.contextmanager
@@ -290,18 +396,16 @@ class VllmSink:
                 offered = _with_ties(inst, offered)
                 inst.offered.update(n for n, _ in offered)
                 if offered:
+                    _require_fp8_engine(inst, offered)
                     tracked = _Tracked(offered)
                     try:
                         inst.loaded |= self.lifecycle.load(inst, tracked)
                     except StreamsyncError:
                         raise
                     except Exception as exc:  # the model's own loader: name the tensor
-                        shape = dict(offered)[tracked.current].shape if tracked.current else ()
-                        raise ReceiverFailedError(
-                            f"model instance {inst.name!r} could not load tensor "
-                            f"{tracked.current!r} of shape {tuple(shape)}: "
-                            f"{type(exc).__name__}: {exc}"
-                        ) from exc
+                        current = tracked.current
+                        tensor = dict(offered)[current] if current else torch.empty(0)
+                        raise _named_failure(inst, current, tensor, exc) from exc
 
     def _keep(self, tensors: Sequence[NamedTensor]) -> list[NamedTensor]:
         """Each tensor as its kept copy (copied there unless it landed there already)."""

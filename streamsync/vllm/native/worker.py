@@ -31,7 +31,11 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
+        from streamsync.vllm.sink import WorkerState
+
         self._receivers: WorkerReceivers | None = None
+        self._state = WorkerState()  # what this worker keeps between syncs for its models
+        self._main_model = model  # vLLM targets the drafter by swapping ``self.model``
         self._init: TransferInit | None = None
         self._target: str | None = None  # "main" or "drafter", between start and finish
         self.last_result: WorkerResult | None = None
@@ -64,7 +68,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
 
     def start_weight_update(self) -> None:
         self._require()
-        self._target = "main" if self.model is self._default_model else "drafter"
+        self._target = "main" if self.model is self._main_model else "drafter"
         self.last_result = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -99,13 +103,14 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
                         "start_weight_update, not start_draft_weight_update"
                     )
                 engine = LoraEngine.of_model(self.model, self.vllm_config)
-                return LoraSink(engine, opts.lora, self.model)
+                return LoraSink(engine, opts.lora, self._state)
             return VllmSink(
                 [ModelInstance(target, self.model, self.model_config)],
                 lifecycle=choose_lifecycle(opts.lifecycle),
                 vllm_config=self.vllm_config,
                 quirks=quirks_by_name(opts.quirks) if opts.quirks is not None else None,
                 delta=opts.delta,
+                state=self._state,
             )
 
         result = receivers.handle(init.endpoint, options, sink)

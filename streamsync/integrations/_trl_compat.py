@@ -1,0 +1,63 @@
+"""Every use of TRL's private code, in one place, checked against the installed version.
+
+TRL's ``AsyncRolloutWorker`` takes the LoRA adapter its generation asks the server for only
+as a constructor argument it keeps privately (``_loop_kwargs``, handed to its child process
+when it starts): :meth:`~streamsync.integrations.trl.WeightTransfer.adapter_only` sets it
+there before the worker starts.
+
+Importing this module checks the installed TRL against :data:`TESTED` and raises
+:class:`~streamsync.errors.UnsupportedVersionError` on any other.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from typing import Any
+
+from streamsync.errors import UnsupportedVersionError
+
+#: The TRL versions this module was tested with: from the first, up to (not including) the
+#: second.
+TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((1, 16, 0), (1, 17, 0))
+
+
+def installed_version() -> tuple[int, int, int] | None:
+    """The installed TRL's ``(major, minor, patch)``, or ``None`` if it does not parse."""
+    try:
+        raw = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", raw)
+    if match is None:
+        return None
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def check_version(installed: tuple[int, int, int] | None) -> None:
+    """Raise :class:`~streamsync.errors.UnsupportedVersionError` unless ``installed`` is in
+    :data:`TESTED`."""
+    low, high = TESTED
+    if installed is None or not low <= installed < high:
+        shown = ".".join(map(str, installed)) if installed is not None else "unknown"
+        raise UnsupportedVersionError(
+            f"TRL {shown} is installed; streamsync's TRL integration uses TRL internals "
+            f"tested with trl>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}: "
+            "install a TRL in that range, or a streamsync release that supports yours"
+        )
+
+
+check_version(installed_version())
+
+
+def rollout_loop_kwargs(worker: Any) -> dict[str, Any] | None:
+    """The arguments TRL's ``AsyncRolloutWorker`` hands its generation loop (``lora_name``
+    among them), or ``None`` when ``worker`` is not TRL's."""
+    kwargs = getattr(worker, "_loop_kwargs", None)
+    return kwargs if isinstance(kwargs, dict) and "lora_name" in kwargs else None
+
+
+def started(worker: Any) -> bool:
+    """Whether TRL's rollout worker has started its child process."""
+    return getattr(worker, "_process", None) is not None

@@ -1,0 +1,178 @@
+"""Every use of vLLM's private code, in one place, checked against the installed version.
+
+streamsync reaches into vLLM where it offers no public hook:
+
+- LoRA adapters built from memory: vLLM's worker reads an adapter only from a path on disk
+  (``WorkerLoRAManager._load_adapter``; a ``LoRARequest`` carries no tensors, and its LoRA
+  resolvers only map a name to such a path), and checks a built adapter with three private
+  validators of its ``LoRAModelManager``.
+- The layerwise reload's records (``LAYERWISE_INFO``), to copy the tensors a half-loaded
+  layer holds and to put an aborted layer back on its processed tensors
+  (``_place_kernel_tensors``).
+- The CPU build's MoE prepack kernel (``vllm._custom_ops``).
+
+Importing this module checks the installed vLLM against :data:`TESTED` and raises
+:class:`~streamsync.errors.UnsupportedVersionError` on any other: these are the versions whose
+private code the functions here were read against and tested with.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from streamsync._versions import vllm_version
+from streamsync.errors import UnsupportedVersionError
+
+#: The vLLM versions this module was tested with: from the first, up to (not including) the
+#: second.
+TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 0), (0, 33, 0))
+
+
+def check_version(installed: tuple[int, int, int] | None) -> None:
+    """Raise :class:`~streamsync.errors.UnsupportedVersionError` unless ``installed`` is in
+    :data:`TESTED`."""
+    low, high = TESTED
+    if installed is None or not low <= installed < high:
+        shown = ".".join(map(str, installed)) if installed is not None else "unknown"
+        raise UnsupportedVersionError(
+            f"vLLM {shown} is installed; streamsync's vLLM integration uses vLLM internals "
+            f"tested with vLLM >={'.'.join(map(str, low))},<{'.'.join(map(str, high))}: "
+            "install a vLLM in that range, or a streamsync release that supports yours"
+        )
+
+
+check_version(vllm_version())
+
+
+# LoRA -------------------------------------------------------------------------------------
+
+
+def adapter_manager(worker_manager: Any) -> Any:
+    """The ``LoRAModelManager`` (the LoRA layers) of vLLM's ``WorkerLoRAManager``."""
+    return worker_manager._adapter_manager
+
+
+def validate_lora(adapters: Any, lora: Any) -> None:
+    """vLLM's own checks of a built ``LoRAModel`` against its ``LoRAModelManager``, as its
+    loader runs them after reading an adapter from disk."""
+    adapters._validate_moe_lora_format(lora)
+    adapters._validate_modules_to_save(lora)
+    adapters._validate_token_classification_lora(lora)
+
+
+class LoraSource(Protocol):
+    """What answers an adapter load: the adapter built for ``request`` by the worker's
+    ``WorkerLoRAManager``, or ``None`` to let vLLM read the request's path from disk."""
+
+    def __call__(self, worker_manager: Any, request: Any) -> Any: ...
+
+
+S = TypeVar("S", bound=LoraSource)
+
+_hook_lock = threading.Lock()
+_SOURCE = "_streamsync_lora_source"
+
+
+def lora_source(adapters: Any, make: Callable[[], S]) -> S:
+    """The source answering every adapter load of the engine whose ``LoRAModelManager`` is
+    ``adapters``: the one given before, else ``make()``, installed.
+
+    vLLM 0.32 reads adapters only from disk, through ``WorkerLoRAManager._load_adapter``,
+    which sees nothing but its own manager: the source rides on that manager (one attribute,
+    dying with it), and vLLM's loader is wrapped once per process to ask it first."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    with _hook_lock:
+        source: S | None = adapters.__dict__.get(_SOURCE)
+        if source is None:
+            source = adapters.__dict__[_SOURCE] = make()
+        if not getattr(WorkerLoRAManager._load_adapter, _SOURCE, False):
+            original = WorkerLoRAManager._load_adapter
+
+            @functools.wraps(original)
+            def _load_adapter(self: Any, lora_request: Any) -> Any:
+                answer = self._adapter_manager.__dict__.get(_SOURCE)
+                lora = answer(self, lora_request) if answer is not None else None
+                return lora if lora is not None else original(self, lora_request)
+
+            setattr(_load_adapter, _SOURCE, True)
+            WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+        return source
+
+
+# Layerwise reload -------------------------------------------------------------------------
+
+
+def _layerwise() -> Any:
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    return layerwise
+
+
+def is_recorded(model: torch.nn.Module) -> bool:
+    """Whether vLLM recorded ``model``'s layers for a layerwise reload."""
+    info = _layerwise().LAYERWISE_INFO
+    return any(m in info for m in model.modules())
+
+
+def replace_pending(replace: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Put ``replace(tensor)`` in place of each tensor a layer still waiting for weights
+    holds (every layer of this process: vLLM's records keep the loader's arguments until
+    the layer is complete)."""
+    for info in list(_layerwise().LAYERWISE_INFO.values()):
+        if not info.loaded_weights:
+            continue
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and key != "param":
+                    bound.arguments[key] = replace(value)
+
+
+def layers_waiting(
+    model: torch.nn.Module,
+) -> Iterator[tuple[str, torch.nn.Module, Any]]:
+    """Each layer of ``model`` given part of its weights in this reload, with vLLM's record
+    of it (``load_numel``, ``load_numel_total``, ``loaded_weights``)."""
+    info_of = _layerwise().LAYERWISE_INFO
+    for prefix, layer in model.named_modules():
+        info = info_of.get(layer)
+        if info is None or info.load_numel_total is None or info.load_numel <= 0:
+            continue
+        yield prefix, layer, info
+
+
+def put_back(model: torch.nn.Module) -> None:
+    """Put every layer of ``model`` still waiting for weights back on its processed tensors
+    (its previous weights), and end vLLM's reload of it."""
+    layerwise = _layerwise()
+    for module in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(module)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(module, info)
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
+    original = getattr(model, "_original_do_torchao_reload", None)
+    if original is not None:
+        model._do_torchao_reload = original
+
+
+# CPU kernels ------------------------------------------------------------------------------
+
+
+def cpu_prepack_moe_weight(weight: torch.Tensor, isa: Any) -> torch.Tensor:
+    """The CPU build's grouped-GEMM layout of an MoE weight."""
+    from vllm._custom_ops import cpu_prepack_moe_weight as prepack
+
+    return prepack(weight, isa)  # type: ignore[no-any-return]
+
+
+def uses_zentorch(experts: Any) -> bool:
+    """Whether the CPU MoE experts run on zentorch (which packs its own weights)."""
+    return bool(getattr(experts, "_use_zentorch", False))
