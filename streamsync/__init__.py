@@ -25,6 +25,7 @@ from streamsync.errors import (
     SyncInProgressError,
     SyncTimeoutError,
     UnknownTensorError,
+    UnsupportedVersionError,
     WireFormatError,
 )
 from streamsync.pipeline import adapter
@@ -66,6 +67,7 @@ __all__ = [
     "SyncTimeoutError",
     "TargetSink",
     "UnknownTensorError",
+    "UnsupportedVersionError",
     "WireFormatError",
     "adapter",
     "named_tensors",

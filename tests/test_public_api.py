@@ -43,6 +43,7 @@ ERRORS = [
     "SyncInProgressError",
     "SyncTimeoutError",
     "UnknownTensorError",
+    "UnsupportedVersionError",
     "WireFormatError",
 ]
 
