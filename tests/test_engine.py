@@ -348,7 +348,10 @@ def test_in_process_vllm_engines_cannot_share_a_channel() -> None:
         pass
 
     def llm(core: object) -> Any:
-        config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
+        parallel = SimpleNamespace(
+            world_size=1, worker_extension_cls="streamsync.vllm.WorkerExtension"
+        )
+        config = SimpleNamespace(parallel_config=parallel)
         return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config, engine_core=core))
 
     with pytest.raises(ss.ConfigError, match=r"engines \[0, 2\] run their engine core"):
@@ -660,3 +663,179 @@ def test_without_require_all_an_engine_that_never_reports_is_absent_after_the_ti
         pair[1].let_go.set()
         for engine in pair:
             engine.shutdown()
+
+
+def test_an_unknown_keyword_is_named_with_each_valid_one_once(engine: ThreadEngine) -> None:
+    with pytest.raises(ss.ConfigError, match=r"unknown keyword of WeightSync\(\) 'bogus'") as info:
+        WeightSync(engine, "zmq+tcp://127.0.0.1:0", bogus=1)
+    valid = str(info.value).split("valid: ")[1].split(", ")
+    assert "require_all" in valid and "delta" in valid and "secret" in valid
+    assert len(valid) == len(set(valid)), valid
+
+
+class DeltaSink(MainSink):
+    """A ``ModuleSink`` that keeps a version to patch only when the workers are told to keep
+    their copies (``WorkerOptions.delta``), as ``VllmSink`` does."""
+
+    def __init__(self, module: torch.nn.Module, *, delta: bool) -> None:
+        super().__init__(module)
+        self.delta = delta
+
+    @property
+    def version(self) -> int | None:
+        return ss.ModuleSink.version.fget(self) if self.delta else None  # type: ignore[attr-defined]
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        ss.ModuleSink.version.fset(self, version)  # type: ignore[attr-defined]
+
+
+class DeltaEngine(ThreadEngine):
+    """A ``ThreadEngine`` whose workers build their sink from the options they are told."""
+
+    def _worker_receive(self, rank: int, endpoint: str, options: Any) -> dict[str, Any]:
+        def sink(opts: WorkerOptions) -> ss.Sink:
+            return DeltaSink(self.modules[rank], delta=opts.delta)
+
+        return self.workers[rank].handle(endpoint, options, sink).to_wire()
+
+
+def test_update_engine_with_delta_sends_deltas_on_its_kept_channel(tmp_path: Path) -> None:
+    engine = DeltaEngine([model(1), model(2)])
+    held = SimpleNamespace()  # what a user holds (an LLM); the client wraps it
+    trainer = model(0)
+
+    async def step() -> ss.SyncReport:
+        return await update_engine(
+            held,
+            ss.named_tensors(trainer),
+            client=lambda _: engine,
+            endpoint=f"zmq+ipc://{tmp_path}/delta.sock",
+            timeout=20,
+            delta=True,
+        )
+
+    try:
+        first = asyncio.run(step())
+        with torch.no_grad():
+            trainer[0].weight[0, 0] += 1.0  # one element changes
+        second = asyncio.run(step())
+    finally:
+        kept = KeptChannels.of(held)
+        assert kept is not None
+        channel = kept.get(f"zmq+ipc://{tmp_path}/delta.sock")
+        assert channel is not None
+        with channel:
+            pass  # closes it
+        engine.shutdown()
+    assert first.delta is not None and first.delta.base is None
+    assert second.delta is not None and second.delta.full_reason is None, second.delta
+    assert second.delta.base == first.sync_id and second.delta.unchanged == 3
+    assert all(same_weights(trainer, m) for m in engine.modules)
+
+
+@pytest.mark.parametrize(
+    "change", [{"delta": True}, {"checksum": True}, {"secret": "other"}, {"heartbeat": 2.0}]
+)
+def test_a_kept_channel_is_replaced_when_an_option_of_the_channel_changes(
+    engine: ThreadEngine, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    held = SimpleNamespace()
+    endpoint = f"zmq+ipc://{tmp_path}/options.sock"
+    trainer = model(0)
+
+    async def step(**changed: Any) -> ss.SyncReport:
+        options = {"secret": "first", **changed}
+        return await update_engine(
+            held,
+            ss.named_tensors(trainer),
+            client=lambda _: engine,
+            endpoint=endpoint,
+            timeout=20,
+            worker_options={"transport": {"secret": options["secret"]}},
+            **options,
+        )
+
+    report = asyncio.run(step())
+    assert report.complete
+    kept = KeptChannels.of(held)
+    assert kept is not None
+    before = kept.get(endpoint)
+    assert asyncio.run(step()).complete
+    assert kept.get(endpoint) is before  # the same options: the same channel
+    report = asyncio.run(step(**change))
+    assert report.complete and all(same_weights(trainer, m) for m in engine.modules)
+    after = kept.get(endpoint)
+    assert after is not None and after is not before
+    assert engine.closed == 2  # the replaced channel closed the workers' receivers
+    with after:
+        pass
+
+
+def test_the_worker_thread_loads_on_the_worker_device() -> None:
+    """The sink's phases run on the worker's loop thread, which selects the worker's device
+    first (CUDA's current device is per thread). ``select`` stands in for
+    ``torch.cuda.set_device`` so that this runs without a GPU."""
+    current = threading.local()
+    worker_device = torch.device("cuda", 1)
+
+    def select(device: torch.device) -> None:
+        current.device = device
+
+    seen: list[object] = []
+
+    class Seeing(MainSink):
+        def prepare(self) -> None:
+            seen.append(getattr(current, "device", None))
+            super().prepare()
+
+        def load(self, bucket: Any) -> Any:
+            seen.append(getattr(current, "device", None))
+            return super().load(bucket)
+
+    target = model(1)
+    workers = WorkerReceivers("device-worker", device=worker_device, select=select)
+    trainer = model(0)
+    endpoint = f"shm://engine-device-{os.getpid()}"
+
+    async def main() -> ss.SyncReport:
+        async with ss.open_sender(endpoint, receivers=1) as sender:
+            async with anyio.create_task_group() as tg:
+                results: list[WorkerResult] = []
+
+                async def worker() -> None:
+                    options = WorkerOptions(timeout=20)
+                    results.append(
+                        await anyio.to_thread.run_sync(
+                            workers.receive, endpoint, options, Seeing(target)
+                        )
+                    )
+
+                tg.start_soon(worker)
+                report = await ss.send(ss.named_tensors(trainer), sender, timeout=20)
+            assert results[0].ok, results[0]
+            return report
+
+    try:
+        assert asyncio.run(main()).complete
+    finally:
+        workers.shutdown()
+    assert same_weights(trainer, target)
+    assert len(seen) >= 2 and all(d == worker_device for d in seen), seen
+    assert getattr(current, "device", None) is None  # this thread was left as it was
+
+
+def test_an_engine_without_the_worker_extension_fails_by_name() -> None:
+    from streamsync.vllm import WeightSync as VllmWeightSync
+
+    def llm(extension: str) -> Any:
+        parallel = SimpleNamespace(world_size=1, worker_extension_cls=extension)
+        return SimpleNamespace(
+            llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
+        )
+
+    expected = r'start it with worker_extension_cls="streamsync\.vllm\.WorkerExtension"'
+    for extension in ("", "vllm.worker.NotOurs"):
+        with pytest.raises(ss.ConfigError, match=expected):
+            VllmWeightSync(llm(extension), "shm://x")
+    assert VllmWeightSync(llm("streamsync.vllm.WorkerExtension"), "shm://x").receivers == 1

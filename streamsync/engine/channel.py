@@ -202,7 +202,8 @@ class _Round:
             self.reported.set()
 
 
-# Keywords of WeightSync itself, beside the transport's options.
+# Keywords of WeightSync itself, beside the transport's options (``require_all`` is one of
+# those: the channel passes it on).
 _WEIGHT_SYNC_KEYWORDS = (
     "delta",
     "pipeline",
@@ -210,7 +211,6 @@ _WEIGHT_SYNC_KEYWORDS = (
     "timeout",
     "checksum",
     "worker_options",
-    "require_all",
 )
 
 
@@ -266,12 +266,11 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         self.checksum = checksum
-        self.worker_options = WorkerOptions.coerce(worker_options)
         #: Every update is a delta sync (see :func:`~streamsync.send`): only what changed
-        #: moves; the workers keep a copy of the weights to patch.
+        #: moves; the workers keep a copy of the weights to patch. Held here alone: each
+        #: sync's worker options get it from here.
         self.delta = delta
-        if delta:
-            self.worker_options = msgspec.structs.replace(self.worker_options, delta=True)
+        self.worker_options = worker_options  # type: ignore[assignment]  # coerced
         #: False: a sync completes on the engines that are there; one that is gone (its RPC
         #: fails, its workers' links drop) is named in ``report.absent`` instead of failing
         #: the sync, and takes part again once it is back.
@@ -284,6 +283,22 @@ class WeightSync:
         self._sender: HostedSender | None = None
         self._open: list[Sender] = []  # the transport behind _sender, for the finalizer
         self._loras: dict[str, _Lora] = {}
+
+    @property
+    def worker_options(self) -> WorkerOptions:
+        """What every worker is told for each sync (a mapping of
+        :class:`WorkerOptions` fields may be assigned); its ``delta`` is the channel's."""
+        return self._worker_options
+
+    @worker_options.setter
+    def worker_options(self, options: WorkerOptions | Mapping[str, Any] | None) -> None:
+        coerced = WorkerOptions.coerce(options)
+        if coerced.delta and not self.delta:
+            raise ConfigError(
+                "worker_options: delta=True is the channel's option, not the workers': "
+                "open the channel with delta=True"
+            )
+        self._worker_options = coerced
 
     @property
     def client(self) -> EngineClient:
@@ -468,11 +483,12 @@ class WeightSync:
     ) -> SyncReport:
         """One sync into every engine (``options.lora``: of an adapter, sent aside)."""
         sender = await self._ensure_sender()
-        if options.timeout is None:
-            options = msgspec.structs.replace(options, timeout=self.timeout)
+        timeout = self.timeout if options.timeout is None else options.timeout
         # The workers learn the sync's id up front, so none takes an earlier one's leftovers.
         sync_id = next_sync_id() if sync_id is None else sync_id
-        options = msgspec.structs.replace(options, sync_id=sync_id)
+        options = msgspec.structs.replace(
+            options, timeout=timeout, sync_id=sync_id, delta=self.delta
+        )
         sync = _Round(results=[[] for _ in self.clients])
         await self._run(sync, sender, options, weights, pipeline, mode, sync_id)
         if sync.report is None and sync.send_error is None and not await sender.settle():

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from streamsync._log import log
 from streamsync.engine.channel import EngineClient, WeightSync, several
 from streamsync.engine.messages import WorkerOptions
 from streamsync.errors import ConfigError
@@ -25,13 +26,16 @@ __all__ = ["KeptChannels", "update_engine"]
 class _Kept:
     channel: WeightSync
     engines: tuple[Any, ...]
+    #: What the channel was opened with (``bucket_bytes``, ``delta``, ``secret``, the
+    #: transport's options...): a call with other values needs another channel.
+    opened_with: dict[str, Any]
 
-    def serves(self, engines: tuple[Any, ...], fanout: bool, bucket_bytes: int) -> bool:
+    def serves(self, engines: tuple[Any, ...], fanout: bool, opened_with: dict[str, Any]) -> bool:
         return (
             len(self.engines) == len(engines)
             and all(a is b for a, b in zip(self.engines, engines, strict=True))
             and self.channel.fanout == fanout
-            and self.channel.bucket_bytes == bucket_bytes  # else its slots have another size
+            and self.opened_with == opened_with
         )
 
 
@@ -65,18 +69,21 @@ class KeptChannels:
         endpoint: str,
         *,
         fanout: bool,
-        bucket_bytes: int,
+        opened_with: Mapping[str, Any],
         make: Callable[[], WeightSync],
     ) -> WeightSync:
-        """The channel kept for ``endpoint`` if it serves these engines alike; else a new
-        one from ``make`` (the old one closed)."""
+        """The channel kept for ``endpoint`` if it serves these engines alike and was opened
+        with the same ``opened_with`` options; else a new one from ``make`` (the old one
+        closed first: it holds the endpoint)."""
+        wanted = dict(opened_with)
         kept = self._by_endpoint.get(endpoint)
-        if kept is not None and not kept.serves(engines, fanout, bucket_bytes):
+        if kept is not None and not kept.serves(engines, fanout, wanted):
+            log("engine.channel_replaced", endpoint=endpoint)
             del self._by_endpoint[endpoint]
             await kept.channel.aclose()
             kept = None
         if kept is None:
-            kept = self._by_endpoint[endpoint] = _Kept(make(), engines)
+            kept = self._by_endpoint[endpoint] = _Kept(make(), engines, wanted)
         return kept.channel
 
 
@@ -99,7 +106,10 @@ async def update_engine(
 
     Any event loop may call it, a fresh one per step (``asyncio.run`` per step) included:
     the channel lives on a loop of its own. Engine packages wrap it as their
-    ``update_weights``. Calling with other engines on the same endpoint replaces it.
+    ``update_weights``. Calling with other engines, or with other channel options
+    (``bucket_bytes``, ``delta``, ``checksum``, ``secret`` or another transport option), on
+    the same endpoint replaces it; ``timeout``, ``pipeline`` and ``worker_options`` are the
+    call's own.
     """
     fanout = several(engine)
     engines = tuple(engine) if fanout else (engine,)
@@ -114,8 +124,9 @@ async def update_engine(
     if kept is None:  # nowhere to keep it: a channel for this call only
         channel = make()
     else:
+        opened_with = {**options, "bucket_bytes": bucket_bytes}
         channel = await kept.channel(
-            engines, endpoint, fanout=fanout, bucket_bytes=bucket_bytes, make=make
+            engines, endpoint, fanout=fanout, opened_with=opened_with, make=make
         )
     channel.timeout = timeout
     channel.worker_options = WorkerOptions.coerce(worker_options)

@@ -53,10 +53,20 @@ class EventLoopThread:
     at interpreter exit that join would wait forever on a daemon thread already frozen.
     """
 
-    def __init__(self, name: str = "streamsync-loop") -> None:
+    def __init__(
+        self, name: str = "streamsync-loop", *, setup: Callable[[], object] | None = None
+    ) -> None:
+        """``setup``: run first on the loop's thread (per-thread state such as the CUDA
+        device); its error is raised here."""
         ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
 
         async def main() -> None:
+            if setup is not None:
+                try:
+                    setup()
+                except BaseException as exc:
+                    ready.set_exception(exc)
+                    return
             async with BlockingPortal() as portal:
                 ready.set_result(portal)
                 await portal.sleep_until_stopped()

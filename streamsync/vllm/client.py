@@ -11,6 +11,7 @@ carries the endpoint and the :class:`~streamsync.engine.channel.WorkerOptions` a
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,6 +26,7 @@ from streamsync.errors import ConfigError, LoraError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
+from streamsync.vllm.extension import WorkerExtension
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "BlockingVllmSync",
     "LLMClient",
     "WeightSync",
+    "check_extension",
     "update_weights",
     "vllm_client",
     "world_size",
@@ -66,13 +69,44 @@ def _check_lora_enabled(llm: Any) -> None:
         )
 
 
-def world_size(llm: Any) -> int:
-    """How many workers (receivers) an ``LLM`` or ``AsyncLLM`` has."""
+#: What an engine's ``worker_extension_cls`` must name (or a subclass of it).
+EXTENSION = "streamsync.vllm.WorkerExtension"
+
+
+def _vllm_config(llm: Any) -> Any:
     engine = getattr(llm, "llm_engine", None)
     config = getattr(engine, "vllm_config", None) or getattr(llm, "vllm_config", None)
     if config is None:
         raise ConfigError(f"{type(llm).__name__} is not a vLLM LLM or AsyncLLM (no vllm_config)")
-    return int(config.parallel_config.world_size)
+    return config
+
+
+def world_size(llm: Any) -> int:
+    """How many workers (receivers) an ``LLM`` or ``AsyncLLM`` has."""
+    return int(_vllm_config(llm).parallel_config.world_size)
+
+
+def check_extension(llm: Any) -> None:
+    """Raise :class:`~streamsync.ConfigError` unless ``llm``'s workers carry
+    :class:`~streamsync.vllm.WorkerExtension` (its ``worker_extension_cls``, checked once
+    when a channel is made, not after the engine's RPC fails in every worker)."""
+    name = str(getattr(_vllm_config(llm).parallel_config, "worker_extension_cls", "") or "")
+    if name == EXTENSION:
+        return
+    if name:
+        module, _, attr = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError):
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, WorkerExtension):
+            return
+    given = f"worker_extension_cls={name!r}" if name else "no worker_extension_cls"
+    raise ConfigError(
+        f"the vLLM engine was started with {given}, so its workers cannot receive: start it "
+        f'with worker_extension_cls="{EXTENSION}" (the server: --worker-extension-cls '
+        f"{EXTENSION})"
+    )
 
 
 def _results(raw: list[Any]) -> list[WorkerResult]:
@@ -83,6 +117,7 @@ class LLMClient:
     """A synchronous vLLM ``LLM``: each RPC runs in a worker thread."""
 
     def __init__(self, llm: Any) -> None:
+        check_extension(llm)
         self.llm = llm
         self.receivers = world_size(llm)
 
@@ -118,6 +153,7 @@ class AsyncLLMClient:
     loop_bound = True
 
     def __init__(self, llm: Any) -> None:
+        check_extension(llm)
         self.llm = llm
         self.receivers = world_size(llm)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from streamsync.engine.messages import WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
 
@@ -22,7 +24,10 @@ __all__ = ["WorkerExtension"]
 def _receivers(worker: Any) -> WorkerReceivers:
     receivers = worker.__dict__.get("_streamsync_receivers")
     if receivers is None:
-        receivers = worker.__dict__["_streamsync_receivers"] = WorkerReceivers()
+        device = getattr(worker, "device", None)
+        receivers = worker.__dict__["_streamsync_receivers"] = WorkerReceivers(
+            device=device if isinstance(device, torch.device) else None
+        )
     return receivers  # type: ignore[no-any-return]
 
 
