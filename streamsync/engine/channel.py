@@ -32,7 +32,13 @@ import msgspec
 
 from streamsync._log import log, warn
 from streamsync.engine.loops import EventLoopThread, HostedSender, caller_cuda
-from streamsync.engine.messages import LoraTarget, WorkerOptions, WorkerResult
+from streamsync.engine.messages import (
+    EngineFacts,
+    LoraTarget,
+    WorkerOptions,
+    WorkerResult,
+    sending_to,
+)
 from streamsync.errors import (
     ClosedError,
     ConfigError,
@@ -52,6 +58,7 @@ from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 __all__ = [
     "BlockingWeightSync",
     "EngineClient",
+    "FactsClient",
     "LoopBoundClient",
     "LoraClient",
     "WeightSync",
@@ -90,6 +97,17 @@ class LoopBoundClient(EngineClient, Protocol):
 
     #: Always true; declares the client loop-bound.
     loop_bound: bool
+
+
+@runtime_checkable
+class FactsClient(EngineClient, Protocol):
+    """A client whose engine says what it is (its hello): the channel asks once when it
+    opens, and the adapters of each sync decide from the answers
+    (:data:`~streamsync.engine.messages.sending_to`), not from what is installed beside
+    the trainer."""
+
+    async def hello(self) -> EngineFacts:
+        """The engine's facts."""
 
 
 @runtime_checkable
@@ -283,6 +301,8 @@ class WeightSync:
         self._sender: HostedSender | None = None
         self._open: list[Sender] = []  # the transport behind _sender, for the finalizer
         self._loras: dict[str, _Lora] = {}
+        #: What each engine that says so told of itself when the channel opened.
+        self.facts: tuple[EngineFacts, ...] = ()
 
     @property
     def worker_options(self) -> WorkerOptions:
@@ -442,7 +462,26 @@ class WeightSync:
             inner = await loop.call(opened)
             self._open.append(inner)
             self._sender = HostedSender(inner, loop)
+            self.facts = await self._hello()
         return self._sender
+
+    async def _hello(self) -> tuple[EngineFacts, ...]:
+        """Each engine's facts, asked once per opening; an engine whose hello fails (it may
+        be down, and rejoin later) is left out, with a warning."""
+        told: list[EngineFacts | None] = [None] * len(self.clients)
+
+        async def ask(e: int, client: FactsClient) -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    told[e] = await client.hello()
+            except Exception as exc:
+                warn("engine.hello_failed", endpoint=self.endpoint, engine=e, error=repr(exc))
+
+        async with anyio.create_task_group() as tg:
+            for e, client in enumerate(self.clients):
+                if isinstance(client, FactsClient):
+                    tg.start_soon(ask, e, client)
+        return tuple(f for f in told if f is not None)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every worker has joined the channel (``timeout``: the channel's); raises
@@ -622,6 +661,22 @@ class WeightSync:
         the rest (see :meth:`_receive`). An adapter sync (``options.lora``) is sent aside
         (:func:`~streamsync.sync.send_aside`)."""
         sync.waiting = set(range(len(self.clients)))
+        told = sending_to.set(self.facts)  # what the pipeline's adapters decide from
+        try:
+            await self._run_in(sync, sender, options, weights, pipeline, delta, sync_id)
+        finally:
+            sending_to.reset(told)
+
+    async def _run_in(
+        self,
+        sync: _Round,
+        sender: HostedSender,
+        options: WorkerOptions,
+        weights: Any,
+        pipeline: AdapterLike | None,
+        delta: bool | str,
+        sync_id: int | None,
+    ) -> None:
         async with anyio.create_task_group() as tg:
             for e, client in enumerate(self.clients):
                 tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope)

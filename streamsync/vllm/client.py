@@ -21,7 +21,7 @@ import anyio.to_thread
 from streamsync.engine.channel import BlockingWeightSync, EngineClient, several
 from streamsync.engine.channel import WeightSync as _EngineWeightSync
 from streamsync.engine.kept import update_engine
-from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
 from streamsync.errors import ConfigError, LoraError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
@@ -42,6 +42,7 @@ __all__ = [
 
 _RECEIVE = "streamsync_receive"
 _CLOSE = "streamsync_close"
+_HELLO = "streamsync_hello"
 
 
 def _lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> Any:
@@ -124,6 +125,10 @@ class LLMClient:
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
 
+    async def hello(self) -> EngineFacts:
+        """The engine's facts, as its first worker tells them."""
+        return EngineFacts.from_wire((await self._call(lambda: self.llm.collective_rpc(_HELLO)))[0])
+
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         args = (endpoint, options.to_wire())
         return _results(await self._call(lambda: self.llm.collective_rpc(_RECEIVE, args=args)))
@@ -156,6 +161,10 @@ class AsyncLLMClient:
         check_extension(llm)
         self.llm = llm
         self.receivers = world_size(llm)
+
+    async def hello(self) -> EngineFacts:
+        """The engine's facts, as its first worker tells them."""
+        return EngineFacts.from_wire((await self.llm.collective_rpc(_HELLO))[0])
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         args = (endpoint, options.to_wire())

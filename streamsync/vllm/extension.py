@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from streamsync.engine.messages import WorkerOptions
+from streamsync.engine.messages import EngineFacts, WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
 
 __all__ = ["WorkerExtension"]
@@ -57,6 +57,11 @@ class WorkerExtension:
             )
 
         return _receivers(self).handle(endpoint, options, sink).to_wire()
+
+    def streamsync_hello(self) -> dict[str, Any]:
+        """This engine's :class:`~streamsync.engine.messages.EngineFacts` as plain values
+        (asked once when a trainer's channel opens)."""
+        return EngineFacts.here().to_wire()
 
     def streamsync_close(self, endpoint: str | None = None) -> int:
         """Close this worker's receivers (all, or the one for ``endpoint``); returns how many."""

@@ -52,7 +52,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
     def init_transfer_engine(self, init_info: TransferInit) -> None:
         if self._receivers is not None:  # a new trainer replaces the old one
             self._receivers.shutdown()
-        self._receivers = WorkerReceivers(f"streamsync-vllm-worker{self.rank}")
+        self._receivers = WorkerReceivers(f"streamsync-vllm-worker{self.rank}", device=self.device)
         self._init = init_info
         try:
             self._receivers.open(init_info.endpoint, init_info.transport, timeout=init_info.timeout)
@@ -60,7 +60,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             self._receivers.shutdown()
             self._receivers = self._init = None
             if isinstance(exc, StreamsyncError):
-                raise _named(exc) from exc
+                raise _named(exc, WorkerResult.failed(exc)) from exc
             raise
         log("vllm.native.init", endpoint=init_info.endpoint, rank=self.rank)
 
@@ -114,7 +114,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self.last_result = result
         error = result.exception(self.rank)
         if error is not None:
-            raise _named(error)
+            raise _named(error, result)
 
     def finish_weight_update(self) -> None:
         if self._target is not None and self.last_result is None:
@@ -135,9 +135,11 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         return self._receivers, self._init
 
 
-def _named(exc: StreamsyncError) -> StreamsyncError:
-    """``exc`` with its class name leading its message: over HTTP only the message reaches
-    the trainer, which re-creates the class from it."""
-    named = type(exc)(describe(exc))
+def _named(exc: StreamsyncError, result: WorkerResult) -> StreamsyncError:
+    """``exc`` with its class name leading its message and ``result`` (its kind, message
+    and partial report as data) ending it: over HTTP only the message reaches the trainer,
+    which re-creates the error from ``result``
+    (:meth:`~streamsync.engine.messages.WorkerResult.from_text`)."""
+    named = type(exc)(f"{describe(exc)} {result.to_text()}")
     named.report = exc.report
     return named
