@@ -17,6 +17,7 @@ import torch
 
 from streamsync.engine.messages import EngineFacts, WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
+from streamsync.sink import Sink
 
 __all__ = ["WorkerExtension"]
 
@@ -41,20 +42,16 @@ class WorkerExtension:
         it (by class name, with the partial report), so a failed sync never takes the
         engine down and the trainer re-raises it.
         """
-        from streamsync.sink import Sink
-        from streamsync.vllm.lora import LoraSink
-        from streamsync.vllm.sink import VllmSink
+        from streamsync.vllm.lora import LoraEngine
+        from streamsync.vllm.sink import model_instances
+        from streamsync.vllm.worker_sink import WorkerModels, worker_sink
 
         def sink(opts: WorkerOptions) -> Sink:
-            if opts.lora is not None:
-                return LoraSink.from_worker(self, opts.lora)
-            return VllmSink.from_worker(
-                self,
-                lifecycle=opts.lifecycle,
-                quirks=opts.quirks,
-                instances=opts.instances,
-                delta=opts.delta,
+            worker: Any = self  # vLLM's worker, which this class is mixed into
+            models = WorkerModels(
+                model_instances(worker), worker.vllm_config, lambda: LoraEngine.of_worker(worker)
             )
+            return worker_sink(models, opts)
 
         return _receivers(self).handle(endpoint, options, sink).to_wire()
 

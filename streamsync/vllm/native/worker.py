@@ -11,7 +11,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from streamsync._log import log, warn
 from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
-from streamsync.errors import ConfigError, LoraError, StreamsyncError, describe
+from streamsync.errors import ConfigError, StreamsyncError, describe
+from streamsync.sink import Sink
 from streamsync.vllm.native.messages import TransferInit
 
 __all__ = ["StreamsyncWeightTransferEngine"]
@@ -77,11 +78,9 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WorkerOptions) -> None:
-        from streamsync.sink import Sink
-        from streamsync.vllm.lifecycles import choose_lifecycle
-        from streamsync.vllm.lora import LoraEngine, LoraSink
-        from streamsync.vllm.quirks import quirks_by_name
-        from streamsync.vllm.sink import ModelInstance, VllmSink
+        from streamsync.vllm.lora import LoraEngine
+        from streamsync.vllm.sink import ModelInstance
+        from streamsync.vllm.worker_sink import WorkerModels, worker_sink
 
         receivers, init = self._require()
         if self._target is None:
@@ -91,24 +90,14 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             transport={**init.transport, **update_info.transport},
             timeout=update_info.timeout if update_info.timeout is not None else init.timeout,
         )
-        target = self._target
+        models = WorkerModels(
+            [ModelInstance(self._target, self.model, self.model_config)],
+            self.vllm_config,
+            lambda: LoraEngine.of_model(self.model, self.vllm_config),
+        )
 
         def sink(opts: WorkerOptions) -> Sink:
-            if opts.lora is not None:
-                if target != "main":
-                    raise LoraError(
-                        "a LoRA adapter sync goes to the main model: start it with "
-                        "start_weight_update, not start_draft_weight_update"
-                    )
-                engine = LoraEngine.of_model(self.model, self.vllm_config)
-                return LoraSink(engine, opts.lora, self.model)
-            return VllmSink(
-                [ModelInstance(target, self.model, self.model_config)],
-                lifecycle=choose_lifecycle(opts.lifecycle),
-                vllm_config=self.vllm_config,
-                quirks=quirks_by_name(opts.quirks) if opts.quirks is not None else None,
-                delta=opts.delta,
-            )
+            return worker_sink(models, opts)
 
         result = receivers.handle(init.endpoint, options, sink)
         self.last_result = result
