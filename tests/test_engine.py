@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import streamsync as ss
-from streamsync.engine.channel import BlockingWeightSync, EngineClient, WeightSync
+from streamsync.engine.channel import BlockingWeightSync, EngineChannel, EngineClient
 from streamsync.engine.kept import KeptChannels, update_engine
 from streamsync.engine.messages import (
     WORKER_PROTOCOL,
@@ -132,7 +132,7 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 async def test_a_second_engine_is_one_client_plus_one_sink(engine: ThreadEngine) -> None:
     assert isinstance(engine, EngineClient)
     trainer = model(0)
-    async with WeightSync(engine, f"shm://engine-{os.getpid()}", timeout=20) as channel:
+    async with EngineChannel(engine, f"shm://engine-{os.getpid()}", timeout=20) as channel:
         for step in range(3):
             with torch.no_grad():
                 for p in trainer.parameters():
@@ -148,7 +148,7 @@ async def test_a_second_engine_is_one_client_plus_one_sink(engine: ThreadEngine)
 
 async def test_workers_connect_to_the_port_a_port_0_endpoint_bound(engine: ThreadEngine) -> None:
     trainer = model(0)
-    async with WeightSync(engine, "zmq+tcp://127.0.0.1:0", timeout=20) as channel:
+    async with EngineChannel(engine, "zmq+tcp://127.0.0.1:0", timeout=20) as channel:
         report = await channel.update(ss.named_tensors(trainer))
         assert report.complete and report.receivers == 2
         assert not channel.url.endswith(":0")
@@ -160,7 +160,7 @@ async def test_a_worker_error_is_raised_under_its_own_name(engine: ThreadEngine)
     engine.modules[1] = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 9))
     # When worker 1's failure reaches the sender before it publishes the End, worker 0 is
     # told the sync is abandoned (SenderAbortedError); the raised error is still worker 1's.
-    async with WeightSync(engine, f"shm://engine-err-{os.getpid()}", timeout=5) as channel:
+    async with EngineChannel(engine, f"shm://engine-err-{os.getpid()}", timeout=5) as channel:
         with pytest.raises(ss.ShapeMismatchError, match=r"worker 1 \(pid \d+\)") as info:
             await channel.update(ss.named_tensors(model(0)))
     assert info.value.report is not None and not info.value.report.complete
@@ -168,7 +168,7 @@ async def test_a_worker_error_is_raised_under_its_own_name(engine: ThreadEngine)
 
 
 async def test_a_worker_that_cannot_start_fails_the_sync_at_once(engine: ThreadEngine) -> None:
-    async with WeightSync(
+    async with EngineChannel(
         engine, f"shm://engine-opt-{os.getpid()}", timeout=30, worker_options={"quirks": ["x"]}
     ) as channel:
         start = time.monotonic()
@@ -263,7 +263,7 @@ def test_update_engine_runs_each_step_in_a_fresh_event_loop(
 
 def test_a_synchronous_trainer_owns_no_event_loop(engine: ThreadEngine) -> None:
     trainer = model(0)
-    with WeightSync(engine, f"shm://engine-sync-{os.getpid()}", timeout=20) as sync:
+    with EngineChannel(engine, f"shm://engine-sync-{os.getpid()}", timeout=20) as sync:
         assert isinstance(sync, BlockingWeightSync)
         for step in range(3):
             report = sync.update(ss.named_tensors(perturbed(trainer, step)))
@@ -275,7 +275,7 @@ def test_a_synchronous_trainer_owns_no_event_loop(engine: ThreadEngine) -> None:
 
 
 async def test_the_blocking_form_refuses_a_running_event_loop(engine: ThreadEngine) -> None:
-    channel = WeightSync(engine, f"shm://engine-block-{os.getpid()}", timeout=20)
+    channel = EngineChannel(engine, f"shm://engine-block-{os.getpid()}", timeout=20)
     with pytest.raises(ss.ConfigError, match="use 'async with WeightSync"), channel:
         pass
     assert channel_threads() == []
@@ -285,7 +285,7 @@ def test_a_loop_bound_engine_refuses_the_blocking_form(engine: ThreadEngine) -> 
     engine.loop_bound = True  # type: ignore[attr-defined]  # as an AsyncLLM's client
     with (
         pytest.raises(ss.ConfigError, match="ThreadEngine is driven from the event loop"),
-        WeightSync(engine, f"shm://engine-bound-{os.getpid()}", timeout=20),
+        EngineChannel(engine, f"shm://engine-bound-{os.getpid()}", timeout=20),
     ):
         pass
 
@@ -303,7 +303,7 @@ ENGINE_NAMES = {f"engine{e}.worker{w}.main" for e in range(2) for w in range(2)}
 
 def test_several_engines_from_one_stream(engines: list[ThreadEngine], tmp_path: Path) -> None:
     trainer = model(0)
-    with WeightSync(engines, f"zmq+ipc://{tmp_path}/fan.sock", timeout=20) as sync:
+    with EngineChannel(engines, f"zmq+ipc://{tmp_path}/fan.sock", timeout=20) as sync:
         for step in range(2):
             report = sync.update(ss.named_tensors(perturbed(trainer, step)))
             assert report.complete and report.receivers == 4  # one sender, every worker
@@ -370,7 +370,7 @@ def test_a_failing_engine_is_named(engines: list[ThreadEngine]) -> None:
     engines[1].fail_finalize = {1}
     trainer = model(0)
     with (
-        WeightSync(engines, f"shm://engine-fail-{os.getpid()}", timeout=5) as sync,
+        EngineChannel(engines, f"shm://engine-fail-{os.getpid()}", timeout=5) as sync,
         pytest.raises(ss.ShapeMismatchError, match=r"^engine 1 worker 1 \(pid \d+\): ") as info,
     ):
         sync.update(ss.named_tensors(trainer))
@@ -391,7 +391,7 @@ class DeadEngine(ThreadEngine):
 def test_an_engine_that_cannot_run_the_receive_is_named() -> None:
     pair = [ThreadEngine([model(1)]), DeadEngine([model(2)])]
     try:
-        with WeightSync(pair, f"shm://engine-dead-{os.getpid()}", timeout=5) as sync:
+        with EngineChannel(pair, f"shm://engine-dead-{os.getpid()}", timeout=5) as sync:
             start = time.monotonic()
             with pytest.raises(ss.ReceiverFailedError, match="engine 1 failed to run") as info:
                 sync.update(ss.named_tensors(model(0)))
@@ -420,7 +420,7 @@ def test_the_engines_left_waiting_by_a_failed_sync_take_the_next_one() -> None:
     # receive the channel gave up on, were waiting for it. The next sync reaches them all.
     pair = [ThreadEngine([model(1), model(3)]), DiesOnce([model(2)])]
     try:
-        with WeightSync(pair, f"shm://engine-once-{os.getpid()}", timeout=5) as sync:
+        with EngineChannel(pair, f"shm://engine-once-{os.getpid()}", timeout=5) as sync:
             with pytest.raises(ss.ReceiverFailedError, match="engine 1 failed to run"):
                 sync.update(ss.named_tensors(model(0)))
             for step in range(3):
@@ -477,7 +477,7 @@ def test_workers_of_a_sync_cancelled_before_its_first_bucket_take_the_next(held:
     # receive next). Either way the next syncs apply on every worker.
     pair = [HeldBack([model(1)]), SinkFailsOnce([model(2)])]
     try:
-        with WeightSync(pair, f"shm://engine-cancelled-{os.getpid()}", timeout=5) as sync:
+        with EngineChannel(pair, f"shm://engine-cancelled-{os.getpid()}", timeout=5) as sync:
             sync.update(ss.named_tensors(model(0)))  # everyone joined
             pair[0].held, pair[1].fail = held, True
             with pytest.raises(ss.ConfigError, match="no sink this time"):
@@ -586,7 +586,7 @@ def test_a_dead_engine_fails_its_sync_and_rejoins_when_restarted(transport: str)
         else f"shm://engine-mortal-{os.getpid()}"
     )
     try:
-        with WeightSync(pair, url, timeout=5) as sync:
+        with EngineChannel(pair, url, timeout=5) as sync:
             assert sync.update(ss.named_tensors(perturbed(trainer, 0))).complete
             sender = sync.channel._sender
             pair[1].die()
@@ -610,7 +610,7 @@ def test_without_require_all_a_dead_engine_is_reported_absent() -> None:
     trainer = model(0)
     try:
         url = f"shm://engine-absent-{os.getpid()}"
-        with WeightSync(pair, url, timeout=5, require_all=False) as sync:
+        with EngineChannel(pair, url, timeout=5, require_all=False) as sync:
             assert sync.update(ss.named_tensors(perturbed(trainer, 0))).receivers == 2
             pair[1].die()
             report = sync.update(ss.named_tensors(perturbed(trainer, 1)))
@@ -653,7 +653,7 @@ def test_without_require_all_an_engine_that_never_reports_is_absent_after_the_ti
     trainer = model(0)
     try:
         url = f"shm://engine-silent-{os.getpid()}"
-        with WeightSync(pair, url, timeout=1, require_all=False) as sync:
+        with EngineChannel(pair, url, timeout=1, require_all=False) as sync:
             assert sync.update(ss.named_tensors(perturbed(trainer, 0))).receivers == 2
             pair[1].silent = True  # its workers die (their links close), its RPC hangs
             for worker in pair[1].workers:
@@ -673,7 +673,7 @@ def test_without_require_all_an_engine_that_never_reports_is_absent_after_the_ti
 
 def test_an_unknown_keyword_is_named_with_each_valid_one_once(engine: ThreadEngine) -> None:
     with pytest.raises(ss.ConfigError, match=r"unknown keyword of WeightSync\(\) 'bogus'") as info:
-        WeightSync(engine, "zmq+tcp://127.0.0.1:0", bogus=1)
+        EngineChannel(engine, "zmq+tcp://127.0.0.1:0", bogus=1)
     valid = str(info.value).split("valid: ")[1].split(", ")
     assert "require_all" in valid and "delta" in valid and "secret" in valid
     assert len(valid) == len(set(valid)), valid
@@ -932,7 +932,7 @@ def test_expand_moe_auto_decides_from_the_engine_s_vllm_not_the_trainer_s(
     try:
         assert should_expand("auto") is not expanded  # the trainer alone decides otherwise
         pipeline = expand_moe()  # made before the channel: decided when its stream starts
-        with WeightSync(engine, f"shm://engine-facts-{os.getpid()}", timeout=20) as sync:
+        with EngineChannel(engine, f"shm://engine-facts-{os.getpid()}", timeout=20) as sync:
             assert sync.channel.facts == (EngineFacts(vllm_version=engine_vllm),)
             report = sync.update(weights, pipeline=pipeline)
     finally:

@@ -281,7 +281,7 @@ def test_bad_adapters_fail_by_name_and_the_previous_one_keeps_serving(
 
 
 def test_an_engine_without_lora_is_told_by_name(tmp_path: Path) -> None:
-    from streamsync.engine.channel import WeightSync as EngineWeightSync
+    from streamsync.engine.channel import EngineChannel
     from streamsync.vllm import WeightSync
 
     base = build_tiny_model(tmp_path, "dense", seed=0)
@@ -295,7 +295,7 @@ def test_an_engine_without_lora_is_told_by_name(tmp_path: Path) -> None:
             channel = sync.channel
             with pytest.raises(ss.LoraError, match="enable_lora=True"):
                 channel._blocking(
-                    "update_lora", lambda: EngineWeightSync.update_lora(channel, "p", model)
+                    "update_lora", lambda: EngineChannel.update_lora(channel, "p", model)
                 )
             assert channel.loras == ()
             report = sync.update(model)  # the channel still syncs weights

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamsync._log import log
-from streamsync.engine.channel import EngineClient, WeightSync, several
+from streamsync.engine.channel import EngineChannel, EngineClient, several
 from streamsync.engine.messages import WorkerOptions
 from streamsync.errors import ConfigError
 from streamsync.pipeline import AdapterLike
@@ -24,7 +24,7 @@ __all__ = ["KeptChannels", "update_engine"]
 
 @dataclass
 class _Kept:
-    channel: WeightSync
+    channel: EngineChannel
     engines: tuple[Any, ...]
     #: What the channel was opened with (``bucket_bytes``, ``delta``, ``secret``, the
     #: transport's options...): a call with other values needs another channel.
@@ -58,7 +58,7 @@ class KeptChannels:
             return None
         return kept if isinstance(kept, cls) else None
 
-    def get(self, endpoint: str) -> WeightSync | None:
+    def get(self, endpoint: str) -> EngineChannel | None:
         """The channel kept for ``endpoint``, if any."""
         kept = self._by_endpoint.get(endpoint)
         return kept.channel if kept is not None else None
@@ -70,8 +70,8 @@ class KeptChannels:
         *,
         fanout: bool,
         opened_with: Mapping[str, Any],
-        make: Callable[[], WeightSync],
-    ) -> WeightSync:
+        make: Callable[[], EngineChannel],
+    ) -> EngineChannel:
         """The channel kept for ``endpoint`` if it serves these engines alike and was opened
         with the same ``opened_with`` options; else a new one from ``make`` (the old one
         closed first: it holds the endpoint)."""
@@ -100,7 +100,7 @@ async def update_engine(
     **options: Any,
 ) -> SyncReport:
     """Sync ``weights`` into ``engine`` (or into every engine of a list, from one stream:
-    see :class:`~streamsync.engine.channel.WeightSync`) through a channel on
+    see :class:`~streamsync.engine.channel.EngineChannel`) through a channel on
     ``client(engine)`` kept open for later calls with the same engines and ``endpoint``, so
     its slots and sockets are reused.
 
@@ -116,9 +116,11 @@ async def update_engine(
     if not engines:
         raise ConfigError("update_weights: no engine given; pass one engine or several")
 
-    def make() -> WeightSync:
+    def make() -> EngineChannel:
         clients = [client(e) for e in engines] if fanout else client(engine)
-        return WeightSync(clients, endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options)
+        return EngineChannel(
+            clients, endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options
+        )
 
     kept = KeptChannels.of(engines[0])
     if kept is None:  # nowhere to keep it: a channel for this call only

@@ -97,7 +97,7 @@ sending_to: ContextVar[tuple[EngineFacts, ...]] = ContextVar("streamsync_sending
 
 class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What a LoRA adapter sync is for: the sync's tensors are the adapter's, built into one
-    version of adapter ``name`` on every worker (``WeightSync.update_lora``)."""
+    version of adapter ``name`` on every worker (``EngineChannel.update_lora``)."""
 
     #: The adapter's name.
     name: str
@@ -114,8 +114,8 @@ class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the trainer tells every worker for one sync (``worker_options=`` of
-    :class:`WeightSync`, as this struct or as a mapping of its fields)."""
+    """What the trainer tells every worker for one sync (``worker_options=`` of a channel,
+    as this struct or as a mapping of its fields)."""
 
     version: int = WORKER_PROTOCOL
     #: Seconds for each wait of the receive; ``None``: the channel's ``timeout``.
@@ -128,11 +128,11 @@ class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     quirks: tuple[str, ...] | None = None
     #: Only these model instances (``"main"``, ``"drafter"``); ``None``: all of them.
     instances: tuple[str, ...] | None = None
-    #: Keep the copies a delta sync patches (:class:`WeightSync` with ``delta=True``).
+    #: Keep the copies a delta sync patches (a channel opened with ``delta=True``).
     delta: bool = False
-    #: A LoRA adapter sync: what it builds (set by ``WeightSync.update_lora``).
+    #: A LoRA adapter sync: what it builds (set by ``EngineChannel.update_lora``).
     lora: LoraTarget | None = None
-    #: The sync this receive is for (set by :class:`WeightSync`): whatever of an earlier
+    #: The sync this receive is for (set by the channel): whatever of an earlier
     #: sync is still queued on the worker's receiver (one given up before this worker
     #: began it) is skipped, not taken for this sync.
     sync_id: int | None = None

@@ -18,8 +18,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from streamsync.engine.channel import BlockingWeightSync, EngineClient, several
-from streamsync.engine.channel import WeightSync as _EngineWeightSync
+from streamsync.engine.channel import BlockingWeightSync, EngineChannel, EngineClient, several
 from streamsync.engine.kept import update_engine
 from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
 from streamsync.errors import ConfigError, LoraError
@@ -213,9 +212,9 @@ def _clients(llm: Any) -> EngineClient | list[EngineClient]:
     return [vllm_client(one) for one in llm]
 
 
-class WeightSync(_EngineWeightSync):
+class WeightSync(EngineChannel):
     """A persistent channel into one vLLM engine, or into several from one stream
-    (:class:`streamsync.engine.channel.WeightSync` on their :func:`vllm_client`).
+    (:class:`streamsync.engine.channel.EngineChannel` on their :func:`vllm_client`).
 
     From synchronous code (an ``LLM``)::
 

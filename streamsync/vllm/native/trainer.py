@@ -1,5 +1,5 @@
 """The trainer side of the ``streamsync`` backend: :class:`StreamsyncInitInfo`, vLLM's
-``TrainerWeightTransferEngine`` on a :class:`~streamsync.engine.channel.WeightSync`, and a
+``TrainerWeightTransferEngine`` on a :class:`~streamsync.engine.channel.EngineChannel`, and a
 ``VLLMWeightSyncClient`` for an in-process ``AsyncLLM``."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from streamsync import errors
 from streamsync._log import log
-from streamsync.engine.channel import BlockingWeightSync, WeightSync
+from streamsync.engine.channel import BlockingWeightSync, EngineChannel
 from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
@@ -301,7 +301,7 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             transport["secret"] = init_info.secret
         #: How many workers receive each sync.
         self.receivers = _receivers(init_info, client) if is_sender else 0
-        self.channel = WeightSync(
+        self.channel = EngineChannel(
             _VllmClient(client, self.receivers),
             init_info.endpoint,
             pipeline=init_info.pipeline,
@@ -437,7 +437,7 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``); nothing touches a disk. Generation then
         names it as vLLM's server does: ``"model": name``. A new version replaces the one
         serving; a bad adapter fails by name with the previous one still serving (see
-        :meth:`~streamsync.engine.channel.WeightSync.update_lora`). Returns the sender's
+        :meth:`~streamsync.engine.channel.EngineChannel.update_lora`). Returns the sender's
         report (``None`` on ranks other than the sender)."""
         report: SyncReport | None = self._session(
             "send_lora",
