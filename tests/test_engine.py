@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -778,6 +778,51 @@ def test_a_kept_channel_is_replaced_when_an_option_of_the_channel_changes(
         pass
 
 
+def sync_into_worker(
+    workers: WorkerReceivers, target: torch.nn.Module, on_phase: Callable[[], object]
+) -> list[object]:
+    """One sync of a fresh model into ``target`` through ``workers``; what ``on_phase()``
+    returned in each of the sink's phases (run on the worker's loop thread)."""
+    seen: list[object] = []
+
+    class Seeing(MainSink):
+        def prepare(self) -> None:
+            seen.append(on_phase())
+            super().prepare()
+
+        def load(self, bucket: Any) -> Any:
+            seen.append(on_phase())
+            return super().load(bucket)
+
+    trainer = model(0)
+    endpoint = f"shm://engine-device-{os.getpid()}"
+
+    async def main() -> ss.SyncReport:
+        async with ss.open_sender(endpoint, receivers=1) as sender:
+            results: list[WorkerResult] = []
+
+            async def worker() -> None:
+                options = WorkerOptions(timeout=20)
+                sink = Seeing(target)
+                results.append(
+                    await anyio.to_thread.run_sync(workers.receive, endpoint, options, sink)
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(worker)
+                report = await ss.send(ss.named_tensors(trainer), sender, timeout=20)
+            assert results[0].ok, results[0]
+            return report
+
+    try:
+        assert asyncio.run(main()).complete
+    finally:
+        workers.shutdown()
+    assert same_weights(trainer, target.cpu())
+    assert len(seen) >= 2, seen
+    return seen
+
+
 def test_the_worker_thread_loads_on_the_worker_device() -> None:
     """The sink's phases run on the worker's loop thread, which selects the worker's device
     first (CUDA's current device is per thread). ``select`` stands in for
@@ -788,47 +833,21 @@ def test_the_worker_thread_loads_on_the_worker_device() -> None:
     def select(device: torch.device) -> None:
         current.device = device
 
-    seen: list[object] = []
-
-    class Seeing(MainSink):
-        def prepare(self) -> None:
-            seen.append(getattr(current, "device", None))
-            super().prepare()
-
-        def load(self, bucket: Any) -> Any:
-            seen.append(getattr(current, "device", None))
-            return super().load(bucket)
-
-    target = model(1)
     workers = WorkerReceivers("device-worker", device=worker_device, select=select)
-    trainer = model(0)
-    endpoint = f"shm://engine-device-{os.getpid()}"
-
-    async def main() -> ss.SyncReport:
-        async with ss.open_sender(endpoint, receivers=1) as sender:
-            async with anyio.create_task_group() as tg:
-                results: list[WorkerResult] = []
-
-                async def worker() -> None:
-                    options = WorkerOptions(timeout=20)
-                    results.append(
-                        await anyio.to_thread.run_sync(
-                            workers.receive, endpoint, options, Seeing(target)
-                        )
-                    )
-
-                tg.start_soon(worker)
-                report = await ss.send(ss.named_tensors(trainer), sender, timeout=20)
-            assert results[0].ok, results[0]
-            return report
-
-    try:
-        assert asyncio.run(main()).complete
-    finally:
-        workers.shutdown()
-    assert same_weights(trainer, target)
-    assert len(seen) >= 2 and all(d == worker_device for d in seen), seen
+    seen = sync_into_worker(workers, model(1), lambda: getattr(current, "device", None))
+    assert all(d == worker_device for d in seen), seen
     assert getattr(current, "device", None) is None  # this thread was left as it was
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices (the worker's is not device 0)"
+)
+def test_the_worker_thread_loads_on_the_worker_cuda_device() -> None:
+    device = torch.device("cuda", 1)
+    workers = WorkerReceivers("cuda-worker", device=device)
+    seen = sync_into_worker(workers, model(1).to(device), torch.cuda.current_device)
+    assert all(d == 1 for d in seen), seen
+    assert torch.cuda.current_device() == 0  # this thread was left as it was
 
 
 def test_an_engine_without_the_worker_extension_fails_by_name() -> None:
