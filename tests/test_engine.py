@@ -1008,3 +1008,20 @@ def test_an_error_crosses_a_text_only_boundary_as_data(cls: type[ss.StreamsyncEr
     assert type(back) is cls
     assert str(back).endswith(str(exc)) and back.report == partial
     assert WorkerResult.from_text(f"ReceiverFailedError: {exc}") is None  # no data, no guess
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_a_refusal_crosses_the_handshake_by_its_kind(cls: type[ss.StreamsyncError]) -> None:
+    """A sender's refusal of a newcomer names its error's kind in the ``Bye`` (data, not a
+    class name read back out of the text), and the receiver raises that class."""
+    from streamsync.transports import handshake
+    from streamsync.wire.frames import Bye, WireCodec
+
+    codec = WireCodec(None)
+    exc = cls("ValueError: 3 receivers already; ConfigError: not this one")
+    frame = handshake.refusal(codec, exc)
+    bye = codec.decode(frame)
+    assert isinstance(bye, Bye) and bye.error == cls.__name__
+    with pytest.raises(cls) as info:
+        handshake.accept(codec, None, frame, b"nonce", url="zmq+tcp://h:1")
+    assert type(info.value) is cls and str(info.value).endswith(str(exc))
