@@ -14,7 +14,6 @@ engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -25,7 +24,7 @@ import msgspec
 from streamsync._log import log, warn
 from streamsync.engine.blocking import BlockingWeightSync, run_blocking
 from streamsync.engine.clients import EngineClient, FactsClient, LoopBoundClient, LoraClient
-from streamsync.engine.loops import EventLoopThread, HostedSender, caller_cuda
+from streamsync.engine.loops import HostedSender, HostedTransport
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import EngineFacts, WorkerOptions, sending_to
 from streamsync.engine.rounds import (
@@ -45,7 +44,7 @@ from streamsync.errors import (
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
-from streamsync.transports import Sender, check_options, open_sender
+from streamsync.transports import Sender, check_options
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = [
@@ -60,12 +59,6 @@ __all__ = [
     "several",
     "worker_failure",
 ]
-
-
-def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
-    # The finalizer of a channel nobody closed: close its transport on its own loop, then
-    # stop that loop (without waiting: this may run on any thread).
-    loop.close_soon(*(sender.aclose for sender in senders))
 
 
 # Keywords of the channel itself, beside the transport's options (``require_all`` is one of
@@ -145,9 +138,7 @@ class EngineChannel:
             transport_options = {**transport_options, "require_all": False}
         check_options(endpoint, transport_options, caller=("WeightSync", _WEIGHT_SYNC_KEYWORDS))
         self._transport_options = transport_options
-        self._loop: EventLoopThread | None = None
-        self._sender: HostedSender | None = None
-        self._open: list[Sender] = []  # the transport behind _sender, for the finalizer
+        self._transport = HostedTransport(f"streamsync-channel {endpoint}")
         self._loras = ChannelLoras(self)
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
@@ -176,7 +167,7 @@ class EngineChannel:
     @property
     def url(self) -> str:
         """The URL workers connect to: ``endpoint``, with a port 0 resolved once open."""
-        return str(getattr(self._open[0], "url", self.endpoint)) if self._open else self.endpoint
+        return self._transport.url(self.endpoint)
 
     @property
     def receivers(self) -> int:
@@ -193,7 +184,7 @@ class EngineChannel:
                 instead="async with WeightSync(...)",
             )
         except BaseException:
-            self._stop_loop()
+            self._transport.stop()
             raise
         return BlockingWeightSync(self)
 
@@ -206,7 +197,7 @@ class EngineChannel:
             await self._ensure_sender()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._stop_loop)
+                await anyio.to_thread.run_sync(self._transport.stop)
             raise
         return self
 
@@ -220,9 +211,9 @@ class EngineChannel:
             try:
                 await self._close_both()
             finally:
-                loop = self._loop
+                loop = self._transport.loop
                 if loop is not None and not loop.is_current():
-                    await anyio.to_thread.run_sync(self._stop_loop)
+                    await anyio.to_thread.run_sync(self._transport.stop)
 
     async def _close_both(self) -> None:
         url = self.url  # what the workers connected to (a port 0 resolved)
@@ -246,47 +237,18 @@ class EngineChannel:
             for e, client in enumerate(self.clients):
                 tg.start_soon(close, e, client)
 
-    def _host(self) -> EventLoopThread:
-        if self._loop is None:
-            self._loop = EventLoopThread(f"streamsync-channel {self.endpoint}")
-            self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
-        return self._loop
-
-    def _stop_loop(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            self._finalizer.detach()
-            loop.stop()
-
     async def _close_sender(self) -> None:
-        if self._sender is not None:
-            sender, self._sender = self._sender, None
-            try:
-                await sender.aclose()
-            finally:
-                self._open.clear()
+        await self._transport.close_sender()
 
     async def _ensure_sender(self) -> HostedSender:
-        if self._sender is None:
+        if not self._transport.is_open:
             opts = dict(self._transport_options)
             opts.setdefault("receivers", self.receivers)
             opts.setdefault("slot_bytes", self.bucket_bytes)
-            loop = self._host()
-            cuda = caller_cuda()
-
-            async def opened() -> Sender:
-                # Made and opened on the channel's loop, which keeps its sockets and readers,
-                # on the caller's CUDA device (a cuda-ipc ring is allocated there).
-                with cuda():
-                    sender = open_sender(self.endpoint, **opts)
-                    await sender.open()
-                return sender
-
-            inner = await loop.call(opened)
-            self._open.append(inner)
-            self._sender = HostedSender(inner, loop)
+            sender = await self._transport.sender(self.endpoint, opts)
             self.facts = await self._hello()
-        return self._sender
+            return sender
+        return await self._transport.sender(self.endpoint, {})
 
     async def _hello(self) -> tuple[EngineFacts, ...]:
         """Each engine's facts, asked once per opening; an engine whose hello fails (it may
