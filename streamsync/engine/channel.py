@@ -44,7 +44,7 @@ from streamsync.errors import (
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
-from streamsync.transports import Sender, check_options
+from streamsync.transports import check_options
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = [
@@ -393,7 +393,8 @@ class EngineChannel:
             for e, client in enumerate(self.clients):
                 tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope)
             if not self.require_all:
-                await self._joined(sender, sync.engine_errors)
+                receivers = [c.receivers for c in self.clients]
+                await sync.joined(sender, receivers, within=self.timeout / 2)
             try:
                 if options.lora is not None:
                     sync.report = await send_aside(
@@ -420,27 +421,18 @@ class EngineChannel:
                 sync.send_error = exc
                 if isinstance(exc, ClosedError):
                     await self._close_sender()  # reopened by the next sync
-            if sync.report is not None and not self.require_all:
-                await self._absent_after(sync, tg.cancel_scope)
+            absent = sync.report is not None and not self.require_all
+            if absent and await sync.absent_after(self.timeout, self._late):
+                tg.cancel_scope.cancel()
 
-    async def _absent_after(self, sync: SyncRound, scope: anyio.CancelScope) -> None:
-        """Without ``require_all``, once the sync completed on the workers there: an engine
-        still not reporting within the timeout took no part (its workers' reports came
-        over the transport with the sync's end), so it is named absent instead of being
-        waited for up to its receive's own, longer limit (a dead engine's RPC may never
-        return)."""
-        with anyio.move_on_after(self.timeout):
-            await sync.reported.wait()
-        for e in sorted(sync.waiting):
-            where = "the engine" if not self.fanout else f"engine {e}"
-            late = SyncTimeoutError(
-                f"{where} did not report within {self.timeout:g} s of the end of the sync "
-                f"from {self.endpoint}, which completed without it"
-            )
-            late.engine = self.engine_index(e)
-            sync.engine_errors[e] = late
-        if sync.waiting:
-            scope.cancel()
+    def _late(self, e: int) -> StreamsyncError:
+        where = "the engine" if not self.fanout else f"engine {e}"
+        late = SyncTimeoutError(
+            f"{where} did not report within {self.timeout:g} s of the end of the sync "
+            f"from {self.endpoint}, which completed without it"
+        )
+        late.engine = self.engine_index(e)
+        return late
 
     async def _receive(
         self,
@@ -507,15 +499,6 @@ class EngineChannel:
             sync_id=sync.report.sync_id,
         )
         return merged
-
-    async def _joined(self, sender: Sender, gone: Mapping[int, StreamsyncError]) -> None:
-        """Without ``require_all`` a sync begins with whoever is there: first let each engine
-        that is alive join (its receive opens its workers' receivers, a restarted one's
-        included) or fail, within half the timeout: the workers already there wait for the
-        first bucket with the whole timeout, so they must not run out of it meanwhile."""
-        with anyio.move_on_after(self.timeout / 2):
-            while sender.present < self.receivers - sum(self.clients[e].receivers for e in gone):
-                await anyio.sleep(0.01)
 
     async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
         try:

@@ -1,5 +1,7 @@
-"""One sync of a channel into its engines (:class:`SyncRound`): what each engine's workers
-answered, the send's outcome, and from those the error to raise or the merged report.
+"""One sync of a channel into its engines (:class:`SyncRound`): who takes part (without
+``require_all``, the engines that joined and those named absent), what each engine's
+workers answered, the send's outcome, and from those the error to raise or the merged
+report.
 
 A worker's report names its model instances; merged, they are ``worker<rank>.<name>`` (one
 engine) or ``engine<e>.worker<rank>.<name>`` (several, from one stream).
@@ -17,6 +19,7 @@ import msgspec
 from streamsync.engine.messages import WorkerResult
 from streamsync.errors import StreamsyncError, root_cause
 from streamsync.report import LoadResult, SyncReport
+from streamsync.transports import Sender
 
 __all__ = [
     "SyncRound",
@@ -102,6 +105,28 @@ class SyncRound:
         self.waiting.discard(e)
         if not self.waiting:
             self.reported.set()
+
+    async def joined(self, sender: Sender, receivers: Sequence[int], *, within: float) -> None:
+        """Without ``require_all`` a sync begins with whoever is there: first let each engine
+        (``receivers``: each one's worker count) that is alive join (its receive opens its
+        workers' receivers, a restarted one's included) or fail, for at most ``within``
+        seconds: the workers already there wait for the first bucket with the whole
+        timeout, so they must not run out of it meanwhile."""
+        with anyio.move_on_after(within):
+            while sender.present < sum(receivers) - sum(receivers[e] for e in self.engine_errors):
+                await anyio.sleep(0.01)
+
+    async def absent_after(self, timeout: float, late: Callable[[int], StreamsyncError]) -> bool:
+        """Without ``require_all``, once the sync completed on the workers there: an engine
+        still not reporting within ``timeout`` took no part (its workers' reports came over
+        the transport with the sync's end), so it gets ``late(e)`` as its error instead of
+        being waited for up to its receive's own, longer limit (a dead engine's RPC may
+        never return). Whether any did."""
+        with anyio.move_on_after(timeout):
+            await self.reported.wait()
+        for e in sorted(self.waiting):
+            self.engine_errors[e] = late(e)
+        return bool(self.waiting)
 
     def applied(self, receivers: Sequence[int]) -> list[int]:
         """The engines (``receivers``: each one's worker count) whose every worker applied
