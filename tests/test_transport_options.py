@@ -135,12 +135,12 @@ async def test_send_and_receive_name_their_own_keywords_too() -> None:
 
 
 def test_weight_sync_checks_its_options_when_made() -> None:
-    from streamsync.engine.channel import WeightSync
+    from streamsync.engine.channel import EngineChannel
 
     with pytest.raises(ss.ConfigError, match=r"unknown keyword of WeightSync\(\) 'slot'"):
-        WeightSync(object(), "shm://opts-ws", slot=3)  # type: ignore[arg-type]
+        EngineChannel(object(), "shm://opts-ws", slot=3)  # type: ignore[arg-type]
     with pytest.raises(ss.ConfigError, match=r"slots=0; need at least 1"):
-        WeightSync(object(), "shm://opts-ws?slots=0")  # type: ignore[arg-type]
+        EngineChannel(object(), "shm://opts-ws?slots=0")  # type: ignore[arg-type]
 
 
 def test_connect_timeout_in_the_url_and_a_keyword_must_agree() -> None:

@@ -145,3 +145,53 @@ def test_deltas_into_a_tensor_parallel_engine(
         deltas_then_full(llm, trainer, url, cast(torch.bfloat16))
     finally:
         shutdown(llm)
+
+
+def test_update_weights_with_delta_sends_deltas_and_a_changed_option_opens_a_new_channel(
+    tmp_path: Path,
+) -> None:
+    """``streamsync.vllm.update_weights(..., delta=True)`` keeps its channel across calls and
+    tells the workers to keep the copies a delta patches: the second call is a delta. A
+    call with another channel option opens a new channel."""
+    from streamsync.adapters import cast
+    from streamsync.engine.kept import KeptChannels
+    from streamsync.vllm import update_weights
+
+    trainer = build_tiny_model(tmp_path, "dense", seed=0)
+    llm = make_llm(str(tmp_path), dtype="bfloat16")
+    endpoint = f"shm://delta-update-{os.getpid()}"
+
+    def step(**options: Any) -> ss.SyncReport:
+        async def main() -> ss.SyncReport:
+            return await update_weights(
+                llm,
+                ss.named_tensors(trainer),
+                endpoint=endpoint,
+                pipeline=cast(torch.bfloat16),
+                bucket_bytes=256 << 10,
+                delta=True,
+                **options,
+            )
+
+        report: ss.SyncReport = TRAINER.run(main, timeout=600)
+        return report
+
+    try:
+        first = step()
+        kept = KeptChannels.of(llm)
+        assert kept is not None
+        channel = kept.get(endpoint)
+        sparse_step(trainer, seed=0)
+        second = step()
+        assert kept.get(endpoint) is channel
+        sparse_step(trainer, seed=1)
+        third = step(checksum=True)
+        assert kept.get(endpoint) is not channel
+    finally:
+        shutdown(llm)
+    assert first.complete and first.delta is not None and first.delta.base is None
+    assert second.complete and second.delta is not None
+    assert second.delta.full_reason is None and second.delta.base == first.sync_id, second.delta
+    assert second.delta.sparse > 0 and second.wire_bytes < first.wire_bytes / 4
+    # A new channel: its workers hold the version, but the sender has no baseline yet.
+    assert third.complete and third.delta is not None and third.delta.base is None

@@ -281,7 +281,8 @@ def test_bad_adapters_fail_by_name_and_the_previous_one_keeps_serving(
 
 
 def test_an_engine_without_lora_is_told_by_name(tmp_path: Path) -> None:
-    from streamsync.engine.channel import WeightSync as EngineWeightSync
+    from streamsync.engine.blocking import run_blocking
+    from streamsync.engine.channel import EngineChannel
     from streamsync.vllm import WeightSync
 
     base = build_tiny_model(tmp_path, "dense", seed=0)
@@ -294,8 +295,10 @@ def test_an_engine_without_lora_is_told_by_name(tmp_path: Path) -> None:
             # The workers say the same where the trainer cannot ask (over a server).
             channel = sync.channel
             with pytest.raises(ss.LoraError, match="enable_lora=True"):
-                channel._blocking(
-                    "update_lora", lambda: EngineWeightSync.update_lora(channel, "p", model)
+                run_blocking(
+                    channel.clients,
+                    "update_lora",
+                    lambda: EngineChannel.update_lora(channel, "p", model),
                 )
             assert channel.loras == ()
             report = sync.update(model)  # the channel still syncs weights

@@ -1,8 +1,10 @@
 """``expand_moe(when=..., model_type=...)``: packed MoE experts into per-expert checkpoint keys.
 
 Transformers ≥ 5 keeps the experts of an MoE layer packed (:mod:`streamsync._moe_names`);
-vLLM before 0.25 only loads the per-expert checkpoint keys. This adapter yields those keys
-expert by expert, as views of the packed tensor (no copy, no dict of the layer).
+vLLM before 0.25 only loads the per-expert checkpoint keys. Which vLLM is the engine's fact,
+told to the trainer when a channel opens (:class:`~streamsync.engine.messages.EngineFacts`).
+This adapter yields those keys expert by expert, as views of the packed tensor (no copy, no
+dict of the layer).
 
 The checkpoint keys depend on the model family, keyed by Transformers' ``config.model_type``
 in :data:`RULES` (no ``model_type``: the Qwen-style rule; an unknown one: nothing expanded,
@@ -13,7 +15,7 @@ containing ``lora_``), so an adapter-only sync is never expanded.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from typing import Any, Final, Literal
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from streamsync._log import warn
 from streamsync._moe_names import PACKED, ROUTER, block_kind, expert_name, router_name
 from streamsync._versions import vllm_version
+from streamsync.engine.messages import EngineFacts, sending_to
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, adapter
 
@@ -33,14 +36,24 @@ LAST_VLLM_NEEDING_EXPANSION: Final = (0, 24, 0)
 When = Literal["auto", "always", "never"]
 
 
-def should_expand(when: str = "auto") -> bool:
+def should_expand(when: str = "auto", engines: Sequence[EngineFacts] | None = None) -> bool:
     """Whether to expand packed experts.
 
     ``"always"`` and ``"never"`` are obeyed. ``"auto"`` defers to the environment variable
     ``STREAMSYNC_EXPAND_MOE`` (``always``/``never``/``auto``) when it is set, and otherwise
-    expands iff the installed vLLM is ≤ 0.24.0; an absent or unparsable vLLM version means
-    "do not expand".
+    expands iff the engine's vLLM is ≤ 0.24.0: the version each engine told the channel
+    when it opened (``engines``; default: those the running sync feeds), or, outside an
+    engine's channel, the vLLM installed here. An absent or unparsable vLLM version means
+    "do not expand"; engines that disagree are a :class:`~streamsync.ConfigError`.
     """
+    when = _resolve(when)
+    if when != "auto":
+        return when == "always"
+    return _auto(sending_to.get() if engines is None else tuple(engines))
+
+
+def _resolve(when: str) -> str:
+    """``when``, with ``"auto"`` resolved by the environment variable where it is set."""
     if when not in _WHEN:
         raise ConfigError(f"expand_moe(when={when!r}): use one of {', '.join(_WHEN)}")
     if when == "auto":
@@ -51,10 +64,20 @@ def should_expand(when: str = "auto") -> bool:
                 f"use one of {', '.join(_WHEN)}"
             )
         when = env
-    if when != "auto":
-        return when == "always"
-    version = vllm_version()
-    return version is not None and version <= LAST_VLLM_NEEDING_EXPANSION
+    return when
+
+
+def _auto(engines: tuple[EngineFacts, ...]) -> bool:
+    """``"auto"``: from the engines' facts, or from the vLLM installed here without any."""
+    versions = {f.vllm_version for f in engines} if engines else {vllm_version()}
+    verdicts = {v is not None and v <= LAST_VLLM_NEEDING_EXPANSION for v in versions}
+    if len(verdicts) > 1:
+        shown = ", ".join(sorted(".".join(map(str, v)) if v else "unknown" for v in versions))
+        raise ConfigError(
+            f"expand_moe(when='auto'): the engines run vLLM {shown}, which load MoE experts "
+            "differently; pass when='always' or when='never'"
+        )
+    return verdicts.pop()
 
 
 class MoeRule:
@@ -173,11 +196,13 @@ RULES: dict[str, MoeRule] = {
 
 
 def _configure(when: When = "auto", model_type: str | None = None) -> dict[str, Any]:
-    # Decided once, when the stage is made: the environment may change before it runs.
-    if not should_expand(when):
-        return {"rule": None}
+    # The environment is read once, when the stage is made (it may change before it runs);
+    # "auto" is decided when it runs, from the engine the sync feeds.
+    resolved = _resolve(when)
+    if resolved == "never":
+        return {"rule": None, "auto": False}
     if model_type is None:
-        return {"rule": _QWEN}
+        return {"rule": _QWEN, "auto": resolved == "auto"}
     if model_type not in RULES:
         warn(
             "expand_moe.unknown_model_type",
@@ -185,16 +210,19 @@ def _configure(when: When = "auto", model_type: str | None = None) -> dict[str, 
             action="passing every tensor through untouched",
             known=sorted(RULES),
         )
-    return {"rule": RULES.get(model_type)}
+    return {"rule": RULES.get(model_type), "auto": resolved == "auto"}
 
 
 @adapter(configure=_configure)
 async def expand_moe(
-    source: AsyncIterable[NamedTensor], *, rule: MoeRule | None
+    source: AsyncIterable[NamedTensor], *, rule: MoeRule | None, auto: bool
 ) -> AsyncIterator[NamedTensor]:
     """``expand_moe(when="auto", model_type=None)``: packed experts into per-expert keys
-    (module docstring). ``when``: see :func:`should_expand`, decided when the stage is made;
-    ``model_type`` picks the family rule from :data:`RULES`."""
+    (module docstring). ``when``: see :func:`should_expand`; ``"auto"`` is decided when the
+    stream starts, from the facts of the engine it feeds. ``model_type`` picks the family
+    rule from :data:`RULES`."""
+    if auto and not _auto(sending_to.get()):
+        rule = None
     async for name, tensor in source:
         # LoRA tensors are adapters of a module, never a packed checkpoint layout.
         experts = None if rule is None or "lora_" in name else rule.expand(name, tensor)

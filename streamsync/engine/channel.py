@@ -1,200 +1,54 @@
-"""The engine seam: how a trainer-side channel drives the workers of an inference engine.
+"""The engine seam's trainer side: :class:`EngineChannel`, a persistent channel into one
+inference engine, or into several from one stream (fan-out).
 
-An engine is reached through an :class:`EngineClient`: how many receivers it has, how to run
-the receive on every worker (beside the send), what to do after a sync (drop what the old
-weights computed, such as a prefix cache) and how to close the workers' receivers. Workers
-answer with one :class:`WorkerResult` each; the options they get are a
-:class:`WorkerOptions`. Both are versioned msgspec structs that cross the engine's RPC as
-plain values (``to_wire`` / ``from_wire``), never pickled.
-
-:class:`WeightSync` is the engine-agnostic channel, into one engine or several from one
-stream (fan-out): it runs the send beside every client's receive, merges the workers'
-reports and re-raises a worker's error under its own name (and its engine's index). Its
-transport lives on a loop of its own, so synchronous code (``with`` and a blocking
-``update``) and any event loop (``async with`` and ``await update``) can drive it. The
-worker side keeps its receivers in a :class:`streamsync.engine.worker.WorkerReceivers`. A second
+An engine is reached through an :class:`~streamsync.engine.clients.EngineClient`. The channel
+runs the send beside every client's receive and concludes the sync (:mod:`.rounds`: the
+error to raise under the worker's own name and its engine's index, or the merged report).
+Its transport lives on a loop of its own (:mod:`.loops`), so synchronous code (``with``: the
+:class:`~streamsync.engine.blocking.BlockingWeightSync` face) and any event loop (``async
+with`` and ``await update``) can drive it. The LoRA lifecycle is :mod:`.loras`; the worker
+side keeps its receivers in a :class:`streamsync.engine.worker.WorkerReceivers`. A second
 engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
-:class:`streamsync.vllm.sink.VllmSink`.
+:mod:`streamsync.vllm.worker_sink`.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Protocol, cast, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 
 from streamsync._log import log, warn
-from streamsync.engine.loops import EventLoopThread, HostedSender, caller_cuda
-from streamsync.engine.messages import LoraTarget, WorkerOptions, WorkerResult
+from streamsync.engine.blocking import BlockingWeightSync, run_blocking
+from streamsync.engine.clients import EngineClient, FactsClient
+from streamsync.engine.loops import HostedSender, HostedTransport
+from streamsync.engine.loras import ChannelLoras
+from streamsync.engine.messages import EngineFacts, WorkerOptions, sending_to
+from streamsync.engine.rounds import (
+    SyncRound,
+    several,
+)
 from streamsync.errors import (
     ClosedError,
     ConfigError,
-    LoraError,
     ReceiverFailedError,
     StreamsyncError,
     SyncTimeoutError,
-    root_cause,
 )
-from streamsync.lora import check_lora_name, lora_adapter, lora_id, version_path
 from streamsync.pipeline import AdapterLike
-from streamsync.report import LoadResult, LoraReport, SyncReport
+from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
-from streamsync.transports import check_options, open_sender
-from streamsync.transports.base import Sender
+from streamsync.transports import check_options
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
-__all__ = ["EngineClient", "WeightSync"]
+__all__ = ["EngineChannel"]
 
 
-@runtime_checkable
-class EngineClient(Protocol):
-    """The trainer's handle on one inference engine (see :mod:`streamsync.vllm.client`).
-    A client whose engine is bound to one event loop is a :class:`LoopBoundClient`."""
-
-    @property
-    def receivers(self) -> int:
-        """How many receivers (workers) a sync reaches."""
-
-    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
-        """Run one receive from ``endpoint`` on every worker (started beside the send);
-        returns each worker's result, by rank."""
-
-    async def after_sync(self) -> None:
-        """After a sync that every worker applied: drop what the old weights computed."""
-
-    async def close_receivers(self, endpoint: str) -> int:
-        """Close the workers' receivers for ``endpoint``; returns how many were open."""
-
-
-@runtime_checkable
-class LoopBoundClient(EngineClient, Protocol):
-    """A client whose engine can only be driven from the event loop that created it (vLLM's
-    ``AsyncLLM``): :class:`WeightSync` refuses its blocking form, and the async form runs
-    the client's calls on the caller's loop."""
-
-    #: Always true; declares the client loop-bound.
-    loop_bound: bool
-
-
-@runtime_checkable
-class LoraClient(EngineClient, Protocol):
-    """A client whose engine serves LoRA adapters: :meth:`WeightSync.update_lora` streams an
-    adapter to every worker (which checks and stages it), then asks the engine to install
-    the staged version."""
-
-    async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
-        """Install the version every worker staged under ``path`` as adapter ``name``
-        (``lora_id``: the engine's id for it, stable across versions), replacing the one
-        serving; returns how many requests were generating with ``name`` (they go on with
-        the new version), or ``None`` if the engine cannot say."""
-
-    async def remove_lora(self, name: str, lora_id: int) -> None:
-        """Stop serving adapter ``name`` (its staged versions are dropped separately)."""
-
-
-@dataclass(frozen=True)
-class _Lora:
-    """An adapter a channel installed: its serving version, that version's path, its rank."""
-
-    version: int
-    path: str
-    rank: int
-
-
-def several(engines: Any) -> bool:
-    """Whether ``engines`` is several engines (a list or tuple of them), not one."""
-    return isinstance(engines, list | tuple)
-
-
-def worker_failure(
-    results: Sequence[WorkerResult], *, engine: int | None = None
-) -> StreamsyncError | None:
-    """The failed workers' root cause (see :func:`_root_cause`), or ``None`` (``engine``:
-    which of several engines these workers belong to, named in the error)."""
-    return _root_cause([r.exception(rank, engine=engine) for rank, r in enumerate(results)])
-
-
-def merge_worker_reports(report: SyncReport, results: Sequence[WorkerResult]) -> SyncReport:
-    """The sender's ``report`` with each worker's model instances, as ``worker<rank>.<name>``."""
-    return msgspec.structs.replace(report, instances=_instances("", results))
-
-
-def merge_engine_reports(
-    report: SyncReport, engines: Sequence[Sequence[WorkerResult]]
-) -> SyncReport:
-    """The sender's ``report`` of a fan-out with each engine's workers' model instances, as
-    ``engine<e>.worker<rank>.<name>``."""
-    instances: dict[str, LoadResult] = {}
-    for e, results in enumerate(engines):
-        instances.update(_instances(f"engine{e}.", results))
-    return msgspec.structs.replace(report, instances=instances)
-
-
-def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadResult]:
-    """Each worker's model instances as ``<prefix>worker<rank>.<name>``; a worker whose
-    sink has no instances (a ``ModuleSink``) as ``<prefix>worker<rank>``."""
-    out: dict[str, LoadResult] = {}
-    for rank, result in enumerate(results):
-        report = result.report
-        if report is None:
-            continue
-        for name, inst in report.instances.items():
-            out[f"{prefix}worker{rank}.{name}"] = inst
-        if not report.instances:
-            out[f"{prefix}worker{rank}"] = LoadResult(
-                loaded=report.loaded, missing=report.missing, unexpected=report.unexpected
-            )
-    return out
-
-
-def _root_cause(errors: Sequence[StreamsyncError | None]) -> StreamsyncError | None:
-    """The error to raise for a failed sync (:func:`streamsync.errors.root_cause`)."""
-    cause = root_cause(errors)
-    assert cause is None or isinstance(cause, StreamsyncError)
-    return cause
-
-
-def _in_event_loop() -> bool:
-    try:
-        anyio.lowlevel.current_token()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
-    # The finalizer of a channel nobody closed: close its transport on its own loop, then
-    # stop that loop (without waiting: this may run on any thread).
-    loop.close_soon(*(sender.aclose for sender in senders))
-
-
-@dataclass
-class _Round:
-    """One :meth:`WeightSync.update`'s state: each engine's worker results (by rank) and
-    failures, and the send's report or error."""
-
-    results: list[list[WorkerResult]]
-    engine_errors: dict[int, StreamsyncError] = field(default_factory=dict)
-    report: SyncReport | None = None
-    send_error: StreamsyncError | None = None
-    #: Engines whose receive has not returned yet, and the event their last one sets.
-    waiting: set[int] = field(default_factory=set)
-    reported: anyio.Event = field(default_factory=anyio.Event)
-
-    def done(self, e: int) -> None:
-        self.waiting.discard(e)
-        if not self.waiting:
-            self.reported.set()
-
-
-# Keywords of WeightSync itself, beside the transport's options.
+# Keywords of the channel itself, beside the transport's options (``require_all`` is one of
+# those: the channel passes it on).
 _WEIGHT_SYNC_KEYWORDS = (
     "delta",
     "pipeline",
@@ -202,11 +56,10 @@ _WEIGHT_SYNC_KEYWORDS = (
     "timeout",
     "checksum",
     "worker_options",
-    "require_all",
 )
 
 
-class WeightSync:
+class EngineChannel:
     """A persistent trainer-side channel into one engine, or into several from one stream
     and one sender (fan-out: pass a list of clients; every engine's workers receive).
 
@@ -258,12 +111,11 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         self.checksum = checksum
-        self.worker_options = WorkerOptions.coerce(worker_options)
         #: Every update is a delta sync (see :func:`~streamsync.send`): only what changed
-        #: moves; the workers keep a copy of the weights to patch.
+        #: moves; the workers keep a copy of the weights to patch. Held here alone: each
+        #: sync's worker options get it from here.
         self.delta = delta
-        if delta:
-            self.worker_options = msgspec.structs.replace(self.worker_options, delta=True)
+        self.worker_options = worker_options  # type: ignore[assignment]  # coerced
         #: False: a sync completes on the engines that are there; one that is gone (its RPC
         #: fails, its workers' links drop) is named in ``report.absent`` instead of failing
         #: the sync, and takes part again once it is back.
@@ -272,10 +124,26 @@ class WeightSync:
             transport_options = {**transport_options, "require_all": False}
         check_options(endpoint, transport_options, caller=("WeightSync", _WEIGHT_SYNC_KEYWORDS))
         self._transport_options = transport_options
-        self._loop: EventLoopThread | None = None
-        self._sender: HostedSender | None = None
-        self._open: list[Sender] = []  # the transport behind _sender, for the finalizer
-        self._loras: dict[str, _Lora] = {}
+        self._transport = HostedTransport(f"streamsync-channel {endpoint}")
+        self._loras = ChannelLoras(self)
+        #: What each engine that says so told of itself when the channel opened.
+        self.facts: tuple[EngineFacts, ...] = ()
+
+    @property
+    def worker_options(self) -> WorkerOptions:
+        """What every worker is told for each sync (a mapping of
+        :class:`WorkerOptions` fields may be assigned); its ``delta`` is the channel's."""
+        return self._worker_options
+
+    @worker_options.setter
+    def worker_options(self, options: WorkerOptions | Mapping[str, Any] | None) -> None:
+        coerced = WorkerOptions.coerce(options)
+        if coerced.delta and not self.delta:
+            raise ConfigError(
+                "worker_options: delta=True is the channel's option, not the workers': "
+                "open the channel with delta=True"
+            )
+        self._worker_options = coerced
 
     @property
     def client(self) -> EngineClient:
@@ -285,7 +153,7 @@ class WeightSync:
     @property
     def url(self) -> str:
         """The URL workers connect to: ``endpoint``, with a port 0 resolved once open."""
-        return str(getattr(self._open[0], "url", self.endpoint)) if self._open else self.endpoint
+        return self._transport.url(self.endpoint)
 
     @property
     def receivers(self) -> int:
@@ -293,54 +161,29 @@ class WeightSync:
         return sum(c.receivers for c in self.clients)
 
     # -- synchronous form: ``with`` gives a BlockingWeightSync ---------------------------
-    # Each blocking call runs the async one in a short-lived event loop on the caller's own
-    # thread (so the weights are read, and CUDA work is issued, where the trainer runs); the
-    # transport stays open on the channel's loop thread between calls.
     def __enter__(self) -> BlockingWeightSync:
-        self._check_blocking("with WeightSync(...)", "async with WeightSync(...)")
         try:
-            anyio.run(self._ensure_sender)
+            run_blocking(
+                self.clients,
+                "with WeightSync(...)",
+                self._ensure_sender,
+                instead="async with WeightSync(...)",
+            )
         except BaseException:
-            self._stop_loop()
+            self._transport.stop()
             raise
         return BlockingWeightSync(self)
 
     def __exit__(self, *exc: object) -> None:
-        self._close_blocking()
-
-    def _update_blocking(
-        self, weights: Any, pipeline: AdapterLike | None, delta: bool | None
-    ) -> SyncReport:
-        self._check_blocking("sync.update(weights)", "await sync.update(weights)")
-        return anyio.run(partial(self.update, weights, pipeline=pipeline, delta=delta))
-
-    def _blocking(self, form: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        self._check_blocking(form, f"await {form}")
-        return anyio.run(call)
-
-    def _close_blocking(self) -> None:
-        self._check_blocking("sync.close()", "await sync.aclose()")
-        anyio.run(self.aclose)
-
-    def _check_blocking(self, form: str, instead: str) -> None:
-        if _in_event_loop():
-            raise ConfigError(
-                f"{form} blocks, and an event loop is running in this thread; use '{instead}'"
-            )
-        for client in self.clients:
-            if isinstance(client, LoopBoundClient) and client.loop_bound:
-                raise ConfigError(
-                    f"{form}: {type(client).__name__} is driven from the event loop that "
-                    f"created its engine; use '{instead}' on that loop"
-                )
+        run_blocking(self.clients, "sync.close()", self.aclose, instead="await sync.aclose()")
 
     # -- asynchronous form (any event loop) ---------------------------------------------
-    async def __aenter__(self) -> WeightSync:
+    async def __aenter__(self) -> EngineChannel:
         try:
             await self._ensure_sender()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._stop_loop)
+                await anyio.to_thread.run_sync(self._transport.stop)
             raise
         return self
 
@@ -354,9 +197,9 @@ class WeightSync:
             try:
                 await self._close_both()
             finally:
-                loop = self._loop
+                loop = self._transport.loop
                 if loop is not None and not loop.is_current():
-                    await anyio.to_thread.run_sync(self._stop_loop)
+                    await anyio.to_thread.run_sync(self._transport.stop)
 
     async def _close_both(self) -> None:
         url = self.url  # what the workers connected to (a port 0 resolved)
@@ -380,46 +223,36 @@ class WeightSync:
             for e, client in enumerate(self.clients):
                 tg.start_soon(close, e, client)
 
-    def _host(self) -> EventLoopThread:
-        if self._loop is None:
-            self._loop = EventLoopThread(f"streamsync-channel {self.endpoint}")
-            self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
-        return self._loop
-
-    def _stop_loop(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            self._finalizer.detach()
-            loop.stop()
-
     async def _close_sender(self) -> None:
-        if self._sender is not None:
-            sender, self._sender = self._sender, None
-            try:
-                await sender.aclose()
-            finally:
-                self._open.clear()
+        await self._transport.close_sender()
 
     async def _ensure_sender(self) -> HostedSender:
-        if self._sender is None:
+        if not self._transport.is_open:
             opts = dict(self._transport_options)
             opts.setdefault("receivers", self.receivers)
             opts.setdefault("slot_bytes", self.bucket_bytes)
-            loop = self._host()
-            cuda = caller_cuda()
+            sender = await self._transport.sender(self.endpoint, opts)
+            self.facts = await self._hello()
+            return sender
+        return await self._transport.sender(self.endpoint, {})
 
-            async def opened() -> Sender:
-                # Made and opened on the channel's loop, which keeps its sockets and readers,
-                # on the caller's CUDA device (a cuda-ipc ring is allocated there).
-                with cuda():
-                    sender = open_sender(self.endpoint, **opts)
-                    await sender.open()
-                return sender
+    async def _hello(self) -> tuple[EngineFacts, ...]:
+        """Each engine's facts, asked once per opening; an engine whose hello fails (it may
+        be down, and rejoin later) is left out, with a warning."""
+        told: list[EngineFacts | None] = [None] * len(self.clients)
 
-            inner = await loop.call(opened)
-            self._open.append(inner)
-            self._sender = HostedSender(inner, loop)
-        return self._sender
+        async def ask(e: int, client: FactsClient) -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    told[e] = await client.hello()
+            except Exception as exc:
+                warn("engine.hello_failed", endpoint=self.endpoint, engine=e, error=repr(exc))
+
+        async with anyio.create_task_group() as tg:
+            for e, client in enumerate(self.clients):
+                if isinstance(client, FactsClient):
+                    tg.start_soon(ask, e, client)
+        return tuple(f for f in told if f is not None)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every worker has joined the channel (``timeout``: the channel's); raises
@@ -427,7 +260,8 @@ class WeightSync:
         sender = await self._ensure_sender()
         await sender.wait_ready(timeout=self.timeout if timeout is None else timeout)
 
-    def _engine(self, e: int) -> int | None:
+    def engine_index(self, e: int) -> int | None:
+        """The index errors name for engine ``e`` (``exc.engine``): ``None`` with one."""
         return e if self.fanout else None
 
     async def update(
@@ -447,25 +281,27 @@ class WeightSync:
         if delta and not self.delta:
             raise ConfigError("update(delta=True) needs a channel opened with delta=True")
         mode: bool | str = self.delta and ("full" if delta is False else True)
-        return await self._round(weights, self.worker_options, pipeline, mode)
+        return await self.sync_round(weights, self.worker_options, pipeline, mode)
 
-    async def _round(
+    async def sync_round(
         self,
         weights: Any,
         options: WorkerOptions,
         pipeline: AdapterLike | None,
-        mode: bool | str,
+        mode: bool | str = False,
         *,
         sync_id: int | None = None,
     ) -> SyncReport:
-        """One sync into every engine (``options.lora``: of an adapter, sent aside)."""
+        """One sync into every engine (``options.lora``: of an adapter, sent aside;
+        ``mode``: the send's ``delta``)."""
         sender = await self._ensure_sender()
-        if options.timeout is None:
-            options = msgspec.structs.replace(options, timeout=self.timeout)
+        timeout = self.timeout if options.timeout is None else options.timeout
         # The workers learn the sync's id up front, so none takes an earlier one's leftovers.
         sync_id = next_sync_id() if sync_id is None else sync_id
-        options = msgspec.structs.replace(options, sync_id=sync_id)
-        sync = _Round(results=[[] for _ in self.clients])
+        options = msgspec.structs.replace(
+            options, timeout=timeout, sync_id=sync_id, delta=self.delta
+        )
+        sync = SyncRound.of(len(self.clients))
         await self._run(sync, sender, options, weights, pipeline, mode, sync_id)
         if sync.report is None and sync.send_error is None and not await sender.settle():
             # Cancelled (an engine failed first), and a call still runs on the channel's
@@ -474,13 +310,6 @@ class WeightSync:
             # channel, with every engine's receivers, stays open.
             await self._close_sender()
         return await self._conclude(sync, after=options.lora is None)
-
-    def _lora_clients(self) -> list[LoraClient]:
-        clients = [c for c in self.clients if isinstance(c, LoraClient)]
-        if len(clients) != len(self.clients):
-            other = next(c for c in self.clients if not isinstance(c, LoraClient))
-            raise ConfigError(f"{type(other).__name__} cannot install LoRA adapters")
-        return clients
 
     async def update_lora(
         self,
@@ -500,94 +329,26 @@ class WeightSync:
         modules and shapes, how many adapters it holds) before any engine installs it: a
         :class:`~streamsync.LoraError` names what is wrong, and the previous version keeps
         serving. The report's ``lora`` says what was installed."""
-        clients = self._lora_clients()
-        check_lora_name(name)
-        lora = lora_adapter(adapter, config)
-        current = self._loras.get(name)
-        sync_id = next_sync_id()
-        target = LoraTarget(
-            name=name,
-            version=sync_id,
-            config=lora.config,
-            keep=(current.version,) if current is not None else (),
-        )
-        path = version_path(name, sync_id)
-        options = msgspec.structs.replace(self.worker_options, lora=target)
-        report = await self._round(
-            lora.tensors,
-            options,
-            pipeline if pipeline is not None else self.pipeline,
-            False,
-            sync_id=sync_id,
-        )
-        engine_id = lora_id(name)
-        in_flight: list[int | None] = [None] * len(clients)
-
-        async def install(e: int, client: LoraClient) -> None:
-            try:
-                in_flight[e] = await client.install_lora(name, engine_id, path)
-            except StreamsyncError as exc:
-                exc.engine = self._engine(e)
-                raise
-            except Exception as exc:
-                where = "the engine" if not self.fanout else f"engine {e}"
-                error = LoraError(
-                    f"{where} did not install LoRA adapter {name!r} ({path}): "
-                    f"{type(exc).__name__}: {exc}"
-                )
-                error.engine = self._engine(e)
-                raise error from exc
-
-        with anyio.fail_after(self.timeout):
-            if len(clients) == 1:
-                await install(0, clients[0])
-            else:
-                async with anyio.create_task_group() as tg:
-                    for e, client in enumerate(clients):
-                        tg.start_soon(install, e, client)
-        self._loras[name] = _Lora(sync_id, path, lora.rank)
-        counts = [n for n in in_flight if n is not None]
-        running = sum(counts) if len(counts) == len(in_flight) else None
-        if running:
-            warn("lora.in_flight", name=name, path=path, requests=running)
-        log("lora.installed", name=name, path=path, lora_id=engine_id, rank=lora.rank)
-        return msgspec.structs.replace(
-            report, lora=LoraReport(name=name, path=path, rank=lora.rank, in_flight=running)
-        )
+        return await self._loras.update(name, adapter, config=config, pipeline=pipeline)
 
     def lora(self, name: str) -> tuple[int, str]:
         """The engine's id for adapter ``name`` and the path of the version this channel
         installed last."""
-        state = self._loras.get(name)
-        if state is None:
-            known = ", ".join(map(repr, sorted(self._loras))) or "none"
-            raise ConfigError(
-                f"no LoRA adapter {name!r} on this channel (it installed: {known}); "
-                "update_lora(name, adapter) first"
-            )
-        return lora_id(name), state.path
+        return self._loras.lora(name)
 
     @property
     def loras(self) -> tuple[str, ...]:
         """The adapters this channel installed and serves."""
-        return tuple(self._loras)
+        return self._loras.names
 
     async def remove_lora(self, name: str) -> None:
         """Stop serving adapter ``name`` on every engine and drop its tensors on every worker
         (an adapter another channel installed too: adapters outlive their channel)."""
-        clients = self._lora_clients()
-        check_lora_name(name)
-        for client in clients:
-            await client.remove_lora(name, lora_id(name))
-        self._loras.pop(name, None)
-        target = LoraTarget(name=name, version=0, remove=True)
-        options = msgspec.structs.replace(self.worker_options, lora=target)
-        await self._round((), options, None, False)
-        log("lora.removed", name=name)
+        await self._loras.remove(name)
 
     async def _run(
         self,
-        sync: _Round,
+        sync: SyncRound,
         sender: HostedSender,
         options: WorkerOptions,
         weights: Any,
@@ -598,12 +359,28 @@ class WeightSync:
         """The send beside every engine's receive; a failure that dooms the sync cancels
         the rest (see :meth:`_receive`). An adapter sync (``options.lora``) is sent aside
         (:func:`~streamsync.sync.send_aside`)."""
-        sync.waiting = set(range(len(self.clients)))
+        told = sending_to.set(self.facts)  # what the pipeline's adapters decide from
+        try:
+            await self._run_in(sync, sender, options, weights, pipeline, delta, sync_id)
+        finally:
+            sending_to.reset(told)
+
+    async def _run_in(
+        self,
+        sync: SyncRound,
+        sender: HostedSender,
+        options: WorkerOptions,
+        weights: Any,
+        pipeline: AdapterLike | None,
+        delta: bool | str,
+        sync_id: int | None,
+    ) -> None:
         async with anyio.create_task_group() as tg:
             for e, client in enumerate(self.clients):
                 tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope)
             if not self.require_all:
-                await self._joined(sender, sync.engine_errors)
+                receivers = [c.receivers for c in self.clients]
+                await sync.joined(sender, receivers, within=self.timeout / 2)
             try:
                 if options.lora is not None:
                     sync.report = await send_aside(
@@ -630,31 +407,22 @@ class WeightSync:
                 sync.send_error = exc
                 if isinstance(exc, ClosedError):
                     await self._close_sender()  # reopened by the next sync
-            if sync.report is not None and not self.require_all:
-                await self._absent_after(sync, tg.cancel_scope)
+            absent = sync.report is not None and not self.require_all
+            if absent and await sync.absent_after(self.timeout, self._late):
+                tg.cancel_scope.cancel()
 
-    async def _absent_after(self, sync: _Round, scope: anyio.CancelScope) -> None:
-        """Without ``require_all``, once the sync completed on the workers there: an engine
-        still not reporting within the timeout took no part (its workers' reports came
-        over the transport with the sync's end), so it is named absent instead of being
-        waited for up to its receive's own, longer limit (a dead engine's RPC may never
-        return)."""
-        with anyio.move_on_after(self.timeout):
-            await sync.reported.wait()
-        for e in sorted(sync.waiting):
-            where = "the engine" if not self.fanout else f"engine {e}"
-            late = SyncTimeoutError(
-                f"{where} did not report within {self.timeout:g} s of the end of the sync "
-                f"from {self.endpoint}, which completed without it"
-            )
-            late.engine = self._engine(e)
-            sync.engine_errors[e] = late
-        if sync.waiting:
-            scope.cancel()
+    def _late(self, e: int) -> StreamsyncError:
+        where = "the engine" if not self.fanout else f"engine {e}"
+        late = SyncTimeoutError(
+            f"{where} did not report within {self.timeout:g} s of the end of the sync "
+            f"from {self.endpoint}, which completed without it"
+        )
+        late.engine = self.engine_index(e)
+        return late
 
     async def _receive(
         self,
-        sync: _Round,
+        sync: SyncRound,
         e: int,
         client: EngineClient,
         options: WorkerOptions,
@@ -684,50 +452,28 @@ class WeightSync:
             )
         sync.done(e)
         if error is not None:
-            error.engine = self._engine(e)
+            error.engine = self.engine_index(e)
             sync.engine_errors[e] = error
         doomed = error is not None or any(not r.ok and r.report is None for r in sync.results[e])
         if doomed and self.require_all:
             scope.cancel()
 
-    async def _conclude(self, sync: _Round, *, after: bool = True) -> SyncReport:
+    async def _conclude(self, sync: SyncRound, *, after: bool = True) -> SyncReport:
         """Raise the sync's root cause, or merge the workers' reports into the sender's;
         either way the engines whose every worker applied it drop their caches (unless
         ``after`` is false: an adapter sync, whose versions the caches tell apart)."""
-        applied = [
-            e
-            for e, client in enumerate(self.clients)
-            if len(sync.results[e]) == client.receivers and all(r.ok for r in sync.results[e])
-        ]
+        applied = sync.applied([c.receivers for c in self.clients]) if after else []
         # Without require_all, an engine that could not take part is absent, not a failure.
         absent = {} if self.require_all else dict(sync.engine_errors)
-        failure = _root_cause(
-            [
-                *(err for e, err in sync.engine_errors.items() if e not in absent),
-                *(
-                    result.exception(rank, engine=self._engine(e))
-                    for e, per_engine in enumerate(sync.results)
-                    if e not in absent
-                    for rank, result in enumerate(per_engine)
-                ),
-                sync.send_error,
-            ]
-        )
-        if not after:
-            applied = []
+        failure = sync.failure(absent, self.engine_index)
         if failure is not None:
             if applied:
                 with anyio.CancelScope(shield=True):
                     await self._after_sync(applied, None)
             raise failure from (sync.send_error if failure is not sync.send_error else None)
         assert sync.report is not None
-        if self.fanout:
-            merged = merge_engine_reports(sync.report, sync.results)
-        else:
-            merged = merge_worker_reports(sync.report, sync.results[0])
+        merged = sync.merged(self.fanout, absent)
         if absent:
-            gone = tuple(f"engine {e}: {type(err).__name__}: {err}" for e, err in absent.items())
-            merged = msgspec.structs.replace(merged, absent=(*merged.absent, *gone))
             warn("engine.absent", endpoint=self.endpoint, engines=sorted(absent))
         if applied:
             await self._after_sync(applied, merged)
@@ -739,15 +485,6 @@ class WeightSync:
             sync_id=sync.report.sync_id,
         )
         return merged
-
-    async def _joined(self, sender: Sender, gone: Mapping[int, StreamsyncError]) -> None:
-        """Without ``require_all`` a sync begins with whoever is there: first let each engine
-        that is alive join (its receive opens its workers' receivers, a restarted one's
-        included) or fail, within half the timeout: the workers already there wait for the
-        first bucket with the whole timeout, so they must not run out of it meanwhile."""
-        with anyio.move_on_after(self.timeout / 2):
-            while sender.present < self.receivers - sum(self.clients[e].receivers for e in gone):
-                await anyio.sleep(0.01)
 
     async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
         try:
@@ -770,57 +507,4 @@ class WeightSync:
             raise late from None
 
     def __repr__(self) -> str:
-        return f"WeightSync({self.endpoint!r}, engines={len(self.clients)})"
-
-
-class BlockingWeightSync:
-    """The synchronous face of a :class:`WeightSync`, what ``with WeightSync(...)`` gives:
-    :meth:`update` blocks until the sync is done, with no event loop in the caller (the
-    channel runs it on its own loop thread). Not for ``AsyncLLM``: use ``async with``."""
-
-    def __init__(self, channel: WeightSync) -> None:
-        self.channel = channel
-
-    def __enter__(self) -> BlockingWeightSync:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def update(
-        self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
-    ) -> SyncReport:
-        """:meth:`WeightSync.update`, blocking."""
-        return self.channel._update_blocking(weights, pipeline, delta)
-
-    def update_lora(
-        self,
-        name: str,
-        adapter: Any,
-        *,
-        config: Any = None,
-        pipeline: AdapterLike | None = None,
-    ) -> SyncReport:
-        """:meth:`WeightSync.update_lora`, blocking."""
-        report: SyncReport = self.channel._blocking(
-            "sync.update_lora(...)",
-            partial(self.channel.update_lora, name, adapter, config=config, pipeline=pipeline),
-        )
-        return report
-
-    def remove_lora(self, name: str) -> None:
-        """:meth:`WeightSync.remove_lora`, blocking."""
-        self.channel._blocking("sync.remove_lora(name)", partial(self.channel.remove_lora, name))
-
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """:meth:`WeightSync.wait_ready`, blocking."""
-        self.channel._check_blocking("sync.wait_ready()", "await sync.wait_ready()")
-        anyio.run(partial(self.channel.wait_ready, timeout))
-
-    def close(self) -> None:
-        """:meth:`WeightSync.aclose`, blocking: the transport, the workers' receivers and
-        the channel's loop thread."""
-        self.channel._close_blocking()
-
-    def __repr__(self) -> str:
-        return f"BlockingWeightSync({self.channel!r})"
+        return f"{type(self).__name__}({self.endpoint!r}, engines={len(self.clients)})"

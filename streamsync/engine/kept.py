@@ -10,8 +10,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from streamsync.engine.channel import EngineClient, WeightSync, several
+from streamsync._log import log
+from streamsync.engine.channel import EngineChannel
+from streamsync.engine.clients import EngineClient
 from streamsync.engine.messages import WorkerOptions
+from streamsync.engine.rounds import several
 from streamsync.errors import ConfigError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
@@ -21,15 +24,18 @@ from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 @dataclass
 class _Kept:
-    channel: WeightSync
+    channel: EngineChannel
     engines: tuple[Any, ...]
+    #: What the channel was opened with (``bucket_bytes``, ``delta``, ``secret``, the
+    #: transport's options...): a call with other values needs another channel.
+    opened_with: dict[str, Any]
 
-    def serves(self, engines: tuple[Any, ...], fanout: bool, bucket_bytes: int) -> bool:
+    def serves(self, engines: tuple[Any, ...], fanout: bool, opened_with: dict[str, Any]) -> bool:
         return (
             len(self.engines) == len(engines)
             and all(a is b for a, b in zip(self.engines, engines, strict=True))
             and self.channel.fanout == fanout
-            and self.channel.bucket_bytes == bucket_bytes  # else its slots have another size
+            and self.opened_with == opened_with
         )
 
 
@@ -52,7 +58,7 @@ class KeptChannels:
             return None
         return kept if isinstance(kept, cls) else None
 
-    def get(self, endpoint: str) -> WeightSync | None:
+    def get(self, endpoint: str) -> EngineChannel | None:
         """The channel kept for ``endpoint``, if any."""
         kept = self._by_endpoint.get(endpoint)
         return kept.channel if kept is not None else None
@@ -63,18 +69,21 @@ class KeptChannels:
         endpoint: str,
         *,
         fanout: bool,
-        bucket_bytes: int,
-        make: Callable[[], WeightSync],
-    ) -> WeightSync:
-        """The channel kept for ``endpoint`` if it serves these engines alike; else a new
-        one from ``make`` (the old one closed)."""
+        opened_with: Mapping[str, Any],
+        make: Callable[[], EngineChannel],
+    ) -> EngineChannel:
+        """The channel kept for ``endpoint`` if it serves these engines alike and was opened
+        with the same ``opened_with`` options; else a new one from ``make`` (the old one
+        closed first: it holds the endpoint)."""
+        wanted = dict(opened_with)
         kept = self._by_endpoint.get(endpoint)
-        if kept is not None and not kept.serves(engines, fanout, bucket_bytes):
+        if kept is not None and not kept.serves(engines, fanout, wanted):
+            log("engine.channel_replaced", endpoint=endpoint)
             del self._by_endpoint[endpoint]
             await kept.channel.aclose()
             kept = None
         if kept is None:
-            kept = self._by_endpoint[endpoint] = _Kept(make(), engines)
+            kept = self._by_endpoint[endpoint] = _Kept(make(), engines, wanted)
         return kept.channel
 
 
@@ -91,29 +100,35 @@ async def update_engine(
     **options: Any,
 ) -> SyncReport:
     """Sync ``weights`` into ``engine`` (or into every engine of a list, from one stream:
-    see :class:`~streamsync.engine.channel.WeightSync`) through a channel on
+    see :class:`~streamsync.engine.channel.EngineChannel`) through a channel on
     ``client(engine)`` kept open for later calls with the same engines and ``endpoint``, so
     its slots and sockets are reused.
 
     Any event loop may call it, a fresh one per step (``asyncio.run`` per step) included:
     the channel lives on a loop of its own. Engine packages wrap it as their
-    ``update_weights``. Calling with other engines on the same endpoint replaces it.
+    ``update_weights``. Calling with other engines, or with other channel options
+    (``bucket_bytes``, ``delta``, ``checksum``, ``secret`` or another transport option), on
+    the same endpoint replaces it; ``timeout``, ``pipeline`` and ``worker_options`` are the
+    call's own.
     """
     fanout = several(engine)
     engines = tuple(engine) if fanout else (engine,)
     if not engines:
         raise ConfigError("update_weights: no engine given; pass one engine or several")
 
-    def make() -> WeightSync:
+    def make() -> EngineChannel:
         clients = [client(e) for e in engines] if fanout else client(engine)
-        return WeightSync(clients, endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options)
+        return EngineChannel(
+            clients, endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options
+        )
 
     kept = KeptChannels.of(engines[0])
     if kept is None:  # nowhere to keep it: a channel for this call only
         channel = make()
     else:
+        opened_with = {**options, "bucket_bytes": bucket_bytes}
         channel = await kept.channel(
-            engines, endpoint, fanout=fanout, bucket_bytes=bucket_bytes, make=make
+            engines, endpoint, fanout=fanout, opened_with=opened_with, make=make
         )
     channel.timeout = timeout
     channel.worker_options = WorkerOptions.coerce(worker_options)

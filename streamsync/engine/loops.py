@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ import torch
 from anyio.from_thread import BlockingPortal
 
 from streamsync.errors import ClosedError, SyncTimeoutError
+from streamsync.transports import open_sender
 from streamsync.transports.base import Attendance, Sender, SenderStatistics
 from streamsync.wire.bucket import Bucket
 from streamsync.wire.frames import Abort, Done, End
@@ -51,10 +53,20 @@ class EventLoopThread:
     at interpreter exit that join would wait forever on a daemon thread already frozen.
     """
 
-    def __init__(self, name: str = "streamsync-loop") -> None:
+    def __init__(
+        self, name: str = "streamsync-loop", *, setup: Callable[[], object] | None = None
+    ) -> None:
+        """``setup``: run first on the loop's thread (per-thread state such as the CUDA
+        device); its error is raised here."""
         ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
 
         async def main() -> None:
+            if setup is not None:
+                try:
+                    setup()
+                except BaseException as exc:
+                    ready.set_exception(exc)
+                    return
             async with BlockingPortal() as portal:
                 ready.set_result(portal)
                 await portal.sleep_until_stopped()
@@ -213,3 +225,78 @@ class HostedSender(Sender):
 
     def __repr__(self) -> str:
         return f"HostedSender({self.sender!r}, loop={self.loop.name!r})"
+
+
+def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
+    # The finalizer of a transport nobody closed: close it on its own loop, then stop that
+    # loop (without waiting: this may run on any thread).
+    loop.close_soon(*(sender.aclose for sender in senders))
+
+
+class HostedTransport:
+    """A channel's sender, hosted on an :class:`EventLoopThread` of its own: the thread
+    starts at the first :meth:`sender`, the sender opens there (under the caller's CUDA
+    stream) and stays open across calls until :meth:`close_sender`; :meth:`stop` ends the
+    thread. Dropped unclosed, it closes the sender and stops the thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._loop: EventLoopThread | None = None
+        self._sender: HostedSender | None = None
+        self._open: list[Sender] = []  # the transport behind _sender, for the finalizer
+
+    @property
+    def loop(self) -> EventLoopThread | None:
+        """The hosting loop, while it runs."""
+        return self._loop
+
+    def url(self, default: str) -> str:
+        """The open sender's URL (a port 0 resolved), else ``default``."""
+        return str(getattr(self._open[0], "url", default)) if self._open else default
+
+    @property
+    def current(self) -> HostedSender | None:
+        """The sender while it is open."""
+        return self._sender
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the sender is open."""
+        return self._sender is not None
+
+    async def sender(self, endpoint: str, options: dict[str, Any]) -> HostedSender:
+        """The sender, opened on ``endpoint`` with ``options`` if it is not open."""
+        if self._sender is None:
+            if self._loop is None:
+                self._loop = EventLoopThread(self.name)
+                self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
+            cuda = caller_cuda()
+
+            async def opened() -> Sender:
+                # Made and opened on the hosting loop, which keeps its sockets and readers,
+                # on the caller's CUDA device (a cuda-ipc ring is allocated there).
+                with cuda():
+                    sender = open_sender(endpoint, **options)
+                    await sender.open()
+                return sender
+
+            inner = await self._loop.call(opened)
+            self._open.append(inner)
+            self._sender = HostedSender(inner, self._loop)
+        return self._sender
+
+    async def close_sender(self) -> None:
+        """Close the sender (the thread keeps running)."""
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            try:
+                await sender.aclose()
+            finally:
+                self._open.clear()
+
+    def stop(self) -> None:
+        """End the hosting thread."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            self._finalizer.detach()
+            loop.stop()

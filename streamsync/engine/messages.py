@@ -1,17 +1,23 @@
-"""The messages of the engine seam's RPC: what the trainer tells every worker for one sync
-(:class:`WorkerOptions`) and what each worker answers (:class:`WorkerResult`). Both are
+"""The messages of the engine seam's RPC: what an engine tells the trainer of itself when a
+channel opens (:class:`EngineFacts`, its hello), what the trainer tells every worker for one
+sync (:class:`WorkerOptions`) and what each worker answers (:class:`WorkerResult`). All are
 versioned msgspec structs that cross the engine's RPC as plain values (``to_wire`` /
-``from_wire``), never pickled.
+``from_wire``), never pickled; an error crosses as its kind (class name) and message, mapped
+back to the class by :func:`streamsync.errors.error_class`.
 """
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
 
+from streamsync._versions import vllm_version
 from streamsync.errors import (
     ConfigError,
     ProtocolVersionError,
@@ -38,9 +44,53 @@ def _check_version(kind: str, data: object) -> None:
         )
 
 
+class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine tells the trainer of itself when a channel opens (its hello), so the
+    trainer decides from the engine's facts, not from what is installed beside it (a
+    trainer image without vLLM, or with another version, would decide wrongly)."""
+
+    version: int = WORKER_PROTOCOL
+    #: The engine's vLLM as ``(major, minor, patch)``; ``None``: not a vLLM engine, or its
+    #: version is unknown.
+    vllm_version: tuple[int, int, int] | None = None
+
+    @classmethod
+    def here(cls) -> EngineFacts:
+        """The facts of the engine in this process (what its workers answer)."""
+        return cls(vllm_version=vllm_version())
+
+    @classmethod
+    def of_vllm(cls, version: str) -> EngineFacts:
+        """The facts of a vLLM engine that says it is ``version`` (its server's ``/version``)."""
+        match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+        if match is None:
+            return cls()
+        major, minor, patch = match.groups()
+        return cls(vllm_version=(int(major), int(minor), int(patch or 0)))
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain values for the engine's RPC."""
+        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_wire(cls, data: object) -> EngineFacts:
+        """The struct from what a worker answered."""
+        _check_version("the engine's hello", data)
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise WireFormatError(f"the engine's hello: {exc}") from None
+
+
+#: The facts of the engines the running sync feeds (one per engine), set by the channel
+#: around its send: the adapters of its pipeline decide from them (``expand_moe("auto")``).
+#: Empty outside a channel's sync (a plain :func:`~streamsync.send`).
+sending_to: ContextVar[tuple[EngineFacts, ...]] = ContextVar("streamsync_sending_to", default=())
+
+
 class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What a LoRA adapter sync is for: the sync's tensors are the adapter's, built into one
-    version of adapter ``name`` on every worker (``WeightSync.update_lora``)."""
+    version of adapter ``name`` on every worker (``EngineChannel.update_lora``)."""
 
     #: The adapter's name.
     name: str
@@ -56,8 +106,8 @@ class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the trainer tells every worker for one sync (``worker_options=`` of
-    :class:`WeightSync`, as this struct or as a mapping of its fields)."""
+    """What the trainer tells every worker for one sync (``worker_options=`` of a channel,
+    as this struct or as a mapping of its fields)."""
 
     version: int = WORKER_PROTOCOL
     #: Seconds for each wait of the receive; ``None``: the channel's ``timeout``.
@@ -70,11 +120,11 @@ class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     quirks: tuple[str, ...] | None = None
     #: Only these model instances (``"main"``, ``"drafter"``); ``None``: all of them.
     instances: tuple[str, ...] | None = None
-    #: Keep the copies a delta sync patches (:class:`WeightSync` with ``delta=True``).
+    #: Keep the copies a delta sync patches (a channel opened with ``delta=True``).
     delta: bool = False
-    #: A LoRA adapter sync: what it builds (set by ``WeightSync.update_lora``).
+    #: A LoRA adapter sync: what it builds (set by ``EngineChannel.update_lora``).
     lora: LoraTarget | None = None
-    #: The sync this receive is for (set by :class:`WeightSync`): whatever of an earlier
+    #: The sync this receive is for (set by the channel): whatever of an earlier
     #: sync is still queued on the worker's receiver (one given up before this worker
     #: began it) is skipped, not taken for this sync.
     sync_id: int | None = None
@@ -148,6 +198,25 @@ class WorkerResult(msgspec.Struct, frozen=True, kw_only=True):
         """Plain values for the engine's RPC."""
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
 
+    def to_text(self) -> str:
+        """This result as one token of plain characters (no quotes, no escapes), for a
+        control plane that carries only an error's text back (vLLM's HTTP routes): an
+        error message ends with it, and :meth:`from_text` finds it in whatever text the
+        server wraps it in."""
+        packed = base64.urlsafe_b64encode(msgspec.msgpack.encode(self.to_wire())).decode()
+        return f"{_TOKEN}{packed}."
+
+    @classmethod
+    def from_text(cls, text: str) -> WorkerResult | None:
+        """The result :meth:`to_text` wrote into ``text``, or ``None`` if there is none."""
+        found = _TOKEN_PATTERN.search(text)
+        if found is None:
+            return None
+        try:
+            return cls.from_wire(msgspec.msgpack.decode(base64.urlsafe_b64decode(found[1])))
+        except (ValueError, msgspec.DecodeError):
+            return None
+
     @classmethod
     def from_wire(cls, data: object, *, rank: int = 0) -> WorkerResult:
         """The struct from what the engine's RPC returned for worker ``rank``."""
@@ -158,3 +227,7 @@ class WorkerResult(msgspec.Struct, frozen=True, kw_only=True):
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as exc:
             raise WireFormatError(f"worker {rank}'s result: {exc}") from None
+
+
+_TOKEN = "streamsync-result:"
+_TOKEN_PATTERN = re.compile(re.escape(_TOKEN) + r"([A-Za-z0-9_=-]+)\.")

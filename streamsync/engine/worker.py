@@ -3,7 +3,9 @@
 Engine workers are called synchronously, once per sync (vLLM's ``collective_rpc``).
 Transports keep sockets and slots open across syncs and those belong to one event loop, so
 every receive of a worker runs on the same long-lived loop, in a daemon thread behind an
-anyio blocking portal (:class:`EventLoopThread`).
+anyio blocking portal (:class:`EventLoopThread`). The sink's phases run on that thread, so it
+selects the worker's device first: CUDA's current device is per thread, and a copy made on
+a thread that never chose one lands on device 0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import torch
 
 from streamsync._log import log, warn
 from streamsync.engine.loops import EventLoopThread
@@ -28,16 +31,32 @@ from streamsync.transports.base import Receiver
 __all__ = ["WorkerReceivers"]
 
 
+def select_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current device (CUDA's is per thread; a CPU
+    device needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class WorkerReceivers:
     """One receiver per endpoint for one engine worker, all on one
     :class:`EventLoopThread`.
 
     :meth:`receive` and :meth:`close` are plain (blocking) methods for the worker's RPC
-    handlers; :meth:`shutdown` closes everything and stops the loop.
+    handlers; :meth:`shutdown` closes everything and stops the loop. ``device``: the
+    worker's device, made current on the loop's thread (by ``select``) before any sink
+    runs there.
     """
 
-    def __init__(self, name: str = "streamsync-worker") -> None:
-        self._loop = EventLoopThread(name)
+    def __init__(
+        self,
+        name: str = "streamsync-worker",
+        *,
+        device: torch.device | None = None,
+        select: Callable[[torch.device], None] = select_device,
+    ) -> None:
+        setup = None if device is None else partial(select, device)
+        self._loop = EventLoopThread(name, setup=setup)
         self._receivers: dict[str, Receiver] = {}
         #: Per endpoint, whose turn it is to receive (made on the loop, at first use).
         self._turns: dict[str, anyio.Lock] = {}

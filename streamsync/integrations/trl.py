@@ -137,9 +137,9 @@ class WeightTransfer:
         if self._adapter is not None:
             self._adapter.check_server(config, self.server_url)
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from streamsync.vllm.native import StreamsyncInitInfo
+        from streamsync.vllm.native.trainer import StreamsyncTrainerEngine
 
         info = StreamsyncInitInfo(
             endpoint=self.endpoint,
@@ -152,7 +152,8 @@ class WeightTransfer:
             rank=0,
         )
         client = HTTPVLLMWeightSyncClient(self.server_url, timeout=self.weight_sync_timeout)
-        self._engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
+        # The backend's own class, not vLLM's factory's lookup of it by name: one hop less.
+        self._engine = StreamsyncTrainerEngine.trainer_init(info, client=client)
         log(
             "trl.init_weight_transfer",
             server=self.server_url,

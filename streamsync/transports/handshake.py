@@ -25,8 +25,7 @@ from streamsync.errors import (
     PeerBrokenError,
     StreamsyncError,
     WireFormatError,
-    describe,
-    described,
+    error_class,
 )
 from streamsync.transports.slots import Shared
 from streamsync.wire.frames import Bye, Hello, Welcome, WireCodec
@@ -134,8 +133,9 @@ def accept(
     msg = codec.decode(frame)
     if isinstance(msg, Bye):
         if msg.reason.startswith(_BUSY):
-            raise Busy(refused(_REFUSED + msg.reason.removeprefix(_BUSY), url=url))
-        raise refused(msg.reason, url=url)
+            reason = _REFUSED + msg.reason.removeprefix(_BUSY)
+            raise Busy(refused(reason, msg.error, url=url))
+        raise refused(msg.reason, msg.error, url=url)
     if not isinstance(msg, Welcome):
         raise WireFormatError(f"{url}: sender answered Hello with {type(msg).__name__}")
     if msg.echo != nonce:
@@ -145,18 +145,19 @@ def accept(
 
 def refusal(codec: WireCodec, exc: StreamsyncError) -> bytes:
     """Sender: the ``Bye`` frame that tells a refused newcomer why."""
-    return codec.encode(Bye(_REFUSED + describe(exc)))
+    return codec.encode(Bye(_REFUSED + str(exc), error=type(exc).__name__))
 
 
 def busy(codec: WireCodec, exc: StreamsyncError) -> bytes:
     """Sender: the ``Bye`` frame that asks a newcomer to try again (see the module doc)."""
-    return codec.encode(Bye(_BUSY + describe(exc)))
+    return codec.encode(Bye(_BUSY + str(exc), error=type(exc).__name__))
 
 
-def refused(reason: str, *, url: str) -> StreamsyncError:
-    """Receiver: the sender's refusal as the exception it raised (``PeerBrokenError`` for
-    a reason that names no streamsync error)."""
-    if not reason.startswith(_REFUSED):
+def refused(reason: str, error: str | None, *, url: str) -> StreamsyncError:
+    """Receiver: the sender's refusal as the exception it raised, by its kind ``error``
+    (``PeerBrokenError`` for a refusal of no streamsync kind)."""
+    if not reason.startswith(_REFUSED) or error is None:
         return PeerBrokenError(f"{url}: the sender refused this receiver: {reason}")
-    error, detail = described(reason.removeprefix(_REFUSED), PeerBrokenError)
-    return error(f"{url}: the sender refused this receiver: {detail or reason}")
+    cls = error_class(error, PeerBrokenError)
+    detail = reason.removeprefix(_REFUSED)
+    return cls(f"{url}: the sender refused this receiver: {detail or reason}")

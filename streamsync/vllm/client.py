@@ -11,24 +11,29 @@ carries the endpoint and the :class:`~streamsync.engine.channel.WorkerOptions` a
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio.to_thread
 
-from streamsync.engine.channel import BlockingWeightSync, EngineClient, several
-from streamsync.engine.channel import WeightSync as _EngineWeightSync
+from streamsync.engine.blocking import BlockingWeightSync
+from streamsync.engine.channel import EngineChannel
+from streamsync.engine.clients import EngineClient
 from streamsync.engine.kept import update_engine
-from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
+from streamsync.engine.rounds import several
 from streamsync.errors import ConfigError, LoraError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
+from streamsync.vllm.extension import WorkerExtension
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 _RECEIVE = "streamsync_receive"
 _CLOSE = "streamsync_close"
+_HELLO = "streamsync_hello"
 
 
 def _lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> Any:
@@ -56,13 +61,44 @@ def _check_lora_enabled(llm: Any) -> None:
         )
 
 
-def world_size(llm: Any) -> int:
-    """How many workers (receivers) an ``LLM`` or ``AsyncLLM`` has."""
+#: What an engine's ``worker_extension_cls`` must name (or a subclass of it).
+EXTENSION = "streamsync.vllm.WorkerExtension"
+
+
+def _vllm_config(llm: Any) -> Any:
     engine = getattr(llm, "llm_engine", None)
     config = getattr(engine, "vllm_config", None) or getattr(llm, "vllm_config", None)
     if config is None:
         raise ConfigError(f"{type(llm).__name__} is not a vLLM LLM or AsyncLLM (no vllm_config)")
-    return int(config.parallel_config.world_size)
+    return config
+
+
+def world_size(llm: Any) -> int:
+    """How many workers (receivers) an ``LLM`` or ``AsyncLLM`` has."""
+    return int(_vllm_config(llm).parallel_config.world_size)
+
+
+def check_extension(llm: Any) -> None:
+    """Raise :class:`~streamsync.ConfigError` unless ``llm``'s workers carry
+    :class:`~streamsync.vllm.WorkerExtension` (its ``worker_extension_cls``, checked once
+    when a channel is made, not after the engine's RPC fails in every worker)."""
+    name = str(getattr(_vllm_config(llm).parallel_config, "worker_extension_cls", "") or "")
+    if name == EXTENSION:
+        return
+    if name:
+        module, _, attr = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError):
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, WorkerExtension):
+            return
+    given = f"worker_extension_cls={name!r}" if name else "no worker_extension_cls"
+    raise ConfigError(
+        f"the vLLM engine was started with {given}, so its workers cannot receive: start it "
+        f'with worker_extension_cls="{EXTENSION}" (the server: --worker-extension-cls '
+        f"{EXTENSION})"
+    )
 
 
 def _results(raw: list[Any]) -> list[WorkerResult]:
@@ -73,11 +109,16 @@ class LLMClient:
     """A synchronous vLLM ``LLM``: each RPC runs in a worker thread."""
 
     def __init__(self, llm: Any) -> None:
+        check_extension(llm)
         self.llm = llm
         self.receivers = world_size(llm)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+
+    async def hello(self) -> EngineFacts:
+        """The engine's facts, as its first worker tells them."""
+        return EngineFacts.from_wire((await self._call(lambda: self.llm.collective_rpc(_HELLO)))[0])
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         args = (endpoint, options.to_wire())
@@ -108,8 +149,13 @@ class AsyncLLMClient:
     loop_bound = True
 
     def __init__(self, llm: Any) -> None:
+        check_extension(llm)
         self.llm = llm
         self.receivers = world_size(llm)
+
+    async def hello(self) -> EngineFacts:
+        """The engine's facts, as its first worker tells them."""
+        return EngineFacts.from_wire((await self.llm.collective_rpc(_HELLO))[0])
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         args = (endpoint, options.to_wire())
@@ -158,9 +204,9 @@ def _clients(llm: Any) -> EngineClient | list[EngineClient]:
     return [vllm_client(one) for one in llm]
 
 
-class WeightSync(_EngineWeightSync):
+class WeightSync(EngineChannel):
     """A persistent channel into one vLLM engine, or into several from one stream
-    (:class:`streamsync.engine.channel.WeightSync` on their :func:`vllm_client`).
+    (:class:`streamsync.engine.channel.EngineChannel` on their :func:`vllm_client`).
 
     From synchronous code (an ``LLM``)::
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from streamsync.engine.messages import WorkerOptions
+import torch
+
+from streamsync.engine.messages import EngineFacts, WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
+from streamsync.sink import Sink
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import WorkerState
@@ -26,8 +29,9 @@ class WorkerExtension:
 
     @functools.cached_property
     def streamsync_receivers(self) -> WorkerReceivers:
-        """This worker's receivers, kept across syncs."""
-        return WorkerReceivers()
+        """This worker's receivers, kept across syncs; they load on the worker's device."""
+        device = getattr(self, "device", None)
+        return WorkerReceivers(device=device if isinstance(device, torch.device) else None)
 
     @functools.cached_property
     def streamsync_state(self) -> WorkerState:
@@ -43,23 +47,26 @@ class WorkerExtension:
         it (by class name, with the partial report), so a failed sync never takes the
         engine down and the trainer re-raises it.
         """
-        from streamsync.sink import Sink
-        from streamsync.vllm.lora import LoraSink
-        from streamsync.vllm.sink import VllmSink
+        from streamsync.vllm.lora import LoraEngine
+        from streamsync.vllm.sink import model_instances
+        from streamsync.vllm.worker_sink import WorkerModels, worker_sink
 
         def sink(opts: WorkerOptions) -> Sink:
-            if opts.lora is not None:
-                return LoraSink.from_worker(self, opts.lora, self.streamsync_state)
-            return VllmSink.from_worker(
-                self,
-                lifecycle=opts.lifecycle,
-                quirks=opts.quirks,
-                instances=opts.instances,
-                delta=opts.delta,
-                state=self.streamsync_state,
+            worker: Any = self  # vLLM's worker, which this class is mixed into
+            models = WorkerModels(
+                model_instances(worker),
+                worker.vllm_config,
+                lambda: LoraEngine.of_worker(worker),
+                self.streamsync_state,
             )
+            return worker_sink(models, opts)
 
         return self.streamsync_receivers.handle(endpoint, options, sink).to_wire()
+
+    def streamsync_hello(self) -> dict[str, Any]:
+        """This engine's :class:`~streamsync.engine.messages.EngineFacts` as plain values
+        (asked once when a trainer's channel opens)."""
+        return EngineFacts.here().to_wire()
 
     def streamsync_close(self, endpoint: str | None = None) -> int:
         """Close this worker's receivers (all, or the one for ``endpoint``); returns how many."""

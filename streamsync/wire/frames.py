@@ -323,6 +323,8 @@ class Bye(msgspec.Struct, frozen=True, tag="bye"):
 
     reason: str = ""
     receiver: int = -1
+    #: A refusal's error kind: the class name of the streamsync error behind it.
+    error: str | None = None
 
 
 Message = Hello | Welcome | Joined | BucketHeader | End | Abort | Ack | Done | Failed | Bye

@@ -26,7 +26,7 @@ The worker side (:class:`StreamsyncWeightTransferEngine`) keeps a
 ``init_weight_transfer_engine``; each ``update_weights`` call runs one whole sync into a
 :class:`~streamsync.vllm.sink.VllmSink` on the model vLLM targets (the main model, or the
 drafter after ``start_draft_weight_update``): prepare, load per bucket, finalize. The trainer
-side (:class:`StreamsyncTrainerEngine`) is a :class:`~streamsync.engine.channel.WeightSync` whose
+side (:class:`StreamsyncTrainerEngine`) is a :class:`~streamsync.engine.channel.EngineChannel` whose
 engine client is vLLM's ``VLLMWeightSyncClient``: ``update_weights`` runs beside the send.
 Only JSON-native values cross the control plane (the init and update infos are versioned
 msgspec structs as builtins); nothing is pickled. :func:`weight_source` goes the other way:

@@ -1,5 +1,5 @@
 """The trainer side of the ``streamsync`` backend: :class:`StreamsyncInitInfo`, vLLM's
-``TrainerWeightTransferEngine`` on a :class:`~streamsync.engine.channel.WeightSync`, and a
+``TrainerWeightTransferEngine`` on a :class:`~streamsync.engine.channel.EngineChannel`, and a
 ``VLLMWeightSyncClient`` for an in-process ``AsyncLLM``."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from streamsync import errors
 from streamsync._log import log
-from streamsync.engine.channel import BlockingWeightSync, WeightSync
-from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.blocking import BlockingWeightSync
+from streamsync.engine.channel import EngineChannel
+from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
     LoraError,
@@ -28,6 +29,7 @@ from streamsync.errors import (
     ReceiverFailedError,
     StreamsyncError,
     SyncTimeoutError,
+    error_class,
 )
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
@@ -75,6 +77,10 @@ class _VllmClient:
         self.client = client
         self.receivers = receivers
 
+    async def hello(self) -> EngineFacts:
+        """The engine's facts: its ``get_version()``, else the server's ``/version``."""
+        return await anyio.to_thread.run_sync(engine_facts, self.client, abandon_on_cancel=True)
+
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         # The workers receive from the endpoint of init_weight_transfer_engine.
         try:
@@ -113,15 +119,22 @@ class _VllmClient:
 
 
 def _rpc_error(call: str, exc: Exception) -> StreamsyncError:
-    """A failed control-plane call as a streamsync error: the worker's own class where its
-    message names one (the worker engine leads its messages with it), else
+    """A failed control-plane call as a streamsync error: the worker's own error where the
+    text that came back carries its result (its kind, message and partial report, as data:
+    :meth:`~streamsync.engine.messages.WorkerResult.from_text`), else
     :class:`ReceiverFailedError`."""
     if isinstance(exc, StreamsyncError):
         return exc
     body = getattr(getattr(exc, "response", None), "text", "") or ""
+    result = WorkerResult.from_text(f"{exc} {body}")
+    if result is not None and result.error is not None:
+        error = error_class(result.error, ReceiverFailedError)(
+            f"vLLM's {call} failed: worker (pid {result.pid}): {result.message}"
+        )
+        error.report = result.report
+        return error
     detail = f"{type(exc).__name__}: {exc}" + (f" ({body.strip()[:1000]})" if body else "")
-    cls, _ = errors.described(f"{exc} {body}", ReceiverFailedError)
-    return cls(f"vLLM's {call} failed: {detail}")
+    return ReceiverFailedError(f"vLLM's {call} failed: {detail}")
 
 
 def _lora_route(client: Any, action: str, name: str, path: str | None) -> None:
@@ -211,6 +224,32 @@ def engine_world_size(client: Any) -> int | None:
         ) from exc
 
 
+def engine_facts(client: Any) -> EngineFacts:
+    """What the engine behind ``client`` is: the client's ``get_version()``, else the
+    server's ``/version`` where the client has a ``base_url``."""
+    method = getattr(client, "get_version", None)
+    if callable(method):
+        return EngineFacts.of_vllm(str(method()))
+    base_url = getattr(client, "base_url", None)
+    if base_url is None:
+        raise ConfigError(
+            f"cannot ask {type(client).__name__} which vLLM the engine runs (no "
+            "get_version(), no base_url); expand_moe(when='auto') decides from the vLLM here"
+        )
+    import requests
+
+    url = f"{str(base_url).rstrip('/')}/version"
+    try:
+        response = requests.get(url, timeout=getattr(client, "timeout", DEFAULT_TIMEOUT))
+        response.raise_for_status()
+        return EngineFacts.of_vllm(str(response.json()["version"]))
+    except (requests.RequestException, KeyError, TypeError, ValueError) as exc:
+        raise PeerBrokenError(
+            f"the vLLM server at {base_url} did not say its version (GET /version: "
+            f"{type(exc).__name__}: {exc})"
+        ) from exc
+
+
 def _receivers(init_info: StreamsyncInitInfo, client: Any) -> int:
     """The workers to wait for: the engine's count, checked against an explicit one."""
     found = engine_world_size(client)
@@ -261,7 +300,7 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             transport["secret"] = init_info.secret
         #: How many workers receive each sync.
         self.receivers = _receivers(init_info, client) if is_sender else 0
-        self.channel = WeightSync(
+        self.channel = EngineChannel(
             _VllmClient(client, self.receivers),
             init_info.endpoint,
             pipeline=init_info.pipeline,
@@ -397,7 +436,7 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``); nothing touches a disk. Generation then
         names it as vLLM's server does: ``"model": name``. A new version replaces the one
         serving; a bad adapter fails by name with the previous one still serving (see
-        :meth:`~streamsync.engine.channel.WeightSync.update_lora`). Returns the sender's
+        :meth:`~streamsync.engine.channel.EngineChannel.update_lora`). Returns the sender's
         report (``None`` on ranks other than the sender)."""
         report: SyncReport | None = self._session(
             "send_lora",
@@ -452,6 +491,12 @@ class AsyncLLMWeightSyncClient:
             raise SyncTimeoutError(
                 f"AsyncLLM {what} did not finish within {self.timeout:g} s"
             ) from None
+
+    def get_version(self) -> str:
+        """The engine's vLLM version (the server's ``/version``): this process's."""
+        import vllm
+
+        return str(vllm.__version__)
 
     def get_world_size(self) -> int:
         """The engine's workers (tensor x pipeline x data parallel), as the server's

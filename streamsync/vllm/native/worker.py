@@ -11,7 +11,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from streamsync._log import log, warn
 from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
-from streamsync.errors import ConfigError, LoraError, StreamsyncError, describe
+from streamsync.errors import ConfigError, StreamsyncError, describe
+from streamsync.sink import Sink
 from streamsync.vllm.native.messages import TransferInit
 
 
@@ -54,7 +55,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
     def init_transfer_engine(self, init_info: TransferInit) -> None:
         if self._receivers is not None:  # a new trainer replaces the old one
             self._receivers.shutdown()
-        self._receivers = WorkerReceivers(f"streamsync-vllm-worker{self.rank}")
+        self._receivers = WorkerReceivers(f"streamsync-vllm-worker{self.rank}", device=self.device)
         self._init = init_info
         try:
             self._receivers.open(init_info.endpoint, init_info.transport, timeout=init_info.timeout)
@@ -62,7 +63,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             self._receivers.shutdown()
             self._receivers = self._init = None
             if isinstance(exc, StreamsyncError):
-                raise _named(exc) from exc
+                raise _named(exc, WorkerResult.failed(exc)) from exc
             raise
         log("vllm.native.init", endpoint=init_info.endpoint, rank=self.rank)
 
@@ -79,11 +80,9 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WorkerOptions) -> None:
-        from streamsync.sink import Sink
-        from streamsync.vllm.lifecycles import choose_lifecycle
-        from streamsync.vllm.lora import LoraEngine, LoraSink
-        from streamsync.vllm.quirks import quirks_by_name
-        from streamsync.vllm.sink import ModelInstance, VllmSink
+        from streamsync.vllm.lora import LoraEngine
+        from streamsync.vllm.sink import ModelInstance
+        from streamsync.vllm.worker_sink import WorkerModels, worker_sink
 
         receivers, init = self._require()
         if self._target is None:
@@ -93,31 +92,21 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             transport={**init.transport, **update_info.transport},
             timeout=update_info.timeout if update_info.timeout is not None else init.timeout,
         )
-        target = self._target
+        models = WorkerModels(
+            [ModelInstance(self._target, self.model, self.model_config)],
+            self.vllm_config,
+            lambda: LoraEngine.of_model(self.model, self.vllm_config),
+            self._state,
+        )
 
         def sink(opts: WorkerOptions) -> Sink:
-            if opts.lora is not None:
-                if target != "main":
-                    raise LoraError(
-                        "a LoRA adapter sync goes to the main model: start it with "
-                        "start_weight_update, not start_draft_weight_update"
-                    )
-                engine = LoraEngine.of_model(self.model, self.vllm_config)
-                return LoraSink(engine, opts.lora, self._state)
-            return VllmSink(
-                [ModelInstance(target, self.model, self.model_config)],
-                lifecycle=choose_lifecycle(opts.lifecycle),
-                vllm_config=self.vllm_config,
-                quirks=quirks_by_name(opts.quirks) if opts.quirks is not None else None,
-                delta=opts.delta,
-                state=self._state,
-            )
+            return worker_sink(models, opts)
 
         result = receivers.handle(init.endpoint, options, sink)
         self.last_result = result
         error = result.exception(self.rank)
         if error is not None:
-            raise _named(error)
+            raise _named(error, result)
 
     def finish_weight_update(self) -> None:
         if self._target is not None and self.last_result is None:
@@ -138,9 +127,11 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         return self._receivers, self._init
 
 
-def _named(exc: StreamsyncError) -> StreamsyncError:
-    """``exc`` with its class name leading its message: over HTTP only the message reaches
-    the trainer, which re-creates the class from it."""
-    named = type(exc)(describe(exc))
+def _named(exc: StreamsyncError, result: WorkerResult) -> StreamsyncError:
+    """``exc`` with its class name leading its message and ``result`` (its kind, message
+    and partial report as data) ending it: over HTTP only the message reaches the trainer,
+    which re-creates the error from ``result``
+    (:meth:`~streamsync.engine.messages.WorkerResult.from_text`)."""
+    named = type(exc)(f"{describe(exc)} {result.to_text()}")
     named.report = exc.report
     return named

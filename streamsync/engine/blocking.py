@@ -1,0 +1,114 @@
+"""The synchronous face of a channel (:class:`BlockingWeightSync`, what ``with`` gives): each
+call runs the async one in a short-lived event loop on the caller's own thread, so the
+weights are read, and CUDA work is issued, where the trainer runs; the transport stays open
+on the channel's loop thread between calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+
+from streamsync.engine.clients import EngineClient, LoopBoundClient
+from streamsync.errors import ConfigError
+from streamsync.pipeline import AdapterLike
+from streamsync.report import SyncReport
+
+if TYPE_CHECKING:
+    from streamsync.engine.channel import EngineChannel
+
+T = TypeVar("T")
+
+
+def _in_event_loop() -> bool:
+    try:
+        anyio.lowlevel.current_token()
+    except RuntimeError:
+        return False
+    return True
+
+
+def run_blocking(
+    clients: Sequence[EngineClient],
+    form: str,
+    call: Callable[[], Awaitable[T]],
+    *,
+    instead: str | None = None,
+) -> T:
+    """``call()`` in an event loop of its own on this thread, for the blocking ``form`` of a
+    channel into ``clients``; refused, naming the async form (``instead``; default
+    ``await <form>``), where an event loop runs already, or where an engine is driven from
+    the loop that created it."""
+    instead = instead if instead is not None else f"await {form}"
+    if _in_event_loop():
+        raise ConfigError(
+            f"{form} blocks, and an event loop is running in this thread; use '{instead}'"
+        )
+    for client in clients:
+        if isinstance(client, LoopBoundClient) and client.loop_bound:
+            raise ConfigError(
+                f"{form}: {type(client).__name__} is driven from the event loop that "
+                f"created its engine; use '{instead}' on that loop"
+            )
+    return anyio.run(call)
+
+
+class BlockingWeightSync:
+    """The synchronous face of a channel, what ``with WeightSync(...)`` gives: its calls
+    block until done, with no event loop in the caller (the channel runs the transport on
+    its own loop thread). Not for ``AsyncLLM``: use ``async with``."""
+
+    def __init__(self, channel: EngineChannel) -> None:
+        self.channel = channel
+
+    def __enter__(self) -> BlockingWeightSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, form: str, call: Callable[[], Awaitable[T]], instead: str | None = None) -> T:
+        return run_blocking(self.channel.clients, form, call, instead=instead)
+
+    def update(
+        self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
+    ) -> SyncReport:
+        """:meth:`EngineChannel.update <streamsync.engine.channel.EngineChannel.update>`,
+        blocking."""
+        call = partial(self.channel.update, weights, pipeline=pipeline, delta=delta)
+        return self._run("sync.update(weights)", call)
+
+    def update_lora(
+        self,
+        name: str,
+        adapter: Any,
+        *,
+        config: Any = None,
+        pipeline: AdapterLike | None = None,
+    ) -> SyncReport:
+        """:meth:`EngineChannel.update_lora
+        <streamsync.engine.channel.EngineChannel.update_lora>`, blocking."""
+        call = partial(self.channel.update_lora, name, adapter, config=config, pipeline=pipeline)
+        return self._run("sync.update_lora(...)", call)
+
+    def remove_lora(self, name: str) -> None:
+        """:meth:`EngineChannel.remove_lora
+        <streamsync.engine.channel.EngineChannel.remove_lora>`, blocking."""
+        self._run("sync.remove_lora(name)", partial(self.channel.remove_lora, name))
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """:meth:`EngineChannel.wait_ready
+        <streamsync.engine.channel.EngineChannel.wait_ready>`, blocking."""
+        self._run("sync.wait_ready()", partial(self.channel.wait_ready, timeout))
+
+    def close(self) -> None:
+        """:meth:`EngineChannel.aclose <streamsync.engine.channel.EngineChannel.aclose>`,
+        blocking: the transport, the workers' receivers and the channel's loop thread."""
+        self._run("sync.close()", self.channel.aclose, "await sync.aclose()")
+
+    def __repr__(self) -> str:
+        return f"BlockingWeightSync({self.channel!r})"

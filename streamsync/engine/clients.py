@@ -1,0 +1,69 @@
+"""How a channel reaches an inference engine: the :class:`EngineClient` protocol, and the
+protocols of clients that can do more (:class:`LoopBoundClient`, :class:`FactsClient`,
+:class:`LoraClient`). vLLM's clients are in :mod:`streamsync.vllm.client`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
+
+__all__ = ["EngineClient"]
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The trainer's handle on one inference engine (see :mod:`streamsync.vllm.client`).
+    A client whose engine is bound to one event loop is a :class:`LoopBoundClient`."""
+
+    @property
+    def receivers(self) -> int:
+        """How many receivers (workers) a sync reaches."""
+
+    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        """Run one receive from ``endpoint`` on every worker (started beside the send);
+        returns each worker's result, by rank."""
+
+    async def after_sync(self) -> None:
+        """After a sync that every worker applied: drop what the old weights computed."""
+
+    async def close_receivers(self, endpoint: str) -> int:
+        """Close the workers' receivers for ``endpoint``; returns how many were open."""
+
+
+@runtime_checkable
+class LoopBoundClient(EngineClient, Protocol):
+    """A client whose engine can only be driven from the event loop that created it (vLLM's
+    ``AsyncLLM``): a channel refuses its blocking form, and the async form runs the
+    client's calls on the caller's loop."""
+
+    #: Always true; declares the client loop-bound.
+    loop_bound: bool
+
+
+@runtime_checkable
+class FactsClient(EngineClient, Protocol):
+    """A client whose engine says what it is (its hello): the channel asks once when it
+    opens, and the adapters of each sync decide from the answers
+    (:data:`~streamsync.engine.messages.sending_to`), not from what is installed beside
+    the trainer."""
+
+    async def hello(self) -> EngineFacts:
+        """The engine's facts."""
+
+
+@runtime_checkable
+class LoraClient(EngineClient, Protocol):
+    """A client whose engine serves LoRA adapters: a channel's ``update_lora`` streams an
+    adapter to every worker (which checks and stages it), then asks the engine to install
+    the staged version."""
+
+    async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
+        """Install the version every worker staged under ``path`` as adapter ``name``
+        (``lora_id``: the engine's id for it, stable across versions), replacing the one
+        serving; returns how many requests were generating with ``name`` (they go on with
+        the new version), or ``None`` if the engine cannot say."""
+
+    async def remove_lora(self, name: str, lora_id: int) -> None:
+        """Stop serving adapter ``name`` (its staged versions are dropped separately)."""

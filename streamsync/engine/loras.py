@@ -1,0 +1,143 @@
+"""The LoRA lifecycle of a channel (:class:`ChannelLoras`): stream an adapter to every
+worker (which checks and stages it), then ask every engine to install the staged version;
+remember what serves under each name; remove an adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+
+from streamsync._log import log, warn
+from streamsync.engine.clients import LoraClient
+from streamsync.engine.messages import LoraTarget
+from streamsync.errors import ConfigError, LoraError, StreamsyncError
+from streamsync.lora import check_lora_name, lora_adapter, lora_id, version_path
+from streamsync.pipeline import AdapterLike
+from streamsync.report import LoraReport, SyncReport
+from streamsync.sync import next_sync_id
+
+if TYPE_CHECKING:
+    from streamsync.engine.channel import EngineChannel
+
+
+@dataclass(frozen=True)
+class _Lora:
+    """An adapter a channel installed: its serving version, that version's path, its rank."""
+
+    version: int
+    path: str
+    rank: int
+
+
+class ChannelLoras:
+    """The adapters one channel installed, and how it installs and removes them."""
+
+    def __init__(self, channel: EngineChannel) -> None:
+        self._channel = channel
+        self._loras: dict[str, _Lora] = {}
+
+    def _clients(self) -> list[LoraClient]:
+        every = self._channel.clients
+        clients = [c for c in every if isinstance(c, LoraClient)]
+        if len(clients) != len(every):
+            other = next(c for c in every if not isinstance(c, LoraClient))
+            raise ConfigError(f"{type(other).__name__} cannot install LoRA adapters")
+        return clients
+
+    async def update(
+        self, name: str, adapter: Any, *, config: Any, pipeline: AdapterLike | None
+    ) -> SyncReport:
+        """``update_lora`` of :class:`~streamsync.engine.channel.EngineChannel`."""
+        channel = self._channel
+        clients = self._clients()
+        check_lora_name(name)
+        lora = lora_adapter(adapter, config)
+        current = self._loras.get(name)
+        sync_id = next_sync_id()
+        target = LoraTarget(
+            name=name,
+            version=sync_id,
+            config=lora.config,
+            keep=(current.version,) if current is not None else (),
+        )
+        path = version_path(name, sync_id)
+        options = msgspec.structs.replace(channel.worker_options, lora=target)
+        pipeline = pipeline if pipeline is not None else channel.pipeline
+        report = await channel.sync_round(lora.tensors, options, pipeline, sync_id=sync_id)
+        in_flight = await self._install(clients, name, path)
+        self._loras[name] = _Lora(sync_id, path, lora.rank)
+        counts = [n for n in in_flight if n is not None]
+        running = sum(counts) if len(counts) == len(in_flight) else None
+        if running:
+            warn("lora.in_flight", name=name, path=path, requests=running)
+        log("lora.installed", name=name, path=path, lora_id=lora_id(name), rank=lora.rank)
+        return msgspec.structs.replace(
+            report, lora=LoraReport(name=name, path=path, rank=lora.rank, in_flight=running)
+        )
+
+    async def _install(
+        self, clients: Sequence[LoraClient], name: str, path: str
+    ) -> list[int | None]:
+        """Install the staged version at ``path`` on every engine; returns how many requests
+        each had generating with ``name`` (``None``: it cannot say)."""
+        channel = self._channel
+        engine_id = lora_id(name)
+        in_flight: list[int | None] = [None] * len(clients)
+
+        async def install(e: int, client: LoraClient) -> None:
+            try:
+                in_flight[e] = await client.install_lora(name, engine_id, path)
+            except StreamsyncError as exc:
+                exc.engine = channel.engine_index(e)
+                raise
+            except Exception as exc:
+                where = "the engine" if not channel.fanout else f"engine {e}"
+                error = LoraError(
+                    f"{where} did not install LoRA adapter {name!r} ({path}): "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                error.engine = channel.engine_index(e)
+                raise error from exc
+
+        with anyio.fail_after(channel.timeout):
+            if len(clients) == 1:
+                await install(0, clients[0])
+            else:
+                async with anyio.create_task_group() as tg:
+                    for e, client in enumerate(clients):
+                        tg.start_soon(install, e, client)
+        return in_flight
+
+    def lora(self, name: str) -> tuple[int, str]:
+        """``lora`` of :class:`~streamsync.engine.channel.EngineChannel`."""
+        state = self._loras.get(name)
+        if state is None:
+            known = ", ".join(map(repr, sorted(self._loras))) or "none"
+            raise ConfigError(
+                f"no LoRA adapter {name!r} on this channel (it installed: {known}); "
+                "update_lora(name, adapter) first"
+            )
+        return lora_id(name), state.path
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The adapters this channel installed and serves."""
+        return tuple(self._loras)
+
+    async def remove(self, name: str) -> None:
+        """``remove_lora`` of :class:`~streamsync.engine.channel.EngineChannel`."""
+        channel = self._channel
+        clients = self._clients()
+        check_lora_name(name)
+        for client in clients:
+            await client.remove_lora(name, lora_id(name))
+        self._loras.pop(name, None)
+        target = LoraTarget(name=name, version=0, remove=True)
+        options = msgspec.structs.replace(channel.worker_options, lora=target)
+        await channel.sync_round((), options, None)
+        log("lora.removed", name=name)

@@ -1,0 +1,161 @@
+"""One sync of a channel into its engines (:class:`SyncRound`): who takes part (without
+``require_all``, the engines that joined and those named absent), what each engine's
+workers answered, the send's outcome, and from those the error to raise or the merged
+report.
+
+A worker's report names its model instances; merged, they are ``worker<rank>.<name>`` (one
+engine) or ``engine<e>.worker<rank>.<name>`` (several, from one stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import msgspec
+
+from streamsync.engine.messages import WorkerResult
+from streamsync.errors import StreamsyncError, root_cause
+from streamsync.report import LoadResult, SyncReport
+from streamsync.transports.base import Sender
+
+
+def several(engines: Any) -> bool:
+    """Whether ``engines`` is several engines (a list or tuple of them), not one."""
+    return isinstance(engines, list | tuple)
+
+
+def worker_failure(
+    results: Sequence[WorkerResult], *, engine: int | None = None
+) -> StreamsyncError | None:
+    """The failed workers' root cause (:func:`streamsync.errors.root_cause`), or ``None``
+    (``engine``: which of several engines these workers belong to, named in the error)."""
+    return _root_cause([r.exception(rank, engine=engine) for rank, r in enumerate(results)])
+
+
+def merge_worker_reports(report: SyncReport, results: Sequence[WorkerResult]) -> SyncReport:
+    """The sender's ``report`` with each worker's model instances, as ``worker<rank>.<name>``."""
+    return msgspec.structs.replace(report, instances=_instances("", results))
+
+
+def merge_engine_reports(
+    report: SyncReport, engines: Sequence[Sequence[WorkerResult]]
+) -> SyncReport:
+    """The sender's ``report`` of a fan-out with each engine's workers' model instances, as
+    ``engine<e>.worker<rank>.<name>``."""
+    instances: dict[str, LoadResult] = {}
+    for e, results in enumerate(engines):
+        instances.update(_instances(f"engine{e}.", results))
+    return msgspec.structs.replace(report, instances=instances)
+
+
+def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadResult]:
+    """Each worker's model instances as ``<prefix>worker<rank>.<name>``; a worker whose
+    sink has no instances (a ``ModuleSink``) as ``<prefix>worker<rank>``."""
+    out: dict[str, LoadResult] = {}
+    for rank, result in enumerate(results):
+        report = result.report
+        if report is None:
+            continue
+        for name, inst in report.instances.items():
+            out[f"{prefix}worker{rank}.{name}"] = inst
+        if not report.instances:
+            out[f"{prefix}worker{rank}"] = LoadResult(
+                loaded=report.loaded, missing=report.missing, unexpected=report.unexpected
+            )
+    return out
+
+
+def _root_cause(errors: Sequence[StreamsyncError | None]) -> StreamsyncError | None:
+    cause = root_cause(errors)
+    assert cause is None or isinstance(cause, StreamsyncError)
+    return cause
+
+
+@dataclass
+class SyncRound:
+    """One sync's state: each engine's worker results (by rank) and failures, and the
+    send's report or error."""
+
+    results: list[list[WorkerResult]]
+    engine_errors: dict[int, StreamsyncError] = field(default_factory=dict)
+    report: SyncReport | None = None
+    send_error: StreamsyncError | None = None
+    #: Engines whose receive has not returned yet, and the event their last one sets.
+    waiting: set[int] = field(default_factory=set)
+    reported: anyio.Event = field(default_factory=anyio.Event)
+
+    @classmethod
+    def of(cls, engines: int) -> SyncRound:
+        """A round into ``engines`` engines, all of them waited for."""
+        return cls(results=[[] for _ in range(engines)], waiting=set(range(engines)))
+
+    def done(self, e: int) -> None:
+        """Engine ``e``'s receive returned."""
+        self.waiting.discard(e)
+        if not self.waiting:
+            self.reported.set()
+
+    async def joined(self, sender: Sender, receivers: Sequence[int], *, within: float) -> None:
+        """Without ``require_all`` a sync begins with whoever is there: first let each engine
+        (``receivers``: each one's worker count) that is alive join (its receive opens its
+        workers' receivers, a restarted one's included) or fail, for at most ``within``
+        seconds: the workers already there wait for the first bucket with the whole
+        timeout, so they must not run out of it meanwhile."""
+        with anyio.move_on_after(within):
+            while sender.present < sum(receivers) - sum(receivers[e] for e in self.engine_errors):
+                await anyio.sleep(0.01)
+
+    async def absent_after(self, timeout: float, late: Callable[[int], StreamsyncError]) -> bool:
+        """Without ``require_all``, once the sync completed on the workers there: an engine
+        still not reporting within ``timeout`` took no part (its workers' reports came over
+        the transport with the sync's end), so it gets ``late(e)`` as its error instead of
+        being waited for up to its receive's own, longer limit (a dead engine's RPC may
+        never return). Whether any did."""
+        with anyio.move_on_after(timeout):
+            await self.reported.wait()
+        for e in sorted(self.waiting):
+            self.engine_errors[e] = late(e)
+        return bool(self.waiting)
+
+    def applied(self, receivers: Sequence[int]) -> list[int]:
+        """The engines (``receivers``: each one's worker count) whose every worker applied
+        the sync."""
+        return [
+            e
+            for e, count in enumerate(receivers)
+            if len(self.results[e]) == count and all(r.ok for r in self.results[e])
+        ]
+
+    def failure(
+        self, absent: Mapping[int, StreamsyncError], engine: Callable[[int], int | None]
+    ) -> StreamsyncError | None:
+        """The error to raise (the workers', then the engines', then the send's root
+        cause), the ``absent`` engines left out; ``engine(e)``: the index named in it."""
+        return _root_cause(
+            [
+                *(err for e, err in self.engine_errors.items() if e not in absent),
+                *(
+                    result.exception(rank, engine=engine(e))
+                    for e, per_engine in enumerate(self.results)
+                    if e not in absent
+                    for rank, result in enumerate(per_engine)
+                ),
+                self.send_error,
+            ]
+        )
+
+    def merged(self, fanout: bool, absent: Mapping[int, StreamsyncError]) -> SyncReport:
+        """The sender's report with every worker's instances, and the ``absent`` engines
+        named in ``absent``."""
+        assert self.report is not None
+        if fanout:
+            merged = merge_engine_reports(self.report, self.results)
+        else:
+            merged = merge_worker_reports(self.report, self.results[0])
+        if absent:
+            gone = tuple(f"engine {e}: {type(err).__name__}: {err}" for e, err in absent.items())
+            merged = msgspec.structs.replace(merged, absent=(*merged.absent, *gone))
+        return merged

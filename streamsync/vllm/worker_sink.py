@@ -1,0 +1,62 @@
+"""The sink a vLLM worker receives one sync into, chosen in one place for both worker entry
+points (``WorkerExtension`` and the ``streamsync`` weight-transfer backend): an adapter sync
+(``WorkerOptions.lora``) goes to a :class:`~streamsync.vllm.lora.LoraSink` on the main model,
+any other to a :class:`~streamsync.vllm.sink.VllmSink` on the model instances it targets, with
+the lifecycle, quirks and delta copies the options name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from streamsync.engine.messages import WorkerOptions
+from streamsync.errors import LoraError
+
+if TYPE_CHECKING:
+    from streamsync.sink import Sink
+    from streamsync.vllm.lora import LoraEngine
+    from streamsync.vllm.sink import ModelInstance, WorkerState
+
+
+@dataclass(frozen=True)
+class WorkerModels:
+    """What one vLLM worker serves a sync into."""
+
+    #: The model instances a sync may target (``main``, ``drafter``).
+    instances: Sequence[ModelInstance]
+    #: The worker's ``VllmConfig``.
+    vllm_config: Any
+    #: The worker's LoRA engine, asked for only by an adapter sync.
+    lora_engine: Callable[[], LoraEngine]
+    #: What the worker keeps between syncs (versions held, delta copies).
+    state: WorkerState
+
+
+def worker_sink(models: WorkerModels, options: WorkerOptions) -> Sink:
+    """The sink for one sync into ``models`` with ``options``."""
+    from streamsync.vllm.lifecycles import choose_lifecycle
+    from streamsync.vllm.lora import LoraSink
+    from streamsync.vllm.quirks import quirks_by_name
+    from streamsync.vllm.sink import VllmSink
+
+    if options.lora is not None:
+        main = next((inst for inst in models.instances if inst.name == "main"), None)
+        if main is None:
+            raise LoraError(
+                "a LoRA adapter sync goes to the main model: start it with "
+                "start_weight_update, not start_draft_weight_update"
+            )
+        return LoraSink(models.lora_engine(), options.lora, models.state)
+    found = models.instances
+    if options.instances is not None:
+        found = [inst for inst in found if inst.name in options.instances]
+    return VllmSink(
+        list(found),
+        lifecycle=choose_lifecycle(options.lifecycle),
+        vllm_config=models.vllm_config,
+        quirks=quirks_by_name(options.quirks) if options.quirks is not None else None,
+        delta=options.delta,
+        state=models.state,
+    )
