@@ -78,7 +78,7 @@ async def send(
     receiver confirmed: each tensor whole, as a patch of its changed elements, or not at
     all, whichever is smallest. The sync is full instead when a receiver holds another
     version (the report's ``full_reason`` says which); ``delta="full"`` forces a full sync
-    that still records the baseline for the next delta. See the README's delta section.
+    that still records the baseline for the next delta. See ``docs/delta.md``.
     """
     if delta and isinstance(endpoint, str):
         raise ConfigError(

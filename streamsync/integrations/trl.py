@@ -67,7 +67,7 @@ class WeightTransfer:
             HTTP, in clear); leave it ``None`` and set ``$STREAMSYNC_SECRET`` on both sides to
             keep it off the wire.
         delta: Delta syncs: after the first (full) sync, each ``send_weights`` moves only the
-            elements that changed (README, "Delta syncs").
+            elements that changed (``docs/delta.md``).
         bucket_bytes: Bytes per bucket (the transport's slot size).
         timeout: Seconds for each wait of a sync, and for the workers' connect.
         worker_options: :class:`~streamsync.engine.messages.WorkerOptions` fields for every

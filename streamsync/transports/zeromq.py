@@ -108,7 +108,8 @@ def _open(
     - on a receiver, closing its socket while the sender's last message (its goodbye) is
       on the way and the sender then hangs up: the pipe is gone while the socket lingers
       to deliver the receiver's own last words. A receiver that pinged died this way in a
-      one-shot loop under load (the README's first form, ``tests/test_one_shot_loops.py``).
+      one-shot loop under load (``docs/transports.md``, "One-shot calls";
+      ``tests/test_one_shot_loops.py``).
 
     A vanished machine is found by TCP keepalive instead (in the kernel, no libzmq timer):
     probes after ``heartbeat`` seconds of silence, every ``heartbeat`` seconds, 3 unanswered
