@@ -77,7 +77,7 @@ PUBLIC: dict[str, list[str]] = {
         "split_buffers",
         "unbucket",
     ],
-    # For a transport of your own (docs/transports.md, docs/architecture.md).
+    # For a transport of your own (docs/transports.md, docs/ARCHITECTURE.md).
     "streamsync.transports": ["Endpoint", "Option", "Transport"],
     "streamsync.testing": [
         "FakeConfig",
