@@ -5,9 +5,11 @@ says what it said before: the same names, per receiver and together."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, NamedTuple
 
 import anyio
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -104,11 +106,16 @@ async def _syncs(url: str, weights: list[dict[str, torch.Tensor]], sinks: list[A
     return out
 
 
-async def test_a_receiver_that_loaded_every_name_sent_leaves_them_to_the_sender() -> None:
+@pytest.mark.parametrize("scheme", ["memory", "shm"])
+async def test_a_receiver_that_loaded_every_name_sent_leaves_them_to_the_sender(
+    scheme: str,
+) -> None:
+    # Over the in-process fake and over shared memory, whose Done crosses the wire encoded.
     module = _model()
     steps = [_weights(module, seed) for seed in range(4)]
     steps.insert(2, {n: t for n, t in steps[2].items() if n != "layer5_weight"})
-    syncs = await _syncs("memory://done-all", steps, [ss.ModuleSink(module)])
+    url = f"{scheme}://done-all-{os.getpid()}"
+    syncs = await _syncs(url, steps, [ss.ModuleSink(module)])
     for step, (sent, (got,), (done,), _) in zip(steps, syncs, strict=True):
         names = tuple(sorted(step))
         assert done.carried and done.loaded == (), done
