@@ -10,7 +10,11 @@ processes on every transport are in the conformance suite (``test_delta_syncs_ar
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
+import os
+import subprocess
+import sys
 from typing import Any
 
 import hypothesis.strategies as st
@@ -211,20 +215,20 @@ async def test_delta_needs_an_open_sender() -> None:
 
 
 # -- the patch format ------------------------------------------------------------------
-@pytest.mark.parametrize("use", ["c", "torch"])
-@pytest.mark.parametrize(
-    "dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.bool]
-)
-def test_diff_finds_exactly_the_changed_bits(use: str, dtype: torch.dtype) -> None:
-    if use == "c" and patches.kernel() != "c":
-        pytest.fail("the C kernel did not build on this machine (a C compiler is expected)")
+_DTYPES = [torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.bool]
+
+
+def _diff_finds_exactly_the_changed_bits(dtype: torch.dtype) -> None:
+    """Diff random bytes against a copy with 1% of them flipped; the patch names exactly the
+    elements whose bits differ (computed here with plain torch), and applied to the baseline
+    gives the new bytes. Self-contained: the fallback test runs its source in a subprocess."""
     gen = torch.Generator().manual_seed(1)
     for numel in (1, 5, 33, 4099, 3 << 20):
         base = torch.randint(0, 256, (numel * dtype.itemsize,), generator=gen, dtype=torch.uint8)
         new = base.clone()
         hits = torch.randint(0, new.numel(), (max(1, new.numel() // 100),), generator=gen)
         new[hits] ^= torch.randint(1, 256, hits.shape, generator=gen, dtype=torch.uint8)
-        found = patches.diff(new, base, dtype.itemsize, use=use)
+        found = patches.diff(new, base, dtype.itemsize)
         width = dtype.itemsize
         changed = (new.view(-1, width) != base.view(-1, width)).any(1).nonzero().squeeze(1)
         if found is None:  # only where a patch would not be smaller
@@ -234,8 +238,43 @@ def test_diff_finds_exactly_the_changed_bits(use: str, dtype: torch.dtype) -> No
         pos, vals = found
         assert pos.tolist() == changed.tolist()
         patched = base.clone()
-        patches.apply(patched, (pos, vals), width, use=use)
+        patches.apply(patched, (pos, vals), width)
         assert torch.equal(patched, new)
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+def test_diff_finds_exactly_the_changed_bits(dtype: torch.dtype) -> None:
+    if patches.kernel() != "c":
+        pytest.fail("the C kernel is not built here (pip install -e . builds it)")
+    _diff_finds_exactly_the_changed_bits(dtype)
+
+
+@pytest.mark.slow  # a fresh interpreter: make test, not the edit loop
+def test_diff_finds_exactly_the_changed_bits_without_the_compiled_kernel() -> None:
+    # The same checks in a process where the extension does not import, as where it was not
+    # built: the torch fallback runs.
+    script = "\n".join(
+        [
+            "import sys",
+            'sys.modules["streamsync._kernel"] = None',
+            "import torch",
+            "from streamsync.wire import patch as patches",
+            'assert patches.kernel() == "torch"',
+            inspect.getsource(_diff_finds_exactly_the_changed_bits),
+            f"for dtype in ({', '.join(str(d) for d in _DTYPES)},):",
+            "    _diff_finds_exactly_the_changed_bits(dtype)",
+            'print("fallback ok")',
+        ]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "fallback ok"
 
 
 def test_nan_and_negative_zero_are_bits() -> None:

@@ -125,9 +125,7 @@ def _diff_torch(new: np.ndarray, base: np.ndarray, itemsize: int, limit: int) ->
     return pos, new[pos]
 
 
-def diff(
-    new: torch.Tensor, base: torch.Tensor, itemsize: int, *, use: str | None = None
-) -> Patch | None:
+def diff(new: torch.Tensor, base: torch.Tensor, itemsize: int) -> Patch | None:
     """The elements of ``new`` whose bits differ from ``base`` (both contiguous CPU uint8
     tensors of the same size, ``itemsize`` bytes per element), or ``None`` when a patch
     would not be smaller than ``new`` itself."""
@@ -135,7 +133,7 @@ def diff(
         raise ValueError("diff needs two byte tensors of the same whole number of elements")
     a, b = _elements(new, itemsize), _elements(base, itemsize)
     limit = _limit(a.size, itemsize)
-    if (use or kernel()) == "c":
+    if kernel() == "c":
         fn = getattr(_library(), f"ss_diff_{itemsize}")
         return _diff_c(fn, _addr(a), _addr(b), a.size, itemsize, limit, itemsize)
     return _diff_torch(a, b, itemsize, limit)
@@ -185,13 +183,13 @@ def decode(data: torch.Tensor, k: int, numel: int, itemsize: int) -> Patch:
     return pos, vals
 
 
-def check(pos: np.ndarray, numel: int, after: int, name: str, *, use: str | None = None) -> int:
+def check(pos: np.ndarray, numel: int, after: int, name: str) -> int:
     """Raise :class:`WireFormatError` unless every position is inside the tensor and the
     positions ascend strictly from above ``after`` (the last position of the tensor's
     previous patch piece, or -1); returns the last position."""
     if pos.size == 0:
         return after
-    if (use or kernel()) == "c":
+    if kernel() == "c":
         p32, p64 = _pos_args(pos)
         bad = int(_library().ss_check(p32, p64, pos.size, numel, after))
     else:
@@ -212,13 +210,13 @@ def check(pos: np.ndarray, numel: int, after: int, name: str, *, use: str | None
     return int(pos[-1])
 
 
-def apply(dst: torch.Tensor, patch: Patch, itemsize: int, *, use: str | None = None) -> None:
+def apply(dst: torch.Tensor, patch: Patch, itemsize: int) -> None:
     """Write a checked patch's values into ``dst`` (any device, any dtype of that element
     size: bit patterns are written as they are)."""
     pos, vals = patch
     if dst.is_cpu and dst.is_contiguous():
         target = dst.reshape(-1).view(torch.uint8).numpy().view(_UINT[itemsize])
-        if (use or kernel()) == "c":
+        if kernel() == "c":
             p32, p64 = _pos_args(pos)
             fn = getattr(_library(), f"ss_apply_{itemsize}")
             fn(_addr(target), p32, p64, _addr(vals), pos.size)
