@@ -74,7 +74,7 @@ class KeptChannels:
         kept = self._by_endpoint.get(endpoint)
         if kept is not None and not kept.serves(engines, fanout, wanted):
             log("engine.channel_replaced", endpoint=endpoint)
-            del self._by_endpoint[endpoint]
+            self._by_endpoint.pop(endpoint, None)  # (its engine's going may have dropped it)
             await kept.channel.aclose()
             kept = None
         if kept is None:
@@ -127,7 +127,9 @@ async def update_engine(
     ``update_weights``. Calling with other engines, or with other channel options
     (``bucket_bytes``, ``delta``, ``checksum``, ``secret`` or another transport option), on
     the same endpoint replaces it; ``timeout``, ``pipeline`` and ``worker_options`` are the
-    call's own.
+    call's own. ``client`` is given a weak proxy of each engine (so the kept channel does not
+    keep the engine alive), or the engine itself where it cannot be weakly referenced (the
+    channel is then for this call only).
     """
     fanout = several(engine)
     engines = tuple(engine) if fanout else (engine,)
