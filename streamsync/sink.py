@@ -18,7 +18,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import sys
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, cast, runtime_checkable
 
@@ -67,28 +66,12 @@ class VersionedSink(TargetSink, Protocol):
     """A sink that can take delta syncs: it says which version (sync id) its model holds,
     and patches land in the tensors ``target`` gives. :func:`~streamsync.receive` sets
     ``version`` to ``None`` before it touches the model and to the sync's id once the sync
-    is applied; a delta on another version is refused before anything is applied. Keep the
-    version with the model (not the sink object), so a new sink for the same model knows it.
-    ``None`` also means "send me full syncs"."""
+    is applied; a delta on another version is refused before anything is applied. A sink
+    made anew each sync keeps the version where it outlives the sink (with the model's
+    owner); :class:`ModuleSink` has the receiver keep it. ``None`` also means "send me full
+    syncs"."""
 
     version: int | None
-
-
-#: The version each model holds (see :class:`VersionedSink`), kept beside the model.
-_versions: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-
-
-def held_version(module: torch.nn.Module) -> int | None:
-    """The version (sync id) ``module`` was last completely synced to, or ``None``."""
-    return _versions.get(module)
-
-
-def set_held_version(module: torch.nn.Module, version: int | None) -> None:
-    """Record the version ``module`` holds (``None``: unknown, the model is in flux)."""
-    if version is None:
-        _versions.pop(module, None)
-    else:
-        _versions[module] = version
 
 
 #: Bucket layouts a :class:`ModuleSink` keeps the moves of (a trainer repeats a few).
@@ -180,16 +163,18 @@ class ModuleSink:
         # Per bucket layout, its moves into the module (or None: that layout takes the
         # general path); a trainer repeats a few layouts every step.
         self._plans: dict[Layout, tuple[MovePlan, tuple[str, ...]] | None] = {}
+        self._version: int | None = None
 
     @property
     def version(self) -> int | None:
         """The version the module holds, when a delta can patch it in place (a strict sink
-        whose tensors are all contiguous on the CPU); else ``None``."""
-        return held_version(self.module) if self._patchable else None
+        whose tensors are all contiguous on the CPU); else ``None``. The receiver keeps it
+        between syncs (``ReceiverState.held``) and sets it here when a sync begins."""
+        return self._version if self._patchable else None
 
     @version.setter
     def version(self, version: int | None) -> None:
-        set_held_version(self.module, version)
+        self._version = version
 
     def prepare(self) -> None:
         self._loaded = set()

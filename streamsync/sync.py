@@ -28,7 +28,14 @@ from streamsync.errors import (
 )
 from streamsync.pipeline import AdapterLike, Chain, NamedTensor, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
-from streamsync.sink import BUFFER_MANIFEST, Sink, as_target, as_versioned, call_phase
+from streamsync.sink import (
+    BUFFER_MANIFEST,
+    ModuleSink,
+    Sink,
+    as_target,
+    as_versioned,
+    call_phase,
+)
 from streamsync.sources import named_tensors
 from streamsync.transports import one_shot_options, open_receiver, open_sender
 from streamsync.transports.base import Incoming, Receiver, ReceiverState, Sender
@@ -579,6 +586,8 @@ async def _receive(
         if isinstance(first, Abort):
             # The sync failed before its first bucket: the sink is not touched.
             raise SenderAbortedError(f"sender aborted sync {sync.sync_id}: {first.reason}")
+        if isinstance(sink, ModuleSink):  # a sink per sync: the receiver keeps its version
+            sink.version = state.version_of(sink.module)
         versioned = as_versioned(sink)
         if first.base is not None:
             held = versioned.version if versioned is not None else None
@@ -588,8 +597,9 @@ async def _receive(
                     f"sync {sync.sync_id} is a delta on version {first.base}; this receiver's "
                     f"sink holds {holds} (nothing applied; the next sync is full)"
                 )
+        state.held = None  # in flux until finalize succeeds
         if versioned is not None:
-            versioned.version = None  # in flux until finalize succeeds
+            versioned.version = None
         await _phase(sync, "prepare", sink.prepare)
         # Handed over, not shared: _load_all holds the first bucket only while it loads it.
         handed = [incoming]
@@ -598,6 +608,8 @@ async def _receive(
         result = await _phase(sync, "finalize", sink.finalize)
         if versioned is not None:
             versioned.version = sync.sync_id
+        if isinstance(sink, ModuleSink):
+            state.hold(sink.module, sink.version)
     except BaseException as exc:
         await _fail(receiver, sync, exc, timeout)
         raise

@@ -10,11 +10,13 @@ processes on every transport are in the conformance suite (``test_delta_syncs_ar
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import itertools
 import os
 import subprocess
 import sys
+import weakref
 from typing import Any
 
 import hypothesis.strategies as st
@@ -151,6 +153,7 @@ async def test_a_failed_delta_leaves_the_baseline_and_the_next_sync_is_full() ->
         sent, got = await sync(tx, rx, trainer, FailingSink(engine), delta=True, bucket_bytes=4096)
         assert isinstance(sent, ss.ReceiverFailedError) and isinstance(got, RuntimeError)
         assert ss.ModuleSink(engine).version is None  # part of a delta: no known version
+        assert rx.state.held is None and rx.state.version_of(engine) is None
         sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True, bucket_bytes=4096)
         assert "receiver 0 holds no known version" in sent.delta.full_reason
         assert same(trainer, engine)
@@ -452,3 +455,18 @@ async def test_a_declined_channel_sends_dense_syncs_until_a_full_one_is_asked_fo
         step(trainer, 6)
         sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
         assert sent.delta.full_reason is None and same(trainer, engine)
+
+
+async def test_the_receiver_keeps_its_models_version_and_not_the_model() -> None:
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        sent, got = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
+        assert rx.state.version_of(engine) == got.sync_id == sent.sync_id
+        assert rx.state.version_of(model()) is None
+        # Nothing outside the receiver knows it: another receiver's sync would be full.
+        assert ss.ModuleSink(engine).version is None
+        gone = weakref.ref(engine)
+        del engine
+        gc.collect()
+        assert gone() is None and rx.state.version_of(gone) is None

@@ -26,7 +26,7 @@ import torch
 
 import streamsync as ss
 from streamsync.engine.channel import BlockingWeightSync, EngineChannel, EngineClient
-from streamsync.engine.kept import KeptChannels, update_engine
+from streamsync.engine.kept import KEPT, update_engine
 from streamsync.engine.messages import (
     WORKER_PROTOCOL,
     EngineFacts,
@@ -217,6 +217,10 @@ def perturbed(trainer: torch.nn.Module, step: int) -> torch.nn.Module:
     return trainer
 
 
+class UserEngine:
+    """What a user holds (an ``LLM``), which ``update_engine``'s client wraps."""
+
+
 def channel_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("streamsync-channel")]
 
@@ -224,10 +228,7 @@ def channel_threads() -> list[threading.Thread]:
 def test_update_engine_runs_each_step_in_a_fresh_event_loop(
     engine: ThreadEngine, tmp_path: Path
 ) -> None:
-    class Engine:  # what a user holds (an LLM); the client wraps it
-        pass
-
-    held = [Engine()]
+    held = [UserEngine()]
     endpoint = f"zmq+ipc://{tmp_path}/engine.sock"
     trainer = model(0)
 
@@ -246,17 +247,17 @@ def test_update_engine_runs_each_step_in_a_fresh_event_loop(
         report = asyncio.run(step())  # a new event loop per step, as a synchronous trainer does
         assert report.complete and set(report.instances) == {"worker0.main", "worker1.main"}
         assert all(same_weights(trainer, m) for m in engine.modules)
-        kept = KeptChannels.of(held[0])
-        assert kept is not None
-        channels.append(kept.get(endpoint))
+        channels.append(KEPT.get(endpoint))
+    assert channels[0] is not None
     assert channels[0] is channels[1] is channels[2]  # one channel, reused across loops
     assert engine.closed == 0 and engine.resets == 3
-    # The channel lives on the engine object: it goes (and its loop thread stops) with it.
+    assert vars(held[0]) == {}  # nothing written onto the user's engine
+    # The channel is kept for the engine: it goes (and its loop thread stops) with it.
     (thread,) = channel_threads()
     held.clear()
     channels.clear()
-    kept = None
     gc.collect()
+    assert KEPT.get(endpoint) is None
     thread.join(10)
     assert not thread.is_alive()
 
@@ -316,15 +317,18 @@ def test_several_engines_from_one_stream(engines: list[ThreadEngine], tmp_path: 
 
 
 def test_update_engine_fans_out_to_a_list_of_engines(engines: list[ThreadEngine]) -> None:
-    handles = [object.__new__(type("Engine", (), {})) for _ in engines]
-    clients = dict(zip(map(id, handles), engines, strict=True))
+    handles = [UserEngine() for _ in engines]
+    for n, handle in enumerate(handles):
+        handle.index = n  # type: ignore[attr-defined]
+    # The client sees the engine through a weak proxy: its attributes, not its id.
+    clients = dict(enumerate(engines))
     trainer = model(0)
 
     async def step() -> ss.SyncReport:
         return await update_engine(
             handles,
             ss.named_tensors(trainer),
-            client=lambda handle: clients[id(handle)],
+            client=lambda handle: clients[handle.index],
             endpoint=f"shm://engine-fan-{os.getpid()}",
             timeout=20,
         )
@@ -333,7 +337,7 @@ def test_update_engine_fans_out_to_a_list_of_engines(engines: list[ThreadEngine]
         return await update_engine(
             handles[0],
             ss.named_tensors(trainer),
-            client=lambda handle: clients[id(handle)],
+            client=lambda handle: clients[handle.index],
             endpoint=f"shm://engine-fan-{os.getpid()}",
             timeout=20,
         )
@@ -708,7 +712,7 @@ class DeltaEngine(ThreadEngine):
 
 def test_update_engine_with_delta_sends_deltas_on_its_kept_channel(tmp_path: Path) -> None:
     engine = DeltaEngine([model(1), model(2)])
-    held = SimpleNamespace()  # what a user holds (an LLM); the client wraps it
+    held = UserEngine()  # what a user holds (an LLM); the client wraps it
     trainer = model(0)
 
     async def step() -> ss.SyncReport:
@@ -727,9 +731,7 @@ def test_update_engine_with_delta_sends_deltas_on_its_kept_channel(tmp_path: Pat
             trainer[0].weight[0, 0] += 1.0  # one element changes
         second = asyncio.run(step())
     finally:
-        kept = KeptChannels.of(held)
-        assert kept is not None
-        channel = kept.get(f"zmq+ipc://{tmp_path}/delta.sock")
+        channel = KEPT.get(f"zmq+ipc://{tmp_path}/delta.sock")
         assert channel is not None
         with channel:
             pass  # closes it
@@ -746,7 +748,7 @@ def test_update_engine_with_delta_sends_deltas_on_its_kept_channel(tmp_path: Pat
 def test_a_kept_channel_is_replaced_when_an_option_of_the_channel_changes(
     engine: ThreadEngine, tmp_path: Path, change: dict[str, Any]
 ) -> None:
-    held = SimpleNamespace()
+    held = UserEngine()
     endpoint = f"zmq+ipc://{tmp_path}/options.sock"
     trainer = model(0)
 
@@ -764,9 +766,9 @@ def test_a_kept_channel_is_replaced_when_an_option_of_the_channel_changes(
 
     report = asyncio.run(step())
     assert report.complete
-    kept = KeptChannels.of(held)
-    assert kept is not None
+    kept = KEPT
     before = kept.get(endpoint)
+    assert before is not None
     assert asyncio.run(step()).complete
     assert kept.get(endpoint) is before  # the same options: the same channel
     report = asyncio.run(step(**change))

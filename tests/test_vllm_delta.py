@@ -154,7 +154,7 @@ def test_update_weights_with_delta_sends_deltas_and_a_changed_option_opens_a_new
     tells the workers to keep the copies a delta patches: the second call is a delta. A
     call with another channel option opens a new channel."""
     from streamsync.adapters import cast
-    from streamsync.engine.kept import KeptChannels
+    from streamsync.engine.kept import KEPT
     from streamsync.vllm import update_weights
 
     trainer = build_tiny_model(tmp_path, "dense", seed=0)
@@ -178,9 +178,9 @@ def test_update_weights_with_delta_sends_deltas_and_a_changed_option_opens_a_new
 
     try:
         first = step()
-        kept = KeptChannels.of(llm)
-        assert kept is not None
+        kept = KEPT
         channel = kept.get(endpoint)
+        assert channel is not None
         sparse_step(trainer, seed=0)
         second = step()
         assert kept.get(endpoint) is channel

@@ -81,7 +81,8 @@ def test_update_weights_in_a_fresh_event_loop_per_step(
         )
         assert report.complete and report.instances["worker0.main"].missing == ()
         assert_matches(engine_outputs(llm), want)
-    # One channel served every step (kept on the engine), and it is still open.
+    # One channel served every step (kept for the engine, not on it), and it is still open.
+    assert not [k for k in vars(llm) if k.startswith("_streamsync")]
     assert llm.collective_rpc("streamsync_close", args=(endpoint,)) == [1]
 
 

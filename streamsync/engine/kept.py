@@ -1,11 +1,14 @@
 """``update_engine``: one call per sync, through a channel kept for the engine.
 
-The channels are owned by a :class:`KeptChannels`, an object of ours that the (first)
-engine holds under one attribute, so they go when the engine does.
+The channels are kept by endpoint, in this process's :data:`KEPT`: an endpoint is bound by
+one channel at a time, so it names the channel. An entry holds its engines weakly (its
+channel reaches them through weak proxies) and goes when the first of them does, so the
+channel (and its loop thread) goes with the engine; nothing is written onto the engine.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +28,7 @@ from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 @dataclass
 class _Kept:
     channel: EngineChannel
-    engines: tuple[Any, ...]
+    engines: tuple[weakref.ref[Any], ...]
     #: What the channel was opened with (``bucket_bytes``, ``delta``, ``secret``, the
     #: transport's options...): a call with other values needs another channel.
     opened_with: dict[str, Any]
@@ -33,35 +36,27 @@ class _Kept:
     def serves(self, engines: tuple[Any, ...], fanout: bool, opened_with: dict[str, Any]) -> bool:
         return (
             len(self.engines) == len(engines)
-            and all(a is b for a, b in zip(self.engines, engines, strict=True))
+            and all(ref() is e for ref, e in zip(self.engines, engines, strict=True))
             and self.channel.fanout == fanout
             and self.opened_with == opened_with
         )
 
 
 class KeptChannels:
-    """The channels :func:`update_engine` keeps for one engine, by endpoint."""
-
-    #: The one attribute an engine object holds them under.
-    ATTRIBUTE = "_streamsync_channels"
+    """The channels :func:`update_engine` keeps, by endpoint (see :data:`KEPT`)."""
 
     def __init__(self) -> None:
         self._by_endpoint: dict[str, _Kept] = {}
-
-    @classmethod
-    def of(cls, engine: Any) -> KeptChannels | None:
-        """The engine's kept channels (made on first use); ``None`` for an object that
-        cannot hold an attribute."""
-        try:
-            kept = vars(engine).setdefault(cls.ATTRIBUTE, cls())
-        except TypeError:
-            return None
-        return kept if isinstance(kept, cls) else None
 
     def get(self, endpoint: str) -> EngineChannel | None:
         """The channel kept for ``endpoint``, if any."""
         kept = self._by_endpoint.get(endpoint)
         return kept.channel if kept is not None else None
+
+    def _forget(self, endpoint: str, kept: _Kept) -> None:
+        """Drop ``kept`` (an engine of it went), unless another entry replaced it."""
+        if self._by_endpoint.get(endpoint) is kept:
+            del self._by_endpoint[endpoint]
 
     async def channel(
         self,
@@ -70,21 +65,44 @@ class KeptChannels:
         *,
         fanout: bool,
         opened_with: Mapping[str, Any],
-        make: Callable[[], EngineChannel],
+        make: Callable[[tuple[Any, ...]], EngineChannel],
     ) -> EngineChannel:
         """The channel kept for ``endpoint`` if it serves these engines alike and was opened
-        with the same ``opened_with`` options; else a new one from ``make`` (the old one
-        closed first: it holds the endpoint)."""
+        with the same ``opened_with`` options; else a new one, ``make(proxies)`` for weak
+        proxies of ``engines`` (the old one closed first: it holds the endpoint)."""
         wanted = dict(opened_with)
         kept = self._by_endpoint.get(endpoint)
         if kept is not None and not kept.serves(engines, fanout, wanted):
             log("engine.channel_replaced", endpoint=endpoint)
-            del self._by_endpoint[endpoint]
+            self._by_endpoint.pop(endpoint, None)  # (its engine's going may have dropped it)
             await kept.channel.aclose()
             kept = None
         if kept is None:
-            kept = self._by_endpoint[endpoint] = _Kept(make(), engines, wanted)
+            kept = _Kept(make(tuple(weakref.proxy(e) for e in engines)), (), wanted)
+            forget = weakref.WeakMethod(self._forget)
+            entry = weakref.ref(kept)
+
+            def gone(_: object) -> None:
+                method, alive = forget(), entry()
+                if method is not None and alive is not None:
+                    method(endpoint, alive)
+
+            kept.engines = tuple(weakref.ref(e, gone) for e in engines)
+            self._by_endpoint[endpoint] = kept
         return kept.channel
+
+
+#: The channels :func:`update_engine` keeps in this process, by endpoint.
+KEPT = KeptChannels()
+
+
+def _weakly_referable(engines: tuple[Any, ...]) -> bool:
+    try:
+        for e in engines:
+            weakref.ref(e)
+    except TypeError:
+        return False
+    return True
 
 
 async def update_engine(
@@ -109,30 +127,32 @@ async def update_engine(
     ``update_weights``. Calling with other engines, or with other channel options
     (``bucket_bytes``, ``delta``, ``checksum``, ``secret`` or another transport option), on
     the same endpoint replaces it; ``timeout``, ``pipeline`` and ``worker_options`` are the
-    call's own.
+    call's own. ``client`` is given a weak proxy of each engine (so the kept channel does not
+    keep the engine alive), or the engine itself where it cannot be weakly referenced (the
+    channel is then for this call only).
     """
     fanout = several(engine)
     engines = tuple(engine) if fanout else (engine,)
     if not engines:
         raise ConfigError("update_weights: no engine given; pass one engine or several")
 
-    def make() -> EngineChannel:
-        clients = [client(e) for e in engines] if fanout else client(engine)
+    def make(targets: tuple[Any, ...]) -> EngineChannel:
+        clients = [client(e) for e in targets] if fanout else client(targets[0])
         return EngineChannel(
             clients, endpoint, bucket_bytes=bucket_bytes, timeout=timeout, **options
         )
 
-    kept = KeptChannels.of(engines[0])
-    if kept is None:  # nowhere to keep it: a channel for this call only
-        channel = make()
+    keep = _weakly_referable(engines)
+    if not keep:  # cannot tell when the engine goes: a channel for this call only
+        channel = make(engines)
     else:
         opened_with = {**options, "bucket_bytes": bucket_bytes}
-        channel = await kept.channel(
+        channel = await KEPT.channel(
             engines, endpoint, fanout=fanout, opened_with=opened_with, make=make
         )
     channel.timeout = timeout
     channel.worker_options = WorkerOptions.coerce(worker_options)
-    if kept is None:
+    if not keep:
         async with channel:
             return await channel.update(weights, pipeline=pipeline)
     return await channel.update(weights, pipeline=pipeline)

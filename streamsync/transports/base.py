@@ -11,9 +11,10 @@ between syncs ends the receiver's iteration (:class:`~streamsync.EndOfStream`).
 from __future__ import annotations
 
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import torch
 
@@ -172,6 +173,20 @@ class ReceiverState:
     #: What the last ``Done`` was worked out from: the names its sync carried, the sink's
     #: loaded names, and whether those were the same, sorted (see ``Done.carried``).
     carried: tuple[list[str], tuple[str, ...], bool] | None = None
+    #: The model the last sync here completed into, held weakly, and the version (sync id)
+    #: it holds since: a :class:`~streamsync.ModuleSink` made anew for that model each sync
+    #: takes deltas on it; another model, or a new receiver, starts at no known version.
+    held: tuple[weakref.ref[Any], int] | None = None
+
+    def version_of(self, model: Any) -> int | None:
+        """The version ``model`` holds, if the last sync here completed into it."""
+        if self.held is None or self.held[0]() is not model:
+            return None
+        return self.held[1]
+
+    def hold(self, model: Any, version: int | None) -> None:
+        """Record that ``model`` holds ``version`` (``None``: no known version)."""
+        self.held = None if version is None else (weakref.ref(model), version)
 
 
 class Receiver(_Resource):
