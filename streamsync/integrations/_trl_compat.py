@@ -11,11 +11,10 @@ Importing this module checks the installed TRL against :data:`TESTED` and raises
 
 from __future__ import annotations
 
-import importlib.metadata
-import re
 from typing import Any
 
-from streamsync.errors import UnsupportedVersionError
+from streamsync._versions import check_tested
+from streamsync._versions import installed_version as _installed_version
 
 #: The TRL versions this module was tested with: from the first, up to (not including) the
 #: second.
@@ -24,28 +23,13 @@ TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((1, 16, 0), (1, 17,
 
 def installed_version() -> tuple[int, int, int] | None:
     """The installed TRL's ``(major, minor, patch)``, or ``None`` if it does not parse."""
-    try:
-        raw = importlib.metadata.version("trl")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", raw)
-    if match is None:
-        return None
-    major, minor, patch = match.groups()
-    return int(major), int(minor), int(patch or 0)
+    return _installed_version("trl")
 
 
 def check_version(installed: tuple[int, int, int] | None) -> None:
     """Raise :class:`~streamsync.errors.UnsupportedVersionError` unless ``installed`` is in
     :data:`TESTED`."""
-    low, high = TESTED
-    if installed is None or not low <= installed < high:
-        shown = ".".join(map(str, installed)) if installed is not None else "unknown"
-        raise UnsupportedVersionError(
-            f"TRL {shown} is installed; streamsync's TRL integration uses TRL internals "
-            f"tested with trl>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}: "
-            "install a TRL in that range, or a streamsync release that supports yours"
-        )
+    check_tested("TRL", installed, TESTED)
 
 
 check_version(installed_version())

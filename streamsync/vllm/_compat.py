@@ -25,8 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from streamsync._versions import vllm_version
-from streamsync.errors import UnsupportedVersionError
+from streamsync._versions import check_tested, vllm_version
 
 #: The vLLM versions this module was tested with: from the first, up to (not including) the
 #: second.
@@ -36,14 +35,7 @@ TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 0), (0, 33,
 def check_version(installed: tuple[int, int, int] | None) -> None:
     """Raise :class:`~streamsync.errors.UnsupportedVersionError` unless ``installed`` is in
     :data:`TESTED`."""
-    low, high = TESTED
-    if installed is None or not low <= installed < high:
-        shown = ".".join(map(str, installed)) if installed is not None else "unknown"
-        raise UnsupportedVersionError(
-            f"vLLM {shown} is installed; streamsync's vLLM integration uses vLLM internals "
-            f"tested with vLLM >={'.'.join(map(str, low))},<{'.'.join(map(str, high))}: "
-            "install a vLLM in that range, or a streamsync release that supports yours"
-        )
+    check_tested("vLLM", installed, TESTED)
 
 
 check_version(vllm_version())

@@ -303,14 +303,6 @@ class LoraSink:
         self.state = state if state is not None else WorkerState()
         self._tensors: dict[str, torch.Tensor] = {}
 
-    @classmethod
-    def from_worker(
-        cls, worker: Any, target: LoraTarget, state: WorkerState | None = None
-    ) -> LoraSink:
-        """The sink for a vLLM worker (what ``WorkerExtension`` uses); ``state``: what the
-        worker keeps between syncs."""
-        return cls(LoraEngine.of_worker(worker), target, state)
-
     @property
     def version(self) -> int | None:
         """The version the worker's main model holds."""

@@ -324,33 +324,6 @@ class VllmSink:
             copy = self._copies[name] = torch.empty(shape, dtype=dtype)
         return copy
 
-    @classmethod
-    def from_worker(
-        cls,
-        worker: Any,
-        *,
-        lifecycle: str | None = None,
-        quirks: Sequence[str] | None = None,
-        instances: Sequence[str] | None = None,
-        delta: bool = False,
-        state: WorkerState | None = None,
-    ) -> VllmSink:
-        """The sink for a vLLM worker (what ``WorkerExtension`` uses); ``state``: what the
-        worker keeps between syncs."""
-        from streamsync.vllm.quirks import quirks_by_name
-
-        found = model_instances(worker)
-        if instances is not None:
-            found = [inst for inst in found if inst.name in instances]
-        return cls(
-            found,
-            lifecycle=choose_lifecycle(lifecycle),
-            vllm_config=worker.vllm_config,
-            quirks=quirks_by_name(quirks) if quirks is not None else None,
-            delta=delta,
-            state=state,
-        )
-
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
         if self.vllm_config is None:
