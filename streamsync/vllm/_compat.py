@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 
@@ -59,42 +60,54 @@ def validate_lora(adapters: Any, lora: Any) -> None:
 
 class LoraSource(Protocol):
     """What answers an adapter load: the adapter built for ``request`` by the worker's
-    ``WorkerLoRAManager``, or ``None`` to let vLLM read the request's path from disk."""
+    ``WorkerLoRAManager``, or ``None`` to leave it to the next source, then to vLLM (which
+    reads the request's path from disk)."""
 
     def __call__(self, worker_manager: Any, request: Any) -> Any: ...
 
 
-S = TypeVar("S", bound=LoraSource)
-
-_hook_lock = threading.Lock()
-_SOURCE = "_streamsync_lora_source"
-
-
-def lora_source(adapters: Any, make: Callable[[], S]) -> S:
-    """The source answering every adapter load of the engine whose ``LoRAModelManager`` is
-    ``adapters``: the one given before, else ``make()``, installed.
+class _AdapterLoads:
+    """vLLM's adapter loader, wrapped once per process to ask the live sources first.
 
     vLLM 0.32 reads adapters only from disk, through ``WorkerLoRAManager._load_adapter``,
-    which sees nothing but its own manager: the source rides on that manager (one attribute,
-    dying with it), and vLLM's loader is wrapped once per process to ask it first."""
-    from vllm.lora.worker_manager import WorkerLoRAManager
+    which is handed nothing of ours: the sources (one per worker that synced an adapter,
+    each owned by that worker and answering for its own manager only) are held weakly here,
+    so they die with their worker."""
 
-    with _hook_lock:
-        source: S | None = adapters.__dict__.get(_SOURCE)
-        if source is None:
-            source = adapters.__dict__[_SOURCE] = make()
-        if not getattr(WorkerLoRAManager._load_adapter, _SOURCE, False):
-            original = WorkerLoRAManager._load_adapter
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: weakref.WeakSet[LoraSource] = weakref.WeakSet()
+        self._wrapped: Any = None
 
-            @functools.wraps(original)
-            def _load_adapter(self: Any, lora_request: Any) -> Any:
-                answer = self._adapter_manager.__dict__.get(_SOURCE)
-                lora = answer(self, lora_request) if answer is not None else None
-                return lora if lora is not None else original(self, lora_request)
+    def add(self, source: LoraSource) -> None:
+        from vllm.lora.worker_manager import WorkerLoRAManager
 
-            setattr(_load_adapter, _SOURCE, True)
-            WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
-        return source
+        with self._lock:
+            self._sources.add(source)
+            if self._wrapped is None:
+                self._wrapped = self._wrap(WorkerLoRAManager._load_adapter)
+                WorkerLoRAManager._load_adapter = self._wrapped  # type: ignore[method-assign]
+
+    def _wrap(self, original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        @functools.wraps(original)
+        def _load_adapter(manager: Any, lora_request: Any) -> Any:
+            with self._lock:
+                sources = list(self._sources)
+            for source in sources:
+                lora = source(manager, lora_request)
+                if lora is not None:
+                    return lora
+            return original(manager, lora_request)
+
+        return _load_adapter
+
+
+_adapter_loads = _AdapterLoads()
+
+
+def answer_adapter_loads(source: LoraSource) -> None:
+    """Have vLLM's adapter loader ask ``source`` first, for as long as ``source`` lives."""
+    _adapter_loads.add(source)
 
 
 # Layerwise reload -------------------------------------------------------------------------

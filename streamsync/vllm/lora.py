@@ -5,15 +5,15 @@ a :class:`LoraSink`. At ``finalize`` the sink builds the adapter the way vLLM's 
 does (``LoRAModel.from_lora_tensors`` with the engine's ``PEFTHelper`` checks) and checks
 every module and shape against the engine's LoRA layers as each layer will take them, so a
 bad adapter fails by name on every worker before any is installed. It then *stages* the
-version: the tensors, and the checked ``LoRAModel``, go into this engine's
+version: the tensors, and the checked ``LoRAModel``, go into the worker's
 :class:`LoraStore` under the adapter's name and the sync's version.
 
 Installing is vLLM's own ``add_lora(LoRARequest(name, id, path, load_inplace=True))`` (the
 trainer calls it once every worker has staged): vLLM's worker manager builds the new
 version, and only then drops the old one. vLLM reads adapters from disk only, so the store
-answers its loads instead (:func:`streamsync.vllm._compat.lora_source`) for requests whose
-path is a version's reserved path (:func:`~streamsync.lora.version_path`); any other path
-goes to vLLM's loader. vLLM reloads adapters whenever it drops them (its LRU cache,
+answers its loads instead (:func:`streamsync.vllm._compat.answer_adapter_loads`) for
+requests whose path is a version's reserved path (:func:`~streamsync.lora.version_path`);
+any other path goes to vLLM's loader. vLLM reloads adapters whenever it drops them (its LRU cache,
 ``reset_lora_state`` after a weight update), and the store answers then too.
 
 Each version has its own path, and vLLM's prefix cache keys blocks on the adapter's name and
@@ -106,32 +106,32 @@ class LoraEngine:
             getattr(text, "max_position_embeddings", None),
         )
 
-    @property
-    def store(self) -> LoraStore:
-        """This engine's staged versions (made at the first adapter sync, and from then on
-        answering vLLM's adapter loads)."""
-        from streamsync.vllm import _compat
-
-        return _compat.lora_source(self.adapters, LoraStore)
-
 
 class LoraStore:
-    """One engine's staged adapter versions: adapter name -> {sync version: version}, newest
-    last. Called by vLLM's adapter loader (see the module); staged into on a worker's
-    receive thread and read on vLLM's engine thread, under one lock."""
+    """One worker's staged adapter versions: adapter name -> {sync version: version}, newest
+    last. Held by the worker's :class:`~streamsync.vllm.sink.WorkerState` and asked by vLLM's
+    adapter loader (see the module) for loads of the LoRA layers ``adapters``; staged into on
+    the worker's receive thread and read on vLLM's engine thread, under one lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, adapters: Any) -> None:
+        from streamsync.vllm import _compat
+
+        self.adapters = adapters
         self._lock = threading.Lock()
         self._adapters: dict[str, dict[int, _Version]] = {}
+        _compat.answer_adapter_loads(self)
 
     def __call__(self, worker_manager: Any, request: Any) -> Any:
-        """The ``LoRAModel`` for vLLM's ``request``, or ``None`` when its path is not one of
-        streamsync's (vLLM's own loader reads it)."""
+        """The ``LoRAModel`` for vLLM's ``request``, or ``None`` when it is for another
+        worker's LoRA layers or its path is not one of streamsync's (vLLM's own loader
+        reads it)."""
         from vllm.exceptions import LoRAAdapterNotFoundError
+
+        from streamsync.vllm import _compat
 
         name = request.lora_name
         version = path_version(name, request.lora_path)
-        if version is None:
+        if version is None or _compat.adapter_manager(worker_manager) is not self.adapters:
             return None
         with self._lock:
             versions = self._adapters.get(name)
@@ -334,7 +334,9 @@ class LoraSink:
 
     def finalize(self) -> LoadResult:
         target = self.lora
-        store = self.engine.store
+        store = self.state.lora
+        if store is None or store.adapters is not self.engine.adapters:
+            store = self.state.lora = LoraStore(self.engine.adapters)
         if target.remove:
             store.remove(target.name)
             return LoadResult()

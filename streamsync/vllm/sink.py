@@ -31,7 +31,7 @@ import contextlib
 import difflib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -50,18 +50,23 @@ from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
+if TYPE_CHECKING:
+    from streamsync.vllm.lora import LoraStore
+
 
 @dataclass
 class WorkerState:
     """What one vLLM worker keeps between syncs, by model instance name (``"main"``,
     ``"drafter"``): the version each instance holds, and the checkpoint-coordinate copies a
-    delta-tracking sink patches. The worker's entry point makes one and hands it to every
-    sink it builds."""
+    delta-tracking sink patches, and the adapter versions LoRA syncs staged. The worker's
+    entry point makes one and hands it to every sink it builds."""
 
     #: The version (sync id) each instance was last completely synced to.
     versions: dict[str, int] = field(default_factory=dict)
     #: Per instance, the copies of every tensor it received (``delta=True`` only).
     copies: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: The adapter versions staged on this worker (made at its first adapter sync).
+    lora: LoraStore | None = None
 
 
 @dataclass
