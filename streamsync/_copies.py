@@ -1,44 +1,32 @@
 """The library's copies, with a parallelism it controls.
 
 Every byte a sync moves on the CPU (packing into a slot, a fused cast, reassembling chunks,
-``ModuleSink``'s copies) goes through here. Three mechanisms, none of which touches the
-process-wide torch thread count (``torch.get_num_threads()`` is never changed):
+``ModuleSink``'s copies) goes through here, and ``torch.get_num_threads()`` is never changed:
 
 * **Same dtype, both sides contiguous: a ``memmove``** (the compiled kernel, else
-  ``ctypes.memmove``; both release the GIL). Small ones run inline on the calling thread,
-  many in one call, costing well under a microsecond each, so a bucket of thousands of small
-  tensors pays no per-tensor fixed cost worth the name; large ones are split into pieces of
-  at least :data:`PIECE_BYTES` across the pool. The kernel's copies of 4 KiB and more use
-  non-temporal stores (they bypass the cache): what a sync writes is not read again by the
-  writing thread, and glibc's ``memmove`` streams only above a threshold derived from the
-  cache size the CPU reports, which a VM may report as its host's (48 MiB here: below it,
-  glibc copied at about half the speed).
-* **fp32 to bf16 and back, both contiguous (the fused casts): the kernel's cast** on the
-  pool, bit for bit what torch gives (rounding to nearest even), stored past the cache:
-  about 1.5 times torch's single-threaded ``copy_`` here; torch casts an fp32 piece that
-  holds a NaN.
-* **Anything else (another cast, a non-contiguous source or destination): ``Tensor.copy_``
-  on a pool thread**, split into pieces across the pool when large. Each pool thread has set its
-  own OpenMP thread count to 1 (``omp_set_num_threads`` changes the calling thread's
-  setting only, and torch reads it per thread), so these copies run single-threaded and never
-  open an OpenMP parallel region.
+  ``ctypes.memmove``; both release the GIL). Small ones run inline, many in one call, so a
+  bucket of thousands of small tensors pays no per-tensor cost worth the name; large ones are
+  split into pieces of at least :data:`PIECE_BYTES` across the pool. The kernel's copies of
+  4 KiB and more bypass the cache: what a sync writes is not read again by the writing
+  thread, and glibc streams only above a threshold from the cache size the CPU reports,
+  which a VM may report as its host's (below it, glibc copied at about half the speed).
+* **fp32 to bf16 and back, both contiguous: the kernel's cast** on the pool, bit for bit
+  torch's (rounding to nearest even), about 1.5 times torch's single-threaded ``copy_``;
+  torch casts a piece that holds a NaN.
+* **Anything else: ``Tensor.copy_`` on a pool thread**, split across the pool when large.
+  Each pool thread sets its own OpenMP thread count to 1, so these never open an OpenMP
+  parallel region.
 
-Why: with torch's default thread count, every ``copy_`` larger than torch's grain size opens
-an OpenMP region, and between regions the runtime's worker threads spin-wait. A sync issues
-thousands of copies, so those workers spin for its whole duration, on the cores the peer
-process (the other side of a shared-memory ring) needs: on a 2-core machine shm ran at 0.23
-of the two-copy bound that way, against 0.85 with one torch thread.
+Why: with torch's default thread count every large ``copy_`` opens an OpenMP region, and
+between regions the runtime's workers spin-wait, for the whole sync, on the cores the peer
+process needs: on a 2-core machine shm ran at 0.23 of the two-copy bound that way, 0.85 with
+one torch thread.
 
-The pool (:data:`POOL_THREADS` threads named ``streamsync-copy_N``, ``streamsync-cpN`` to the
-OS) starts on first use, is
-dropped in a forked child (threads do not survive ``fork``; the child starts its own on first
-use) and is shut down at interpreter exit or by :func:`shutdown`.
-
-The compiled kernel (``_kernel.c``, also behind :mod:`streamsync.wire.patch`'s comparisons) is
-the extension module ``streamsync._kernel``, built when the package is installed and imported
-like any module: nothing is compiled, and no file outside the package is loaded, at run time.
-Where it was not built (no C compiler at install), torch, numpy and ``ctypes.memmove`` do the
-same work, the pool threads are neither pinned to one OpenMP thread nor named for the OS, and
+The pool (:data:`POOL_THREADS` threads, ``streamsync-cpN`` to the OS) starts on first use,
+is dropped in a forked child and shut down at interpreter exit or by :func:`shutdown`. The
+compiled kernel (``_kernel.c``) is the extension module ``streamsync._kernel``, built when
+the package is installed: nothing is compiled or loaded from outside the package at run
+time. Where it was not built, torch, numpy and ``ctypes.memmove`` do the same work, and
 :func:`kernel` says which is in use.
 """
 
@@ -111,10 +99,11 @@ def kernel() -> str:
     return "c" if _library() is not None else "torch"
 
 
-def _find_openmp() -> Callable[[int], Any] | None:
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], Any] | None:
     """``omp_set_num_threads`` of the OpenMP runtime torch loaded, or ``None`` (no OpenMP:
-    torch's intra-op parallelism then uses its own pool, which does not spin; or no
-    compiled kernel to find it with)."""
+    torch's own pool does not spin; or no compiled kernel to find it with). Looked up when
+    the pool starts, not at import."""
     lib = _library()
     if lib is None:
         return None
@@ -136,30 +125,18 @@ def _find_openmp() -> Callable[[int], Any] | None:
     return None
 
 
-@functools.cache
-def _omp_set_num_threads() -> Callable[[int], Any] | None:
-    # Looked up when the pool starts, not at import: importing streamsync does no work.
-    return _find_openmp()
-
-
 def openmp_runtime() -> bool:
     """Whether the pool threads pin the OpenMP runtime torch uses to one thread each."""
     return _omp_set_num_threads() is not None
-
-
-def _name_thread(name: str) -> None:
-    """Give the OS thread a name (``top -H``, ``/proc/PID/task/*/comm``) where Linux allows."""
-    lib = _library()
-    if lib is not None:
-        lib.ss_name_thread(name.encode()[:15])
 
 
 _counter = iter(range(1 << 30))
 
 
 def _init_worker() -> None:
-    index = next(_counter)
-    _name_thread(f"streamsync-cp{index}")
+    lib = _library()
+    if lib is not None:  # the OS thread's name, for ``top -H``
+        lib.ss_name_thread(f"streamsync-cp{next(_counter)}".encode())
     torch.get_num_threads()  # torch's per-thread lazy init sets this thread's OpenMP count...
     set_threads = _omp_set_num_threads()
     if set_threads is not None:
@@ -229,12 +206,6 @@ def _kernel(name: str) -> Callable[..., Any] | None:
     return None if lib is None else getattr(lib, name)
 
 
-def _memmove_batch() -> Callable[[int, int], Any] | None:
-    """The compiled kernel's ``ss_memmove_many`` (many small moves in one call: a ctypes
-    call costs about as much as moving 8 KiB), or ``None`` where it was not built."""
-    return _kernel("ss_memmove_many")
-
-
 def large_copy() -> Callable[[int, int, int], Any]:
     """How a large move (or a piece of one) is copied: the compiled kernel's ``ss_copy``,
     which streams past the cache, else ``ctypes.memmove``."""
@@ -262,7 +233,8 @@ def memmove_many(moves: Iterable[Move]) -> None:
             submit = _pool.get().submit
             for lo in range(0, nbytes, step):
                 futures.append(submit(large_copy(), dst + lo, src + lo, min(step, nbytes - lo)))
-        batch = _memmove_batch() if len(small) >= 3 * _BATCH_FROM else None
+        # Many small moves in one call: a ctypes call costs about as much as moving 8 KiB.
+        batch = _kernel("ss_memmove_many") if len(small) >= 3 * _BATCH_FROM else None
         if batch is not None:
             packed = array.array("q", small)
             batch(packed.buffer_info()[0], len(small) // 3)
@@ -366,7 +338,7 @@ def _cut(moves: np.ndarray, parts: int) -> list[np.ndarray]:
 
 def _move_batch(moves: np.ndarray) -> None:
     """Do the ``(dst, src, nbytes)`` rows of a contiguous int64 array of moves."""
-    batch = _memmove_batch()
+    batch = _kernel("ss_memmove_many")
     if batch is not None:
         batch(moves.ctypes.data, len(moves))
     else:
@@ -403,14 +375,14 @@ def kernel_cast(dst: torch.Tensor, src: torch.Tensor) -> None:
         _torch_copy(dst, src)
 
 
-def _is_kernel_cast(dst: torch.Tensor, src: torch.Tensor) -> bool:
+def _flat_pair(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Both on the CPU, of one shape, contiguous: a memmove or a kernel cast can copy them."""
     return (
         dst.is_cpu
         and src.is_cpu
         and dst.shape == src.shape
         and dst.is_contiguous()
         and src.is_contiguous()
-        and _cast_kernel(src.dtype, dst.dtype) is not None
     )
 
 
@@ -435,17 +407,6 @@ def _split(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, tor
     return [(dst[lo : lo + step], src[lo : lo + step]) for lo in range(0, rows, step)]
 
 
-def _is_move(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return (
-        dst.dtype == src.dtype
-        and dst.is_cpu
-        and src.is_cpu
-        and dst.shape == src.shape
-        and dst.is_contiguous()
-        and src.is_contiguous()
-    )
-
-
 class CopyBatch:
     """Copies collected first and then run together (:meth:`run`), so a bucket's large
     copies proceed in parallel on the pool while its small ones run inline."""
@@ -462,7 +423,7 @@ class CopyBatch:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``, as a memmove where that suffices."""
-        if _is_move(dst, src):
+        if dst.dtype == src.dtype and _flat_pair(dst, src):
             self.move(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
         else:
             self._pairs.append((dst, src))
@@ -478,7 +439,8 @@ class CopyBatch:
                     _torch_copy(dst, src)  # another device: its own streams, no OpenMP
                     continue
                 submit = _pool.get().submit
-                copy = kernel_cast if _is_kernel_cast(dst, src) else _torch_copy
+                cast = _flat_pair(dst, src) and _cast_kernel(src.dtype, dst.dtype) is not None
+                copy = kernel_cast if cast else _torch_copy
                 futures.extend(submit(copy, d, s) for d, s in _split(dst, src))
             memmove_many(moves)
         finally:

@@ -1,29 +1,20 @@
 """``VllmSink``: the three-phase lifecycle on every model instance of a vLLM worker.
 
-A worker serves a main model and, with speculative decoding, a drafter. Every bucket goes to
-every instance; each loads the names it knows. The phases are carried out by a
-:class:`~streamsync.vllm.lifecycles.Lifecycle` chosen by name or by what the installed vLLM
-offers (:mod:`streamsync.vllm.lifecycles`).
+A worker serves a main model and, with speculative decoding, a drafter; every bucket goes to
+every instance, and each loads the names it knows. The phases are a
+:class:`~streamsync.vllm.lifecycles.Lifecycle`'s, with the named fix-ups of
+:mod:`streamsync.vllm.quirks` around them. Buffer updates bypass ``load_weights``: they are
+kept until the lifecycle has finished (reloading re-materialises layers) and then copied in
+place by the :class:`~streamsync.adapters.split_buffers.BufferRouter`.
 
-Backend quirks are small named fix-ups (:mod:`streamsync.vllm.quirks`) applied around the
-phases. Buffer updates (names the instances register as buffers, or that the sender declared
-with :func:`~streamsync.adapters.split_buffers`) bypass ``load_weights``: they are kept until
-the lifecycle has finished (reloading re-materialises layers and would overwrite them) and
-then copied in place into every instance by the
-:class:`~streamsync.adapters.split_buffers.BufferRouter`.
+A parameter held under several names (tied embeddings) is loaded under every one of them,
+since each name's layer re-processes its own copy; a later tensor under another of those
+names must hold the same bytes. No parameter or buffer may be left on the meta device.
 
-A parameter an instance holds under several names (tied embeddings: ``lm_head.weight`` is
-``model.embed_tokens.weight``) is loaded under every one of them from whichever the sync
-carries first, since each name belongs to a layer that re-processes its own copy (the CPU
-build packs ``lm_head`` for its GEMM). A later tensor under another of those names must hold
-the same bytes. After the lifecycle, no parameter or buffer may be left on the meta device:
-such a sync fails by name.
-
-With ``delta=True`` the sink keeps a copy of every tensor it received, in checkpoint
-coordinates (the wire's names, dtypes and shapes), in the worker's :class:`WorkerState`: a
-delta sync patches those copies (``target``) and then loads every copy through the ordinary
-lifecycle, so fused, sharded, quantized and repacked layers are rebuilt from whole checkpoint
-tensors as in a full sync. That costs one host copy of the synced weights per worker."""
+With ``delta=True`` the worker's :class:`WorkerState` keeps a host copy of every tensor
+received, in checkpoint coordinates: a delta patches those copies and then loads them all
+through the ordinary lifecycle, so fused, sharded, quantized and repacked layers are rebuilt
+from whole checkpoint tensors as in a full sync."""
 
 from __future__ import annotations
 
@@ -173,8 +164,8 @@ def _require_materialised(inst: ModelInstance) -> None:
         )
 
 
-def _is_fp8(tensor: torch.Tensor) -> bool:
-    return tensor.dtype.is_floating_point and tensor.element_size() == 1
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
 
 
 def _require_fp8_engine(inst: ModelInstance, tensors: Sequence[NamedTensor]) -> None:
@@ -182,11 +173,11 @@ def _require_fp8_engine(inst: ModelInstance, tensors: Sequence[NamedTensor]) -> 
     before any is loaded: vLLM would cast some into its weights and fail on the scales."""
     from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
 
-    fp8 = next((n for n, t in tensors if _is_fp8(t) or n.endswith(SCALE_SUFFIX)), None)
+    fp8 = next((n for n, t in tensors if _is_fp8(t.dtype) or n.endswith(SCALE_SUFFIX)), None)
     if fp8 is None or getattr(inst.model_config, "quantization", None) is not None:
         return
     dtypes = {p.dtype for p in inst.model.parameters()}
-    if any(dtype.is_floating_point and dtype.itemsize == 1 for dtype in dtypes):
+    if any(_is_fp8(dtype) for dtype in dtypes):
         return
     shown = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
     raise ConfigError(
