@@ -11,12 +11,22 @@ import torch
 
 from streamsync import ConfigError, named_tensors
 from streamsync.adapters import cast, expand_moe, quantize_fp8
-from streamsync.adapters.quantize_fp8 import FP8_MAX, dequantize_block_fp8, quantize_block_fp8
+from streamsync.adapters.quantize_fp8 import FP8_MAX, Block, quantize_block_fp8
 from streamsync.testing import FakeConfig, fake_state_dict
 
 
 async def collect(stream: Any) -> list[tuple[str, torch.Tensor]]:
     return [item async for item in stream]
+
+
+def dequantize_block_fp8(
+    fp8: torch.Tensor, scale_inv: torch.Tensor, block: Block = (128, 128)
+) -> torch.Tensor:
+    """The inverse of ``quantize_block_fp8``: ``fp8 * scale_inv``, block by block, in fp32."""
+    bn, bk = block
+    *_, n, k = fp8.shape
+    scale = scale_inv.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
+    return fp8.float() * scale[..., :n, :k].float()
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

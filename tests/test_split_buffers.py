@@ -17,7 +17,6 @@ from streamsync.adapters.split_buffers import (
     MANIFEST_NAME,
     BufferRouter,
     BufferSink,
-    apply_buffers,
     buffer_names,
 )
 from streamsync.report import LoadResult
@@ -229,7 +228,7 @@ async def test_adapter_sends_the_manifest_first_and_the_stream_unchanged() -> No
     out = [x async for x in split_buffers(["b", "z"])(ss.named_tensors(src))]
     assert out[0][0] == MANIFEST_NAME and out[0][1].dtype == torch.uint8
     assert out[1:] == list(src.items())
-    rest, applied = apply_buffers([torch.nn.Module()], [out[0]], strict=False)
+    rest, applied = BufferRouter([torch.nn.Module()], strict=False).split([out[0]])
     assert rest == [] and applied == {"instance0": []}
 
 
@@ -248,7 +247,7 @@ def test_apply_casts_and_reports_per_instance() -> None:
     main, drafter = _engine_pair()
     value = torch.arange(E, dtype=torch.float32)
     tensors = [(BIAS.format(1), value), ("layers.1.proj.weight", torch.ones(H, H))]
-    rest, applied = apply_buffers({"main": main, "drafter": drafter}, tensors)
+    rest, applied = BufferRouter({"main": main, "drafter": drafter}).split(tensors)
     assert [n for n, _ in rest] == ["layers.1.proj.weight"]
     assert applied == {"main": [BIAS.format(1)], "drafter": [BIAS.format(1)]}
     for m in (main, drafter):
@@ -259,14 +258,14 @@ def test_shape_mismatch_names_buffer_and_instance_and_applies_nothing() -> None:
     main, drafter = _engine_pair()
     tensors = [(BIAS.format(0), torch.ones(E)), (BIAS.format(1), torch.ones(E + 1))]
     with pytest.raises(ShapeMismatchError, match=r"'layers\.1\.gate\.e_score.*'main'.*\[4\]"):
-        apply_buffers({"main": main, "drafter": drafter}, tensors)
+        BufferRouter({"main": main, "drafter": drafter}).split(tensors)
     assert main.layers["0"].gate.e_score_correction_bias.abs().sum() == 0
 
 
 def test_declared_buffer_nobody_has() -> None:
     tensors = [("layers.9.gate.e_score_correction_bias", torch.ones(E))]
     with pytest.raises(UnknownTensorError, match=r"layers\.9.*'instance0'"):
-        apply_buffers([Engine()], tensors, buffers=[tensors[0][0]])
+        BufferRouter([Engine()], buffers=[tensors[0][0]]).split(tensors)
     router = BufferRouter([Engine()], buffers=[tensors[0][0]], strict=False)
     rest, _ = router.split(tensors)
     assert [n for n, _ in rest] == [tensors[0][0]] and router.unexpected == [tensors[0][0]]
@@ -274,10 +273,10 @@ def test_declared_buffer_nobody_has() -> None:
 
 def test_manifest_is_validated() -> None:
     with pytest.raises(WireFormatError, match="streamsync::buffers"):
-        apply_buffers([Engine()], [(MANIFEST_NAME, torch.ones(3))])
+        BufferRouter([Engine()]).split([(MANIFEST_NAME, torch.ones(3))])
     bad = torch.frombuffer(bytearray(b'{"a": 1}'), dtype=torch.uint8)
     with pytest.raises(WireFormatError, match="not a list"):
-        apply_buffers([Engine()], [(MANIFEST_NAME, bad)])
+        BufferRouter([Engine()]).split([(MANIFEST_NAME, bad)])
 
 
 def test_manifest_lasts_one_sync() -> None:

@@ -93,25 +93,6 @@ def quantize_block_fp8(
     return fp8, scale.view(*lead, nb, kb)
 
 
-def dequantize_block_fp8(
-    fp8: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: Block = (128, 128),
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """The inverse of :func:`quantize_block_fp8`: ``fp8 * scale_inv``, block by block."""
-    bn, bk = _check_block(block)
-    *_, n, k = fp8.shape
-    scale = scale_inv.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
-    return (fp8.float() * scale[..., :n, :k].float()).to(dtype)
-
-
-def scale_name(name: str) -> str:
-    """The name of the scale emitted after weight ``name``: ``<module>.weight_scale_inv``
-    for ``<module>.weight``, ``<name>_scale_inv`` otherwise (packed experts)."""
-    return f"{name}{SCALE_SUFFIX}"
-
-
 def eligible(name: str, tensor: torch.Tensor, skip: Callable[[str], bool] | None = None) -> bool:
     """Whether ``quantize_fp8`` quantizes ``(name, tensor)`` (``skip``: its extra skips)."""
     if tensor.dtype not in CASTABLE or tensor.numel() == 0:
@@ -155,5 +136,5 @@ async def quantize_fp8(
         del tensor  # the source may free it while its quantized form travels
         yield name, fp8
         del fp8
-        yield scale_name(name), scale
+        yield f"{name}{SCALE_SUFFIX}", scale
         del scale

@@ -191,18 +191,6 @@ class BufferRouter:
         return rest, applied
 
 
-def apply_buffers(
-    instances: Instances,
-    tensors: Iterable[NamedTensor],
-    *,
-    buffers: Iterable[str] = (),
-    strict: bool = True,
-) -> tuple[list[NamedTensor], dict[str, list[str]]]:
-    """One-shot :meth:`BufferRouter.split`: copy buffer updates into every instance, return
-    the remaining tensors and the names applied per instance."""
-    return BufferRouter(instances, buffers=buffers, strict=strict).split(tensors)
-
-
 class BufferSink:
     """A sink that applies buffer updates to every model instance itself and hands the rest
     of each bucket to ``sink`` (typically one that calls ``load_weights``).
