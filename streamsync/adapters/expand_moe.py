@@ -144,14 +144,6 @@ class MixtralRule(QwenStyleRule):
         return super().expand(name, tensor)
 
 
-class PackedCheckpointRule(MoeRule):
-    """A family whose checkpoints keep experts packed exactly as the live model does, so
-    there is nothing to expand (``reason`` says why)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
 _QWEN = QwenStyleRule()
 _MIXTRAL = MixtralRule()
 
@@ -188,10 +180,9 @@ RULES: dict[str, MoeRule] = {
         _QWEN,
     ),
     **dict.fromkeys(("mixtral", "minimax", "minimax_m2"), _MIXTRAL),
-    "gpt_oss": PackedCheckpointRule(
-        "GPT-OSS checkpoints store gate/up interleaved and packed with their biases, as the "
-        "live model does, and vLLM loads them packed"
-    ),
+    # Checkpoints store gate/up interleaved and packed with their biases, as the live model
+    # does, and vLLM loads them packed: nothing to expand.
+    "gpt_oss": MoeRule(),
 }
 
 

@@ -1,16 +1,13 @@
 """Lifecycles: how a vLLM model instance is prepared, loaded and finalized, registered by
-name (next to the quirks of :mod:`streamsync.vllm.quirks`; users may register their own).
+name (users may register their own, in a module the worker process imports too, since
+workers choose one by name: ``worker_options={"lifecycle": ...}``).
 
-- :class:`LayerwiseReload` (vLLM with ``model_executor/model_loader/reload``): restore each
-  layer's checkpoint layout, buffer its weights as they stream in, re-run
-  ``process_weights_after_loading`` per layer and copy the result into the *same storage*
-  (captured graphs stay valid).
-- :class:`DirectLoad` (older vLLM): ``load_weights`` straight into the live parameters, then
-  ``process_weights_after_loading`` once at the end.
+- :class:`LayerwiseReload`: restore each layer's checkpoint layout, buffer its weights as
+  they stream in, process each layer when complete, into the *same storage* (captured
+  graphs stay valid).
+- :class:`DirectLoad`: ``load_weights`` into the live parameters, processed once at the end.
 
-Workers choose one by name (``worker_options={"lifecycle": ...}``), so a lifecycle of your
-own must be registered in the worker process too (in a module the worker imports). A
-lifecycle may also have ``abort(inst)``: after a sync that failed between prepare and
+A lifecycle may also have ``abort(inst)``: after a sync that failed between prepare and
 finalize, leave the instance able to serve (:meth:`~streamsync.vllm.sink.VllmSink.abort`).
 """
 
@@ -82,16 +79,11 @@ class LayerwiseReload:
 
     def load(self, inst: ModelInstance, tensors: Sequence[NamedTensor]) -> set[str]:
         loaded = set(inst.model.load_weights(tensors))  # type: ignore[operator]
-        self._detach_pending()
-        return loaded
-
-    def _detach_pending(self) -> None:
         # A layer whose weights straddle buckets keeps the tensors it was given until it is
-        # complete; those are views of a transport slot that is about to be reused. Copy
-        # them now (only the pending layers' tensors, typically one layer's worth). They
-        # are found in vLLM's records of every layer of this process (a record made during
-        # this load included), which costs a tenth of walking the model's modules.
+        # complete: views of a transport slot about to be reused, so copied now. vLLM's
+        # records find them at a tenth of the cost of walking the model's modules.
         self._compat.replace_pending(self._own)
+        return loaded
 
     def _own(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` if this lifecycle copied it already, else its copy."""

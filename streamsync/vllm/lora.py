@@ -69,8 +69,13 @@ class LoraEngine:
     max_position_embeddings: int | None
 
     @classmethod
-    def of_manager(cls, manager: Any) -> LoraEngine:
-        """From vLLM's ``WorkerLoRAManager``."""
+    def of_worker(cls, worker: Any) -> LoraEngine:
+        """From a vLLM worker; a :class:`LoraError` naming ``enable_lora`` when the engine
+        serves no LoRA."""
+        runner = getattr(worker, "model_runner", None)
+        manager = getattr(runner, "lora_manager", None)
+        if getattr(runner, "lora_config", None) is None or manager is None:
+            raise LoraError(_NO_LORA)
         from streamsync.vllm import _compat
 
         return cls(
@@ -79,16 +84,6 @@ class LoraEngine:
             manager.vocab_size,
             manager.max_position_embeddings,
         )
-
-    @classmethod
-    def of_worker(cls, worker: Any) -> LoraEngine:
-        """From a vLLM worker; a :class:`LoraError` naming ``enable_lora`` when the engine
-        serves no LoRA."""
-        runner = getattr(worker, "model_runner", None)
-        manager = getattr(runner, "lora_manager", None)
-        if getattr(runner, "lora_config", None) is None or manager is None:
-            raise LoraError(_NO_LORA)
-        return cls.of_manager(manager)
 
     @classmethod
     def of_model(cls, model: Any, vllm_config: Any) -> LoraEngine:
@@ -110,13 +105,13 @@ class LoraEngine:
 class LoraStore:
     """One worker's staged adapter versions: adapter name -> {sync version: version}, newest
     last. Held by the worker's :class:`~streamsync.vllm.sink.WorkerState` and asked by vLLM's
-    adapter loader (see the module) for loads of the LoRA layers ``adapters``; staged into on
+    adapter loader (see the module) for loads into ``engine``'s LoRA layers; staged into on
     the worker's receive thread and read on vLLM's engine thread, under one lock."""
 
-    def __init__(self, adapters: Any) -> None:
+    def __init__(self, engine: LoraEngine) -> None:
         from streamsync.vllm import _compat
 
-        self.adapters = adapters
+        self.engine = engine
         self._lock = threading.Lock()
         self._adapters: dict[str, dict[int, _Version]] = {}
         _compat.answer_adapter_loads(self)
@@ -131,7 +126,7 @@ class LoraStore:
 
         name = request.lora_name
         version = path_version(name, request.lora_path)
-        if version is None or _compat.adapter_manager(worker_manager) is not self.adapters:
+        if version is None or _compat.adapter_manager(worker_manager) is not self.engine.adapters:
             return None
         with self._lock:
             versions = self._adapters.get(name)
@@ -146,8 +141,7 @@ class LoraStore:
             lora, entry.built = entry.built, None
             entry.loaded = True
         if lora is None:
-            engine = LoraEngine.of_manager(worker_manager)
-            lora = build(engine, request.lora_int_id, entry.tensors, entry.config)
+            lora = build(self.engine, request.lora_int_id, entry.tensors, entry.config)
         lora.id = request.lora_int_id
         lora.is_3d_lora_weight = bool(getattr(request, "is_3d_lora_weight", False))
         return lora
@@ -335,8 +329,8 @@ class LoraSink:
     def finalize(self) -> LoadResult:
         target = self.lora
         store = self.state.lora
-        if store is None or store.adapters is not self.engine.adapters:
-            store = self.state.lora = LoraStore(self.engine.adapters)
+        if store is None or store.engine.adapters is not self.engine.adapters:
+            store = self.state.lora = LoraStore(self.engine)
         if target.remove:
             store.remove(target.name)
             return LoadResult()

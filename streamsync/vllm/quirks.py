@@ -30,12 +30,6 @@ class Quirk(Protocol):
     def after_finalize(self, inst: ModelInstance) -> None: ...
 
 
-def _cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 class CpuMoePrepack:
     """vLLM's unquantized MoE method skips the CPU experts' grouped-gemm prepack when it
     processes weights a second time (it takes that path as "a weight update: copy into the
@@ -45,7 +39,9 @@ class CpuMoePrepack:
     name = "cpu-moe-prepack"
 
     def applies(self) -> bool:
-        return (vllm_version() or (0, 0, 0)) >= (0, 25, 0) and _cpu_platform()
+        from vllm.platforms import current_platform
+
+        return (vllm_version() or (0, 0, 0)) >= (0, 25, 0) and bool(current_platform.is_cpu())
 
     def before_prepare(self, inst: ModelInstance) -> None:
         pass
