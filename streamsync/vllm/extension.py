@@ -47,17 +47,13 @@ class WorkerExtension:
         it (by class name, with the partial report), so a failed sync never takes the
         engine down and the trainer re-raises it.
         """
-        from streamsync.vllm.lora import LoraEngine
         from streamsync.vllm.sink import model_instances
         from streamsync.vllm.worker_sink import WorkerModels, worker_sink
 
         def sink(opts: WorkerOptions) -> Sink:
             worker: Any = self  # vLLM's worker, which this class is mixed into
             models = WorkerModels(
-                model_instances(worker),
-                worker.vllm_config,
-                lambda: LoraEngine.of_worker(worker),
-                self.streamsync_state,
+                model_instances(worker), worker.vllm_config, self.streamsync_state
             )
             return worker_sink(models, opts)
 

@@ -69,36 +69,22 @@ class LoraEngine:
     max_position_embeddings: int | None
 
     @classmethod
-    def of_worker(cls, worker: Any) -> LoraEngine:
-        """From a vLLM worker; a :class:`LoraError` naming ``enable_lora`` when the engine
-        serves no LoRA."""
-        runner = getattr(worker, "model_runner", None)
-        manager = getattr(runner, "lora_manager", None)
-        if getattr(runner, "lora_config", None) is None or manager is None:
-            raise LoraError(_NO_LORA)
-        from streamsync.vllm import _compat
-
-        return cls(
-            _compat.adapter_manager(manager),
-            manager.lora_config,
-            manager.vocab_size,
-            manager.max_position_embeddings,
-        )
-
-    @classmethod
     def of_model(cls, model: Any, vllm_config: Any) -> LoraEngine:
-        """From the model a worker serves (vLLM's weight-transfer engines get only that)."""
+        """From the main model a worker serves (vLLM's LoRA manager hangs on it) and the
+        worker's config; a :class:`LoraError` naming ``enable_lora`` when it serves no LoRA."""
         adapters = getattr(model, "lora_manager", None)
         lora_config = getattr(vllm_config, "lora_config", None)
         if adapters is None or lora_config is None:
             raise LoraError(_NO_LORA)
         model_config = vllm_config.model_config
         text = model_config.hf_config.get_text_config()
+        # What vLLM's worker passes its loader: an encoder-decoder's target positions.
+        positions = "max_target_positions" if model_config.is_encoder_decoder else ""
         return cls(
             adapters,
             lora_config,
             model_config.get_vocab_size(),
-            getattr(text, "max_position_embeddings", None),
+            getattr(text, positions or "max_position_embeddings", None),
         )
 
 

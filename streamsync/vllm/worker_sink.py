@@ -7,7 +7,7 @@ the lifecycle, quirks and delta copies the options name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +16,6 @@ from streamsync.errors import LoraError
 
 if TYPE_CHECKING:
     from streamsync.sink import Sink
-    from streamsync.vllm.lora import LoraEngine
     from streamsync.vllm.sink import ModelInstance, WorkerState
 
 
@@ -28,8 +27,6 @@ class WorkerModels:
     instances: Sequence[ModelInstance]
     #: The worker's ``VllmConfig``.
     vllm_config: Any
-    #: The worker's LoRA engine, asked for only by an adapter sync.
-    lora_engine: Callable[[], LoraEngine]
     #: What the worker keeps between syncs (versions held, delta copies).
     state: WorkerState
 
@@ -37,7 +34,7 @@ class WorkerModels:
 def worker_sink(models: WorkerModels, options: WorkerOptions) -> Sink:
     """The sink for one sync into ``models`` with ``options``."""
     from streamsync.vllm.lifecycles import choose_lifecycle
-    from streamsync.vllm.lora import LoraSink
+    from streamsync.vllm.lora import LoraEngine, LoraSink
     from streamsync.vllm.quirks import quirks_by_name
     from streamsync.vllm.sink import VllmSink
 
@@ -48,7 +45,8 @@ def worker_sink(models: WorkerModels, options: WorkerOptions) -> Sink:
                 "a LoRA adapter sync goes to the main model: start it with "
                 "start_weight_update, not start_draft_weight_update"
             )
-        return LoraSink(models.lora_engine(), options.lora, models.state)
+        engine = LoraEngine.of_model(main.model, models.vllm_config)
+        return LoraSink(engine, options.lora, models.state)
     found = models.instances
     if options.instances is not None:
         found = [inst for inst in found if inst.name in options.instances]

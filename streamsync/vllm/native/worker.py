@@ -80,7 +80,6 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WorkerOptions) -> None:
-        from streamsync.vllm.lora import LoraEngine
         from streamsync.vllm.sink import ModelInstance
         from streamsync.vllm.worker_sink import WorkerModels, worker_sink
 
@@ -95,7 +94,6 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         models = WorkerModels(
             [ModelInstance(self._target, self.model, self.model_config)],
             self.vllm_config,
-            lambda: LoraEngine.of_model(self.model, self.vllm_config),
             self._state,
         )
 
