@@ -22,7 +22,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -58,12 +58,10 @@ def validate_lora(adapters: Any, lora: Any) -> None:
     adapters._validate_token_classification_lora(lora)
 
 
-class LoraSource(Protocol):
-    """What answers an adapter load: the adapter built for ``request`` by the worker's
-    ``WorkerLoRAManager``, or ``None`` to leave it to the next source, then to vLLM (which
-    reads the request's path from disk)."""
-
-    def __call__(self, worker_manager: Any, request: Any) -> Any: ...
+#: What answers an adapter load: called with vLLM's ``WorkerLoRAManager`` and the
+#: ``LoRARequest``, the adapter built for it, or ``None`` to leave it to the next source,
+#: then to vLLM (which reads the request's path from disk).
+LoraSource = Callable[[Any, Any], Any]
 
 
 class _AdapterLoads:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 class WorkerState:
     """What one vLLM worker keeps between syncs, by model instance name (``"main"``,
     ``"drafter"``): the version each instance holds, and the checkpoint-coordinate copies a
-    delta-tracking sink patches, and the adapter versions LoRA syncs staged. The worker's
-    entry point makes one and hands it to every sink it builds."""
+    delta-tracking sink patches, and the adapter versions LoRA syncs staged. Made by the
+    worker's entry point and handed to every sink it builds."""
 
     #: The version (sync id) each instance was last completely synced to.
     versions: dict[str, int] = field(default_factory=dict)
@@ -67,8 +67,6 @@ class ModelInstance:
     name: str
     model: torch.nn.Module
     model_config: Any = None
-    #: Names this instance takes; ``None`` means it is offered every name.
-    accepts: Callable[[str], bool] | None = None
     loaded: set[str] = field(default_factory=set)
     offered: set[str] = field(default_factory=set)
     #: Each name of a parameter the model holds under several names, with its other names
@@ -361,8 +359,7 @@ class VllmSink:
                 else:
                     params.append((name, tensor))
             for inst in self.instances:
-                offered = [(n, t) for n, t in params if inst.accepts is None or inst.accepts(n)]
-                offered = _with_ties(inst, offered)
+                offered = _with_ties(inst, params)
                 inst.offered.update(n for n, _ in offered)
                 if offered:
                     _require_fp8_engine(inst, offered)
@@ -393,9 +390,8 @@ class VllmSink:
 
     def abort(self) -> None:
         """After a sync that failed between :meth:`prepare` and :meth:`finalize`: leave every
-        instance able to serve (the lifecycle's ``abort``: the layers that completed keep
-        the new weights, the others the old), then run the quirks over what was loaded.
-        Nothing to do unless the sync had been prepared and not finalized."""
+        instance able to serve (the lifecycle's ``abort``), then run the quirks over what
+        was loaded."""
         if not self._prepared:
             return
         self._prepared = False
@@ -430,7 +426,6 @@ class VllmSink:
             self._buffers = []
             for inst in self.instances:
                 inst.loaded.update(applied[inst.name])
-                inst.offered.update(applied[inst.name])
                 params = {checkpoint_name(n) for n, _ in inst.model.named_parameters()}
                 per_instance[inst.name] = LoadResult(
                     loaded=tuple(sorted(inst.loaded)),
