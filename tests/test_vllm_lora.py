@@ -469,3 +469,39 @@ def test_an_async_llm_in_its_own_process_serves_each_version(
         llm.shutdown()
         llm = None
         gc.collect()
+
+
+def test_a_workers_store_answers_its_own_engines_loads_only_while_it_lives() -> None:
+    # Two workers in one process (in-process engines): each store answers vLLM's loader for
+    # its own LoRA layers, the other's loads go on to vLLM (which finds nothing on disk),
+    # and a store gone with its worker answers nothing. Nothing is written onto vLLM's
+    # managers: they are plain objects here with only what vLLM's loader reads.
+    import gc
+    from types import SimpleNamespace
+
+    from vllm.exceptions import LoRAAdapterNotFoundError
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    from streamsync.lora import lora_id, version_path
+    from streamsync.vllm.lora import LoraEngine, LoraStore, _Version
+
+    def worker() -> tuple[Any, LoraStore, Any]:
+        layers = SimpleNamespace(supported_lora_modules=[], packed_modules_mapping={})
+        manager = SimpleNamespace(_adapter_manager=layers, max_position_embeddings=None)
+        store = LoraStore(LoraEngine(layers, None, None, None))
+        adapter = SimpleNamespace()
+        store.stage("a", 3, _Version({}, {}, built=adapter), keep=())
+        return manager, store, adapter
+
+    (manager_1, store_1, adapter_1), (manager_2, store_2, adapter_2) = worker(), worker()
+    request = LoRARequest("a", lora_id("a"), version_path("a", 3), load_inplace=True)
+    assert WorkerLoRAManager._load_adapter(manager_1, request) is adapter_1
+    assert WorkerLoRAManager._load_adapter(manager_2, request) is adapter_2
+    assert adapter_1.id == adapter_2.id == lora_id("a")
+    assert store_1.held() == store_2.held() == ["a"]
+    assert vars(manager_1).keys() == {"_adapter_manager", "max_position_embeddings"}
+    del store_2
+    gc.collect()
+    with pytest.raises(LoRAAdapterNotFoundError):
+        WorkerLoRAManager._load_adapter(manager_2, request)
