@@ -1,11 +1,10 @@
 """``quantize_fp8(block=(128, 128), skip=...)``: block-wise FP8 weights, quantized once at the
 sender.
 
-For FP8 rollout the engine needs each eligible weight as ``float8_e4m3fn`` plus a ``float32``
-per-block multiplier ``<module>.weight_scale_inv`` of shape ``[ceil(N/128), ceil(K/128)]``
-(block amax / 448), the layout of DeepSeek-V3's FP8 checkpoints that vLLM's block-FP8 linear
-layers load. Quantizing here, once, spares every tensor-parallel rank (and the drafter) from
-quantizing the same weight again.
+Each eligible weight becomes ``float8_e4m3fn`` plus a ``float32`` per-block multiplier
+``<module>.weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]`` (block amax / 448): DeepSeek-V3's
+FP8 checkpoint layout, which vLLM's block-FP8 linear layers load. Quantized once here, not
+on every tensor-parallel rank and drafter.
 
 Eligible: 2-D ``*.weight`` tensors of dtype float64/32/16 or bfloat16, and packed 3-D expert
 tensors (``*.experts.gate_up_proj`` / ``down_proj``, with or without ``.weight``), quantized

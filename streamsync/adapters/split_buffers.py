@@ -1,16 +1,13 @@
 """``split_buffers(...)``: buffer updates applied by in-place copy, apart from ``load_weights``.
 
 Some models keep training-updated state in registered buffers (DeepSeek-V3's
-``e_score_correction_bias``), which the ``load_weights`` of many engine models drops or
-routes wrongly. The receiver's :class:`BufferRouter` (used by :class:`BufferSink` and the vLLM
-sink) takes buffer updates out of what ``load_weights`` sees and copies them in place,
-shape-checked and cast, into each model instance it serves (a main model, a drafter) that has
-the name; names travel unchanged. A name is a buffer if any receiving instance registers it
-as one, or if the sender declared it with this adapter, in the manifest tensor
-:data:`MANIFEST_NAME` (UTF-8 JSON as ``uint8``) sent first, even where the engine holds it as
-a parameter. The receive path takes the manifest out of the stream and hands its names to
-a sink's ``declare_buffers``; no sink loads it. :class:`~streamsync.ModuleSink` copies
-buffers by name anyway.
+``e_score_correction_bias``), which many engine models' ``load_weights`` drop or route
+wrongly. The receiver's :class:`BufferRouter` (in :class:`BufferSink` and the vLLM sink)
+copies buffer updates in place, shape-checked and cast, into each model instance that has the
+name. A name is a buffer if a receiving instance registers it as one, or if the sender
+declared it with this adapter, in the manifest tensor :data:`MANIFEST_NAME` (UTF-8 JSON as
+``uint8``) sent first; the receive path hands the manifest's names to a sink's
+``declare_buffers``, and no sink loads it.
 """
 
 from __future__ import annotations
@@ -109,10 +106,8 @@ class BufferRouter:
     """Splits each bucket into buffer updates, copied in place, and the rest.
 
     ``instances``: the receiving models, a sequence (labelled ``instance0``, ...) or a mapping
-    of labels (``{"main": m, "drafter": d}``). ``buffers``: names to treat as buffers on top
-    of each instance's registered buffers and any manifest from the sender. ``strict``: a
-    buffer that no instance has raises :class:`~streamsync.UnknownTensorError`; otherwise it
-    is passed on with the parameters.
+    of labels. ``buffers``: more names to treat as buffers. ``strict``: a buffer that no
+    instance has raises :class:`~streamsync.UnknownTensorError`, else it is passed on.
     """
 
     def __init__(
