@@ -1,8 +1,8 @@
-"""Backend quirks: small named fix-ups around the lifecycle, registered per backend and
+"""Backend quirks: small named fix-ups after the lifecycle, registered per backend and
 vLLM version. Each has a test that fails without it (``tests/test_vllm_moe.py``).
 
-A quirk has ``applies()`` (is it needed with the installed vLLM and platform?),
-``before_prepare(instance)`` and ``after_finalize(instance)``.
+A quirk has ``applies()`` (is it needed with the installed vLLM and platform?) and
+``after_finalize(instance)`` (also run after an aborted sync).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 
 
 class Quirk(Protocol):
+    """A named fix-up run after the lifecycle (see the module)."""
+
     name: str
 
     def applies(self) -> bool: ...
-
-    def before_prepare(self, inst: ModelInstance) -> None: ...
 
     def after_finalize(self, inst: ModelInstance) -> None: ...
 
@@ -42,9 +42,6 @@ class CpuMoePrepack:
         from vllm.platforms import current_platform
 
         return (vllm_version() or (0, 0, 0)) >= (0, 25, 0) and bool(current_platform.is_cpu())
-
-    def before_prepare(self, inst: ModelInstance) -> None:
-        pass
 
     def after_finalize(self, inst: ModelInstance) -> None:
         from streamsync.vllm._compat import cpu_prepack_moe_weight

@@ -340,8 +340,6 @@ class VllmSink:
                 inst.tied_loaded = {}
                 if inst.tied is None:
                     inst.tied = tied_names(inst.model)
-                for quirk in self.quirks:
-                    quirk.before_prepare(inst)
                 self.lifecycle.prepare(inst)
 
     def declare_buffers(self, names: frozenset[str]) -> None:
