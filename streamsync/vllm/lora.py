@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +35,9 @@ from streamsync.errors import LoraError
 from streamsync.lora import lora_id, path_version
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.vllm.sink import WorkerState
+
+if TYPE_CHECKING:
+    from streamsync.vllm.sink import WorkerState
 
 
 @dataclass
@@ -275,12 +277,10 @@ class LoraSink:
     and stages them at ``finalize`` (see the module). The base weights are untouched, so the
     version the worker reports holding (for delta syncs) is the base's."""
 
-    def __init__(
-        self, engine: LoraEngine, target: LoraTarget, state: WorkerState | None = None
-    ) -> None:
+    def __init__(self, engine: LoraEngine, target: LoraTarget, state: WorkerState) -> None:
         self.engine = engine
         self.lora = target
-        self.state = state if state is not None else WorkerState()
+        self.state = state
         self._tensors: dict[str, torch.Tensor] = {}
 
     @property
