@@ -2,12 +2,11 @@
 
 Some models keep training-updated state in registered buffers (DeepSeek-V3's
 ``e_score_correction_bias``), which many engine models' ``load_weights`` drop or route
-wrongly. The receiver's :class:`BufferRouter` (in :class:`BufferSink` and the vLLM sink)
-copies buffer updates in place, shape-checked and cast, into each model instance that has the
-name. A name is a buffer if a receiving instance registers it as one, or if the sender
-declared it with this adapter, in the manifest tensor :data:`MANIFEST_NAME` (UTF-8 JSON as
-``uint8``) sent first; the receive path hands the manifest's names to a sink's
-``declare_buffers``, and no sink loads it.
+wrongly. The receiver's :class:`BufferRouter` copies them in place, shape-checked and cast,
+into each model instance that has the name. A name is a buffer if a receiving instance
+registers it as one, or if the sender declared it with this adapter, in the manifest tensor
+:data:`MANIFEST_NAME` (UTF-8 JSON as ``uint8``) sent first, which the receive path hands to
+a sink's ``declare_buffers``.
 """
 
 from __future__ import annotations
