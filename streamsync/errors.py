@@ -16,11 +16,8 @@ if TYPE_CHECKING:
 
 
 class StreamsyncError(Exception):
-    """Base class of every streamsync error.
-
-    ``report`` is set when the error ended a sync after some tensors had been applied;
-    ``engine`` when it came from one of several engines fed by one channel (its index).
-    """
+    """Base class of every streamsync error. ``report``: see the module; ``engine``: the
+    index of the engine it came from, when one channel feeds several."""
 
     report: SyncReport | None = None
     engine: int | None = None

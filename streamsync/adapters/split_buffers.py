@@ -118,16 +118,16 @@ class BufferRouter:
         self.begin()
 
     def begin(self) -> None:
-        """Start a sync: forget the previous sync's manifest and collect each instance's
-        tensors afresh (engines may replace parameters between syncs)."""
+        """Start a sync: forget the previous manifest and collect each instance's tensors
+        afresh (engines may replace parameters between syncs)."""
         self.declared: set[str] = set(self.buffers)
         self.applied: dict[str, set[str]] = {label: set() for label in self.instances}
         self.unexpected: list[str] = []
         self.refresh()
 
     def refresh(self) -> None:
-        """Collect each instance's tensors again, keeping this sync's manifest (an engine
-        that re-materialises layers while loading swaps its tensors back at the end)."""
+        """Collect each instance's tensors again, keeping this sync's manifest (for an engine
+        that swaps its tensors while loading)."""
         self._targets: dict[str, dict[str, torch.Tensor]] = {}
         self._registered: set[str] = set()
         for label, module in self.instances.items():
