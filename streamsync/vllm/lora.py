@@ -280,7 +280,8 @@ class LoraSink:
         pass  # an adapter sync leaves the base weights as they are
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        """Nothing to land in: an adapter is staged, then copied."""
+        """Nothing to land in: an adapter is staged, then copied (a sink that reports its
+        version is a target sink)."""
         return None
 
     def prepare(self) -> None:
