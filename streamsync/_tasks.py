@@ -2,8 +2,7 @@
 
 A channel outlives the task that opened it (a vLLM worker opens a receiver in one call and
 closes it in another), while an anyio task group must be exited by the task that entered
-it. So the group is hosted by a task of its own: starting it is the one thing anyio has no
-primitive for (no detached tasks); everything in the group is plain anyio.
+it; so the group is hosted by a task of its own, the one thing anyio has no primitive for.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ caller can tell exactly which names the receiving model now holds.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -17,11 +16,8 @@ if TYPE_CHECKING:
 
 
 class StreamsyncError(Exception):
-    """Base class of every streamsync error.
-
-    ``report`` is set when the error ended a sync after some tensors had been applied;
-    ``engine`` when it came from one of several engines fed by one channel (its index).
-    """
+    """Base class of every streamsync error. ``report``: see the module; ``engine``: the
+    index of the engine it came from, when one channel feeds several."""
 
     report: SyncReport | None = None
     engine: int | None = None
@@ -139,19 +135,9 @@ def root_cause(errors: Iterable[BaseException | None]) -> BaseException | None:
 
 
 def describe(exc: BaseException) -> str:
-    """``"ClassName: message"``: how an error crosses a process boundary as text (a
-    handshake refusal, an HTTP error body); :func:`described` reads it back."""
+    """``"ClassName: message"``: how an error reads where only its text crosses a process
+    boundary (an HTTP error body)."""
     return f"{type(exc).__name__}: {exc}"
-
-
-def described(text: str, default: type[StreamsyncError]) -> tuple[type[StreamsyncError], str]:
-    """The class and message of the first streamsync error :func:`describe` wrote into
-    ``text`` (anywhere in it: a server may wrap it), or ``(default, text)``."""
-    for match in re.finditer(r"\b([A-Z][A-Za-z]*Error|EndOfStream): ", text):
-        cls = globals().get(match.group(1))
-        if isinstance(cls, type) and issubclass(cls, StreamsyncError):
-            return cls, text[match.end() :]
-    return default, text
 
 
 def error_class(name: str, default: type[StreamsyncError] | None = None) -> type[StreamsyncError]:

@@ -204,9 +204,8 @@ def lora_adapter(adapter: Any, config: Any = None) -> LoraAdapter:
 
 
 def lora_id(name: str) -> int:
-    """The engine-side id of adapter ``name``: the same in every channel and process (vLLM
-    replaces an adapter in place only under the id it has), and high, away from a user's
-    own ids."""
+    """The engine-side id of adapter ``name``: the same in every process (vLLM replaces an
+    adapter in place only under its id), and high, away from a user's own ids."""
     return (1 << 20) + xxhash.xxh32_intdigest(name.encode()) % (1 << 30)
 
 

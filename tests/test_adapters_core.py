@@ -102,17 +102,19 @@ async def _aiter(items):  # type: ignore[no-untyped-def]
         yield item
 
 
+async def counting(closed: anyio.Event) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """A hundred named tensors; sets ``closed`` when the stream is closed."""
+    try:
+        for i in range(100):
+            yield f"t{i}", torch.ones(1)
+    finally:
+        closed.set()
+
+
 async def test_early_exit_closes_the_source() -> None:
     closed = anyio.Event()
 
-    async def source():  # type: ignore[no-untyped-def]
-        try:
-            for i in range(100):
-                yield f"t{i}", torch.ones(1)
-        finally:
-            closed.set()
-
-    stream = (rename(str.upper) | select(lambda n: True) | cast(torch.float16))(source())
+    stream = (rename(str.upper) | select(lambda n: True) | cast(torch.float16))(counting(closed))
     first = await anext(stream)
     assert first[0] == "T0"
     await stream.aclose()
@@ -170,14 +172,7 @@ def test_configuration_is_checked_when_the_stage_is_made() -> None:
 async def test_a_stage_that_stops_early_closes_its_source() -> None:
     closed = anyio.Event()
 
-    async def source():  # type: ignore[no-untyped-def]
-        try:
-            for i in range(100):
-                yield f"t{i}", torch.ones(1)
-        finally:
-            closed.set()
-
-    out = await collect((select(lambda n: True) | take(1))(source()))
+    out = await collect((select(lambda n: True) | take(1))(counting(closed)))
     assert [n for n, _ in out] == ["t0"]
     assert closed.is_set()
 

@@ -10,13 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 from streamsync import ConfigError, named_tensors
 from streamsync._versions import vllm_version
 from streamsync.adapters import expand_moe
-from streamsync.adapters.expand_moe import ENV_VAR, should_expand
+from streamsync.adapters.expand_moe import ENV_VAR
 from streamsync.testing import FakeConfig, fake_state_dict
 
 
@@ -44,6 +45,15 @@ def _fake_vllm(monkeypatch: pytest.MonkeyPatch, versions: dict[str, str]) -> Non
     vllm_version.cache_clear()  # the version is read once per process: read the fake
 
 
+def expands(when: str = "auto") -> bool:
+    """Whether ``expand_moe(when)``, run here (outside an engine's channel), expands a packed
+    expert tensor."""
+    packed = {"model.layers.0.mlp.experts.down_proj": torch.zeros(2, 3, 4)}
+    stage = expand_moe(when=when)  # type: ignore[arg-type]
+    out = anyio.run(collect, stage(named_tensors(packed)))
+    return [n for n, _ in out] != list(packed)
+
+
 @pytest.mark.parametrize(
     ("versions", "expected"),
     [
@@ -63,7 +73,7 @@ def test_auto_follows_the_installed_vllm(
     no_env: pytest.MonkeyPatch, versions: dict[str, str], expected: bool
 ) -> None:
     _fake_vllm(no_env, versions)
-    assert should_expand("auto") is expected
+    assert expands("auto") is expected
 
 
 def test_installed_vllm_is_read_without_importing_it() -> None:
@@ -78,16 +88,16 @@ def test_installed_vllm_is_read_without_importing_it() -> None:
 
 def test_argument_forces_and_env_var_forces_auto(no_env: pytest.MonkeyPatch) -> None:
     _fake_vllm(no_env, {"vllm": "0.20.0"})
-    assert should_expand("auto") is True
-    assert should_expand("never") is False
+    assert expands("auto") is True
+    assert expands("never") is False
     no_env.setenv(ENV_VAR, "never")
-    assert should_expand("auto") is False
-    assert should_expand("always") is True  # an explicit argument wins over the variable
+    assert expands("auto") is False
+    assert expands("always") is True  # an explicit argument wins over the variable
     _fake_vllm(no_env, {"vllm": "0.30.0"})
     no_env.setenv(ENV_VAR, "ALWAYS")
-    assert should_expand("auto") is True
+    assert expands("auto") is True
     no_env.setenv(ENV_VAR, "auto")
-    assert should_expand("auto") is False
+    assert expands("auto") is False
 
 
 def test_bad_options_list_the_valid_ones(no_env: pytest.MonkeyPatch) -> None:

@@ -24,8 +24,7 @@ class _Rule:
     only: Callable[[str], bool] | None
 
     def __call__(self, name: str, source: torch.dtype) -> torch.dtype | None:
-        # Casting fp8 or integer tensors would destroy quantized weights and indices, and
-        # casting their float32 block scales (``*_scale_inv``) would too.
+        # Block scales (``*_scale_inv``) must stay float32 for their fp8 weights.
         if source not in CASTABLE or source == self.dtype or name.endswith(SCALE_SUFFIX):
             return None
         return None if self.only is not None and not self.only(name) else self.dtype

@@ -6,10 +6,9 @@ told to the trainer when a channel opens (:class:`~streamsync.engine.messages.En
 This adapter yields those keys expert by expert, as views of the packed tensor (no copy, no
 dict of the layer).
 
-The checkpoint keys depend on the model family, keyed by Transformers' ``config.model_type``
-in :data:`RULES` (no ``model_type``: the Qwen-style rule; an unknown one: nothing expanded,
-with a warning). Every other tensor passes through untouched, as do LoRA tensors (names
-containing ``lora_``), so an adapter-only sync is never expanded.
+The keys depend on the model family: :data:`RULES` by ``config.model_type`` (none: the
+Qwen-style rule; an unknown one: nothing expanded, with a warning). Every other tensor passes
+untouched, as do LoRA tensors (names containing ``lora_``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """``quantize_fp8(block=(128, 128), skip=...)``: block-wise FP8 weights, quantized once at the
-sender.
+sender, not on every tensor-parallel rank and drafter.
 
 Each eligible weight becomes ``float8_e4m3fn`` plus a ``float32`` per-block multiplier
 ``<module>.weight_scale_inv`` ``[ceil(N/128), ceil(K/128)]`` (block amax / 448): DeepSeek-V3's
-FP8 checkpoint layout, which vLLM's block-FP8 linear layers load. Quantized once here, not
-on every tensor-parallel rank and drafter.
+FP8 checkpoint layout, which vLLM's block-FP8 linear layers load.
 
 Eligible: 2-D ``*.weight`` tensors of dtype float64/32/16 or bfloat16, and packed 3-D expert
 tensors (``*.experts.gate_up_proj`` / ``down_proj``, with or without ``.weight``), quantized
@@ -66,9 +65,9 @@ def quantize_block_fp8(
     """``weight [..., N, K]`` → ``(float8_e4m3fn [..., N, K], float32 [..., ceil(N/bn),
     ceil(K/bk)])`` such that ``weight ≈ fp8 * scale_inv`` block by block.
 
-    Leading dimensions (experts) are independent: no block spans two of them. Dimensions that
-    are not multiples of the block are padded with zeros in the computation only. The same
-    arithmetic as vLLM's ``per_block_cast_to_fp8``, in a handful of whole-tensor operations.
+    Leading dimensions (experts) are independent; dimensions that are not multiples of the
+    block are padded with zeros in the computation only. vLLM's ``per_block_cast_to_fp8``
+    arithmetic, in a handful of whole-tensor operations.
     """
     bn, bk = _check_block(block)
     if weight.dim() < 2:

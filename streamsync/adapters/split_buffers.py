@@ -2,12 +2,11 @@
 
 Some models keep training-updated state in registered buffers (DeepSeek-V3's
 ``e_score_correction_bias``), which many engine models' ``load_weights`` drop or route
-wrongly. The receiver's :class:`BufferRouter` (in :class:`BufferSink` and the vLLM sink)
-copies buffer updates in place, shape-checked and cast, into each model instance that has the
-name. A name is a buffer if a receiving instance registers it as one, or if the sender
-declared it with this adapter, in the manifest tensor :data:`MANIFEST_NAME` (UTF-8 JSON as
-``uint8``) sent first; the receive path hands the manifest's names to a sink's
-``declare_buffers``, and no sink loads it.
+wrongly. The receiver's :class:`BufferRouter` copies them in place, shape-checked and cast,
+into each model instance that has the name. A name is a buffer if a receiving instance
+registers it as one, or if the sender declared it with this adapter, in the manifest tensor
+:data:`MANIFEST_NAME` (UTF-8 JSON as ``uint8``) sent first, which the receive path hands to
+a sink's ``declare_buffers``.
 """
 
 from __future__ import annotations
@@ -119,16 +118,16 @@ class BufferRouter:
         self.begin()
 
     def begin(self) -> None:
-        """Start a sync: forget the previous sync's manifest and collect each instance's
-        tensors afresh (engines may replace parameters between syncs)."""
+        """Start a sync: forget the previous manifest and collect each instance's tensors
+        afresh (engines may replace parameters between syncs)."""
         self.declared: set[str] = set(self.buffers)
         self.applied: dict[str, set[str]] = {label: set() for label in self.instances}
         self.unexpected: list[str] = []
         self.refresh()
 
     def refresh(self) -> None:
-        """Collect each instance's tensors again, keeping this sync's manifest (an engine
-        that re-materialises layers while loading swaps its tensors back at the end)."""
+        """Collect each instance's tensors again, keeping this sync's manifest (for an engine
+        that swaps its tensors while loading)."""
         self._targets: dict[str, dict[str, torch.Tensor]] = {}
         self._registered: set[str] = set()
         for label, module in self.instances.items():

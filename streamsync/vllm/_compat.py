@@ -1,19 +1,14 @@
-"""Every use of vLLM's private code, in one place, checked against the installed version.
+"""Every use of vLLM's private code, where it offers no public hook, in one place:
 
-streamsync reaches into vLLM where it offers no public hook:
-
-- LoRA adapters built from memory: vLLM's worker reads an adapter only from a path on disk
-  (``WorkerLoRAManager._load_adapter``; a ``LoRARequest`` carries no tensors, and its LoRA
-  resolvers only map a name to such a path), and checks a built adapter with three private
-  validators of its ``LoRAModelManager``.
-- The layerwise reload's records (``LAYERWISE_INFO``), to copy the tensors a half-loaded
-  layer holds and to put an aborted layer back on its processed tensors
-  (``_place_kernel_tensors``).
+- LoRA adapters from memory: vLLM's worker reads an adapter only from disk
+  (``WorkerLoRAManager._load_adapter``; a ``LoRARequest`` carries no tensors, and LoRA
+  resolvers only map a name to a path), and checks it with three private validators.
+- The layerwise reload's records (``LAYERWISE_INFO``): the tensors a half-loaded layer
+  holds, and putting an aborted layer back (``_place_kernel_tensors``).
 - The CPU build's MoE prepack kernel (``vllm._custom_ops``).
 
-Importing this module checks the installed vLLM against :data:`TESTED` and raises
-:class:`~streamsync.errors.UnsupportedVersionError` on any other: these are the versions whose
-private code the functions here were read against and tested with.
+Importing it raises :class:`~streamsync.errors.UnsupportedVersionError` on a vLLM outside
+:data:`TESTED`, the versions this code was read against and tested with.
 """
 
 from __future__ import annotations
@@ -28,8 +23,7 @@ import torch
 
 from streamsync._versions import check_tested, vllm_version
 
-#: The vLLM versions this module was tested with: from the first, up to (not including) the
-#: second.
+#: The vLLM versions this module was tested with: from the first, up to but not the second.
 TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 0), (0, 33, 0))
 
 
@@ -65,12 +59,9 @@ LoraSource = Callable[[Any, Any], Any]
 
 
 class _AdapterLoads:
-    """vLLM's adapter loader, wrapped once per process to ask the live sources first.
-
-    vLLM 0.32 reads adapters only from disk, through ``WorkerLoRAManager._load_adapter``,
-    which is handed nothing of ours: the sources (one per worker that synced an adapter,
-    each owned by that worker and answering for its own manager only) are held weakly here,
-    so they die with their worker."""
+    """vLLM's adapter loader, wrapped once per process to ask the live sources first. It is
+    handed nothing of ours, so the sources (one per worker that synced an adapter, answering
+    for its own manager only) are held here, weakly, so they die with their worker."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,11 +1,6 @@
 """Lifecycles: how a vLLM model instance is prepared, loaded and finalized, registered by
-name (users may register their own, in a module the worker process imports too, since
-workers choose one by name: ``worker_options={"lifecycle": ...}``).
-
-- :class:`LayerwiseReload`: restore each layer's checkpoint layout, buffer its weights as
-  they stream in, process each layer when complete, into the *same storage* (captured
-  graphs stay valid).
-- :class:`DirectLoad`: ``load_weights`` into the live parameters, processed once at the end.
+name. Workers choose one by name (``worker_options={"lifecycle": ...}``), so register your
+own in a module the worker process imports too.
 
 A lifecycle may also have ``abort(inst)``: after a sync that failed between prepare and
 finalize, leave the instance able to serve (:meth:`~streamsync.vllm.sink.VllmSink.abort`).
@@ -55,7 +50,8 @@ def register_lifecycle(cls: L) -> L:
 @register_lifecycle
 class LayerwiseReload:
     """vLLM's layerwise reload: layers are re-materialised in checkpoint layout, loaded, and
-    processed (repacked, quantized) into their original storage as soon as complete."""
+    processed (repacked, quantized) into their original storage as soon as complete, so
+    captured graphs stay valid."""
 
     name = "layerwise-reload"
 

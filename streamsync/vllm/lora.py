@@ -1,23 +1,13 @@
 """LoRA adapters on the worker side: built from the tensors a sync carried, never from disk.
 
-A LoRA sync (:class:`~streamsync.engine.messages.LoraTarget` in the worker options) goes into
-a :class:`LoraSink`. At ``finalize`` the sink builds the adapter the way vLLM's own loader
-does (``LoRAModel.from_lora_tensors`` with the engine's ``PEFTHelper`` checks) and checks
-every module and shape against the engine's LoRA layers as each layer will take them, so a
-bad adapter fails by name on every worker before any is installed. It then *stages* the
-version: the tensors, and the checked ``LoRAModel``, go into the worker's
-:class:`LoraStore` under the adapter's name and the sync's version.
-
-Installing is vLLM's own ``add_lora(LoRARequest(name, id, path, load_inplace=True))`` (the
-trainer calls it once every worker has staged): vLLM's worker manager builds the new
-version, and only then drops the old one. vLLM reads adapters from disk only, so the store
-answers its loads instead (:func:`streamsync.vllm._compat.answer_adapter_loads`) for
-requests whose path is a version's reserved path (:func:`~streamsync.lora.version_path`);
-any other path goes to vLLM's loader. vLLM reloads adapters whenever it drops them (its LRU cache,
-``reset_lora_state`` after a weight update), and the store answers then too.
-
-Each version has its own path, and vLLM's prefix cache keys blocks on the adapter's name and
-path, so KV computed under an old version is never served for a new one.
+At ``finalize`` a :class:`LoraSink` builds the adapter as vLLM's loader does and checks every
+module and shape against the engine's LoRA layers, so a bad adapter fails by name on every
+worker before any is installed; then it stages the version in the worker's
+:class:`LoraStore`. The trainer installs it with vLLM's own ``add_lora`` once every worker
+has staged; vLLM reads adapters from disk only, so the store answers its loads (also the
+reloads after its LRU cache or ``reset_lora_state`` dropped one) for the path reserved for
+each version (:func:`~streamsync.lora.version_path`). A path per version keeps vLLM's prefix
+cache, keyed on name and path, from serving an old version's KV for a new one.
 """
 
 from __future__ import annotations
@@ -62,8 +52,8 @@ _NO_LORA = (
 
 @dataclass(frozen=True)
 class LoraEngine:
-    """What building an adapter needs of one engine's worker: its LoRA model manager
-    (the LoRA layers), its LoRA config, and the numbers vLLM's loader passes."""
+    """What building an adapter needs of one worker: its LoRA model manager (the LoRA
+    layers), its LoRA config, and the numbers vLLM's loader passes."""
 
     adapters: Any
     lora_config: Any
@@ -91,10 +81,8 @@ class LoraEngine:
 
 
 class LoraStore:
-    """One worker's staged adapter versions: adapter name -> {sync version: version}, newest
-    last. Held by the worker's :class:`~streamsync.vllm.sink.WorkerState` and asked by vLLM's
-    adapter loader (see the module) for loads into ``engine``'s LoRA layers; staged into on
-    the worker's receive thread and read on vLLM's engine thread, under one lock."""
+    """One worker's staged adapter versions (name -> {sync version: version}, newest last),
+    staged into on the receive thread and read on vLLM's engine thread, under one lock."""
 
     def __init__(self, engine: LoraEngine) -> None:
         from streamsync.vllm import _compat
@@ -273,9 +261,8 @@ def _check_fit(module: str, layer: Any, a: Any, b: Any) -> None:
 
 
 class LoraSink:
-    """The sink of one LoRA sync on one vLLM worker: collects the adapter's tensors, checks
-    and stages them at ``finalize`` (see the module). The base weights are untouched, so the
-    version the worker reports holding (for delta syncs) is the base's."""
+    """The sink of one LoRA sync on one vLLM worker (see the module). The base weights are
+    untouched, so its version is the base's."""
 
     def __init__(self, engine: LoraEngine, target: LoraTarget, state: WorkerState) -> None:
         self.engine = engine
@@ -293,8 +280,8 @@ class LoraSink:
         pass  # an adapter sync leaves the base weights as they are
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        """Nothing to land in: an adapter is staged, then copied (the protocol of a sink
-        that reports its version)."""
+        """Nothing to land in: an adapter is staged, then copied (a sink that reports its
+        version is a target sink)."""
         return None
 
     def prepare(self) -> None:

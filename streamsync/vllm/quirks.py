@@ -1,8 +1,5 @@
 """Backend quirks: small named fix-ups after the lifecycle, registered per backend and
 vLLM version. Each has a test that fails without it (``tests/test_vllm_moe.py``).
-
-A quirk has ``applies()`` (is it needed with the installed vLLM and platform?) and
-``after_finalize(instance)`` (also run after an aborted sync).
 """
 
 from __future__ import annotations
@@ -21,7 +18,8 @@ if TYPE_CHECKING:
 
 
 class Quirk(Protocol):
-    """A named fix-up run after the lifecycle (see the module)."""
+    """A named fix-up: ``applies()`` says whether the installed vLLM and platform need it;
+    ``after_finalize`` runs after the lifecycle's finalize, and after an aborted sync."""
 
     name: str
 

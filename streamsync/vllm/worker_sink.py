@@ -1,8 +1,5 @@
 """The sink a vLLM worker receives one sync into, chosen in one place for both worker entry
-points (``WorkerExtension`` and the ``streamsync`` weight-transfer backend): an adapter sync
-(``WorkerOptions.lora``) goes to a :class:`~streamsync.vllm.lora.LoraSink` on the main model,
-any other to a :class:`~streamsync.vllm.sink.VllmSink` on the model instances it targets, with
-the lifecycle, quirks and delta copies the options name.
+points (``WorkerExtension`` and the ``streamsync`` weight-transfer backend).
 """
 
 from __future__ import annotations
@@ -32,7 +29,9 @@ class WorkerModels:
 
 
 def worker_sink(models: WorkerModels, options: WorkerOptions) -> Sink:
-    """The sink for one sync into ``models`` with ``options``."""
+    """The sink for one sync into ``models``: a :class:`~streamsync.vllm.lora.LoraSink` on the
+    main model for an adapter sync, else a :class:`~streamsync.vllm.sink.VllmSink` on the
+    instances ``options`` target, with the lifecycle, quirks and delta it names."""
     from streamsync.vllm.lifecycles import choose_lifecycle
     from streamsync.vllm.lora import LoraEngine, LoraSink
     from streamsync.vllm.quirks import quirks_by_name
