@@ -14,6 +14,7 @@ engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -24,7 +25,7 @@ import msgspec
 from streamsync._log import log, warn
 from streamsync.engine.blocking import BlockingWeightSync, run_blocking
 from streamsync.engine.clients import EngineClient, FactsClient
-from streamsync.engine.loops import HostedSender, HostedTransport
+from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import EngineFacts, WorkerOptions, sending_to
 from streamsync.engine.rounds import (
@@ -42,6 +43,7 @@ from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
 from streamsync.transports import check_options
+from streamsync.transports.base import Sender
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["EngineChannel"]
@@ -57,6 +59,12 @@ _WEIGHT_SYNC_KEYWORDS = (
     "checksum",
     "worker_options",
 )
+
+
+def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
+    # A channel dropped unclosed: close its sender on its loop, then stop that loop (without
+    # waiting: this may run on any thread).
+    loop.close_soon(*(sender.aclose for sender in senders))
 
 
 class EngineChannel:
@@ -124,7 +132,11 @@ class EngineChannel:
             transport_options = {**transport_options, "require_all": False}
         check_options(endpoint, transport_options, caller=("WeightSync", _WEIGHT_SYNC_KEYWORDS))
         self._transport_options = transport_options
-        self._transport = HostedTransport(f"streamsync-channel {endpoint}")
+        # The sender lives on a loop thread of the channel's own, started at the first open
+        # and kept across reopenings until aclose; _open is what its finalizer closes.
+        self._loop: EventLoopThread | None = None
+        self._sender: HostedSender | None = None
+        self._open: list[Sender] = []
         self._loras = ChannelLoras(self)
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
@@ -153,7 +165,9 @@ class EngineChannel:
     @property
     def url(self) -> str:
         """The URL workers connect to: ``endpoint``, with a port 0 resolved once open."""
-        return self._transport.url(self.endpoint)
+        if self._sender is None:
+            return self.endpoint
+        return str(getattr(self._sender.sender, "url", self.endpoint))
 
     @property
     def receivers(self) -> int:
@@ -170,7 +184,7 @@ class EngineChannel:
                 instead="async with WeightSync(...)",
             )
         except BaseException:
-            self._transport.stop()
+            self._stop()
             raise
         return BlockingWeightSync(self)
 
@@ -183,7 +197,7 @@ class EngineChannel:
             await self._ensure_sender()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._transport.stop)
+                await anyio.to_thread.run_sync(self._stop)
             raise
         return self
 
@@ -197,9 +211,8 @@ class EngineChannel:
             try:
                 await self._close_both()
             finally:
-                loop = self._transport.loop
-                if loop is not None and not loop.is_current():
-                    await anyio.to_thread.run_sync(self._transport.stop)
+                if self._loop is not None and not self._loop.is_current():
+                    await anyio.to_thread.run_sync(self._stop)
 
     async def _close_both(self) -> None:
         url = self.url  # what the workers connected to (a port 0 resolved)
@@ -224,17 +237,34 @@ class EngineChannel:
                 tg.start_soon(close, e, client)
 
     async def _close_sender(self) -> None:
-        await self._transport.close_sender()
+        """Close the sender (the loop thread keeps running; the next sync reopens it)."""
+        sender, self._sender = self._sender, None
+        try:
+            if sender is not None:
+                await sender.aclose()
+        finally:
+            self._open.clear()
+
+    def _stop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            self._finalizer.detach()
+            loop.stop()
 
     async def _ensure_sender(self) -> HostedSender:
-        if not self._transport.is_open:
-            opts = dict(self._transport_options)
-            opts.setdefault("receivers", self.receivers)
-            opts.setdefault("slot_bytes", self.bucket_bytes)
-            sender = await self._transport.sender(self.endpoint, opts)
+        if self._sender is None:
+            if self._loop is None:
+                self._loop = EventLoopThread(f"streamsync-channel {self.endpoint}")
+                self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
+            options = {
+                "receivers": self.receivers,
+                "slot_bytes": self.bucket_bytes,
+                **self._transport_options,
+            }
+            self._sender = await HostedSender.open_on(self._loop, self.endpoint, options)
+            self._open.append(self._sender.sender)
             self.facts = await self._hello()
-            return sender
-        return await self._transport.sender(self.endpoint, {})
+        return self._sender
 
     async def _hello(self) -> tuple[EngineFacts, ...]:
         """Each engine's facts, asked once per opening; an engine whose hello fails (it may
