@@ -28,10 +28,7 @@ from streamsync.engine.clients import EngineClient, FactsClient
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import EngineFacts, WorkerOptions, sending_to
-from streamsync.engine.rounds import (
-    SyncRound,
-    several,
-)
+from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.errors import (
     ClosedError,
     ConfigError,
@@ -218,10 +215,10 @@ class EngineChannel:
         url = self.url  # what the workers connected to (a port 0 resolved)
         await self._close_sender()
 
-        async def close(e: int, client: EngineClient) -> None:
+        async def close(e: int) -> None:
             try:
                 with anyio.fail_after(self.timeout):
-                    closed = await client.close_receivers(url)
+                    closed = await self.clients[e].close_receivers(url)
             except Exception as exc:  # the engine shut down first, or its RPC failed
                 warn(
                     "engine.close_receivers_failed",
@@ -232,9 +229,7 @@ class EngineChannel:
             else:
                 log("engine.close", endpoint=self.endpoint, engine=e, receivers=closed)
 
-        async with anyio.create_task_group() as tg:
-            for e, client in enumerate(self.clients):
-                tg.start_soon(close, e, client)
+        await each(len(self.clients), close)
 
     async def _close_sender(self) -> None:
         """Close the sender (the loop thread keeps running; the next sync reopens it)."""
@@ -271,17 +266,17 @@ class EngineChannel:
         be down, and rejoin later) is left out, with a warning."""
         told: list[EngineFacts | None] = [None] * len(self.clients)
 
-        async def ask(e: int, client: FactsClient) -> None:
+        async def ask(e: int) -> None:
+            client = self.clients[e]
+            if not isinstance(client, FactsClient):
+                return
             try:
                 with anyio.fail_after(self.timeout):
                     told[e] = await client.hello()
             except Exception as exc:
                 warn("engine.hello_failed", endpoint=self.endpoint, engine=e, error=repr(exc))
 
-        async with anyio.create_task_group() as tg:
-            for e, client in enumerate(self.clients):
-                if isinstance(client, FactsClient):
-                    tg.start_soon(ask, e, client)
+        await each(len(self.clients), ask)
         return tuple(f for f in told if f is not None)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -519,12 +514,7 @@ class EngineChannel:
     async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
         try:
             with anyio.fail_after(self.timeout):
-                if len(engines) == 1:  # its own error, not in a group
-                    await self.clients[engines[0]].after_sync()
-                    return
-                async with anyio.create_task_group() as tg:
-                    for e in engines:
-                        tg.start_soon(self.clients[e].after_sync)
+                await each(len(engines), lambda i: self.clients[engines[i]].after_sync())
         except TimeoutError:
             if report is None:
                 warn("engine.after_sync_timeout", endpoint=self.endpoint, engines=list(engines))

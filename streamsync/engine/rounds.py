@@ -9,7 +9,7 @@ engine) or ``engine<e>.worker<rank>.<name>`` (several, from one stream).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,17 @@ from streamsync.engine.messages import WorkerResult
 from streamsync.errors import StreamsyncError, root_cause
 from streamsync.report import LoadResult, SyncReport
 from streamsync.transports.base import Sender
+
+
+async def each(count: int, call: Callable[[int], Coroutine[Any, Any, object]]) -> None:
+    """``call(e)`` for each of ``count`` engines at once; with one engine its error is
+    raised as it is, not in a group."""
+    if count == 1:
+        await call(0)
+        return
+    async with anyio.create_task_group() as tg:
+        for e in range(count):
+            tg.start_soon(call, e)
 
 
 def several(engines: Any) -> bool:
