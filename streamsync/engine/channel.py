@@ -155,11 +155,6 @@ class EngineChannel:
         self._worker_options = coerced
 
     @property
-    def client(self) -> EngineClient:
-        """The engine client (the first, with several)."""
-        return self.clients[0]
-
-    @property
     def url(self) -> str:
         """The URL workers connect to: ``endpoint``, with a port 0 resolved once open."""
         if self._sender is None:

@@ -38,30 +38,6 @@ def several(engines: Any) -> bool:
     return isinstance(engines, list | tuple)
 
 
-def worker_failure(
-    results: Sequence[WorkerResult], *, engine: int | None = None
-) -> StreamsyncError | None:
-    """The failed workers' root cause (:func:`streamsync.errors.root_cause`), or ``None``
-    (``engine``: which of several engines these workers belong to, named in the error)."""
-    return _root_cause([r.exception(rank, engine=engine) for rank, r in enumerate(results)])
-
-
-def merge_worker_reports(report: SyncReport, results: Sequence[WorkerResult]) -> SyncReport:
-    """The sender's ``report`` with each worker's model instances, as ``worker<rank>.<name>``."""
-    return msgspec.structs.replace(report, instances=_instances("", results))
-
-
-def merge_engine_reports(
-    report: SyncReport, engines: Sequence[Sequence[WorkerResult]]
-) -> SyncReport:
-    """The sender's ``report`` of a fan-out with each engine's workers' model instances, as
-    ``engine<e>.worker<rank>.<name>``."""
-    instances: dict[str, LoadResult] = {}
-    for e, results in enumerate(engines):
-        instances.update(_instances(f"engine{e}.", results))
-    return msgspec.structs.replace(report, instances=instances)
-
-
 def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadResult]:
     """Each worker's model instances as ``<prefix>worker<rank>.<name>``; a worker whose
     sink has no instances (a ``ModuleSink``) as ``<prefix>worker<rank>``."""
@@ -162,10 +138,10 @@ class SyncRound:
         """The sender's report with every worker's instances, and the ``absent`` engines
         named in ``absent``."""
         assert self.report is not None
-        if fanout:
-            merged = merge_engine_reports(self.report, self.results)
-        else:
-            merged = merge_worker_reports(self.report, self.results[0])
+        instances: dict[str, LoadResult] = {}
+        for e, results in enumerate(self.results):
+            instances.update(_instances(f"engine{e}." if fanout else "", results))
+        merged = msgspec.structs.replace(self.report, instances=instances)
         if absent:
             gone = tuple(f"engine {e}: {type(err).__name__}: {err}" for e, err in absent.items())
             merged = msgspec.structs.replace(merged, absent=(*merged.absent, *gone))

@@ -1,12 +1,9 @@
-"""The trainer side for vLLM: engine clients for ``LLM`` and ``AsyncLLM``, and
-``update_weights(llm, weights, endpoint=..., pipeline=...)``.
+"""The trainer side for vLLM: :class:`WeightSync` and ``update_weights`` on the engine
+client of an ``LLM`` or ``AsyncLLM`` (:class:`VllmClient`).
 
-A client runs the workers' receive through ``collective_rpc`` (in a thread for ``LLM``,
-awaited in a task for ``AsyncLLM``, so the sender is not blocked) and resets the prefix
-cache after a sync (its blocks hold what the old weights computed). ``collective_rpc``
-carries the endpoint and the :class:`~streamsync.engine.channel.WorkerOptions` as plain values
-(msgpack when the engine core is another process) and brings back each worker's
-:class:`~streamsync.engine.channel.WorkerResult` as plain values too.
+The client runs the workers' receive through ``collective_rpc``, with plain values both
+ways (msgpack when the engine core is another process), and resets the prefix cache after
+a sync (its blocks hold what the old weights computed).
 """
 
 from __future__ import annotations
@@ -188,30 +185,9 @@ class WeightSync(EngineChannel):
     receives the same stream, and the report names ``engine<e>.worker<w>.<instance>``.
     """
 
-    def __init__(
-        self,
-        llm: Any,
-        endpoint: str,
-        *,
-        pipeline: AdapterLike | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        timeout: float = DEFAULT_TIMEOUT,
-        checksum: bool = False,
-        worker_options: WorkerOptions | Mapping[str, Any] | None = None,
-        delta: bool = False,
-        **transport_options: Any,
-    ) -> None:
-        super().__init__(
-            _clients(llm),
-            endpoint,
-            pipeline=pipeline,
-            bucket_bytes=bucket_bytes,
-            timeout=timeout,
-            checksum=checksum,
-            worker_options=worker_options,
-            delta=delta,
-            **transport_options,
-        )
+    def __init__(self, llm: Any, endpoint: str, **options: Any) -> None:
+        """``options``: those of :class:`~streamsync.engine.channel.EngineChannel`."""
+        super().__init__(_clients(llm), endpoint, **options)
         self.llm = llm
 
     def __enter__(self) -> BlockingVllmSync:
