@@ -1,15 +1,7 @@
 """The engine seam's trainer side: :class:`EngineChannel`, a persistent channel into one
-inference engine, or into several from one stream (fan-out).
-
-An engine is reached through an :class:`~streamsync.engine.clients.EngineClient`. The channel
-runs the send beside every client's receive and concludes the sync (:mod:`.rounds`: the
-error to raise under the worker's own name and its engine's index, or the merged report).
-Its transport lives on a loop of its own (:mod:`.loops`), so synchronous code (``with``: the
-:class:`~streamsync.engine.blocking.BlockingWeightSync` face) and any event loop (``async
-with`` and ``await update``) can drive it. The LoRA lifecycle is :mod:`.loras`; the worker
-side keeps its receivers in a :class:`streamsync.engine.worker.WorkerReceivers`. A second
-engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
-:mod:`streamsync.vllm.worker_sink`.
+inference engine, or into several from one stream (fan-out), each reached through an
+:class:`~streamsync.engine.clients.EngineClient`. It runs the send beside every client's
+receive and concludes the sync (:mod:`.rounds`).
 """
 
 from __future__ import annotations
@@ -46,8 +38,7 @@ from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 __all__ = ["EngineChannel"]
 
 
-# Keywords of the channel itself, beside the transport's options (``require_all`` is one of
-# those: the channel passes it on).
+# The channel's own keywords, beside the transport's (``require_all`` is passed on).
 _WEIGHT_SYNC_KEYWORDS = (
     "delta",
     "pipeline",
@@ -66,11 +57,10 @@ def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
 
 class EngineChannel:
     """A persistent trainer-side channel into one engine, or into several from one stream
-    and one sender (fan-out: pass a list of clients; every engine's workers receive).
+    and one sender (fan-out: pass a list of clients).
 
-    The transport's slots and sockets are created once and reused by every sync; the
-    workers keep theirs too. They live on the channel's own :class:`EventLoopThread`, so
-    the channel serves any caller:
+    The transport's slots and sockets are made once, on the channel's own
+    :class:`EventLoopThread`, and reused by every sync, so the channel serves any caller:
 
     - any event loop, a fresh one per step included: ``async with WeightSync(...) as sync:
       await sync.update(weights)``. A client whose engine is bound to its event loop (vLLM's
@@ -116,14 +106,12 @@ class EngineChannel:
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         self.checksum = checksum
-        #: Every update is a delta sync (see :func:`~streamsync.send`): only what changed
-        #: moves; the workers keep a copy of the weights to patch. Held here alone: each
-        #: sync's worker options get it from here.
+        #: Every update is a delta sync (see :func:`~streamsync.send`); each sync's worker
+        #: options take it from here.
         self.delta = delta
         self.worker_options = worker_options  # type: ignore[assignment]  # coerced
-        #: False: a sync completes on the engines that are there; one that is gone (its RPC
-        #: fails, its workers' links drop) is named in ``report.absent`` instead of failing
-        #: the sync, and takes part again once it is back.
+        #: False: a sync completes on the engines that are there and names the others in
+        #: ``report.absent``.
         self.require_all = require_all
         if not require_all:
             transport_options = {**transport_options, "require_all": False}
@@ -166,7 +154,6 @@ class EngineChannel:
         """How many workers a sync reaches, over every engine."""
         return sum(c.receivers for c in self.clients)
 
-    # -- synchronous form: ``with`` gives a BlockingWeightSync ---------------------------
     def __enter__(self) -> BlockingWeightSync:
         try:
             run_blocking(
@@ -183,7 +170,6 @@ class EngineChannel:
     def __exit__(self, *exc: object) -> None:
         run_blocking(self.clients, "sync.close()", self.aclose, instead="await sync.aclose()")
 
-    # -- asynchronous form (any event loop) ---------------------------------------------
     async def __aenter__(self) -> EngineChannel:
         try:
             await self._ensure_sender()
@@ -325,9 +311,7 @@ class EngineChannel:
         await self._run(sync, sender, options, weights, pipeline, mode, sync_id)
         if sync.report is None and sync.send_error is None and not await sender.settle():
             # Cancelled (an engine failed first), and a call still runs on the channel's
-            # loop after the wait: its state is unknown, so it goes. Normally the cancelled
-            # call unwinds at once (the sync it was in is aborted or never began), and the
-            # channel, with every engine's receivers, stays open.
+            # loop: the sender's state is unknown, so it goes.
             await self._close_sender()
         return await self._conclude(sync, after=options.lora is None)
 

@@ -1,12 +1,8 @@
-"""Event loops that streamsync owns, so that its callers need not own one.
-
-A channel's sockets and background readers belong to the event loop that opened them. A
-trainer that runs each step in a fresh loop (``asyncio.run`` per step), or no loop at all,
-cannot keep such a channel, so streamsync keeps it on a loop of its own:
-:class:`EventLoopThread` (a long-lived anyio loop in a daemon thread) and
-:class:`HostedSender` (a :class:`~streamsync.transports.Sender` that lives on one and is
-awaited from any loop). The engine workers' receivers live on one too
-(:class:`streamsync.engine.worker.WorkerReceivers`).
+"""Event loops that streamsync owns: a channel's sockets and readers belong to the loop
+that opened them, and a trainer that runs each step in a fresh loop, or none, cannot keep
+them. :class:`EventLoopThread` is a long-lived anyio loop in a daemon thread;
+:class:`HostedSender` a :class:`~streamsync.transports.Sender` that lives on one and is
+awaited from any loop.
 """
 
 from __future__ import annotations

@@ -53,9 +53,8 @@ class StreamsyncInitInfo(TrainerInitInfo):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     #: Seconds for each wait of a sync, and for the workers' connect.
     timeout: float = DEFAULT_TIMEOUT
-    #: The channel's shared secret. It is sent to the workers in the init call (over the
-    #: control plane, in clear); leave it ``None`` and set ``$STREAMSYNC_SECRET`` on both
-    #: sides to keep it off the wire.
+    #: The channel's shared secret, sent to the workers in the init call, in clear; leave it
+    #: ``None`` and set ``$STREAMSYNC_SECRET`` on both sides to keep it off the wire.
     secret: str | None = None
     #: How many workers receive (tensor x pipeline x data parallel size). ``None``: asked of
     #: the engine (the server's ``/get_world_size``, or the client's ``get_world_size()``);
@@ -65,7 +64,7 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: ``quirks``, ``transport``).
     worker_options: Mapping[str, Any] | None = None
     #: Delta syncs (see :func:`streamsync.send`): each ``send_weights`` moves only what
-    #: changed since the last; the workers keep a copy of the weights to patch.
+    #: changed since the last.
     delta: bool = False
 
 
