@@ -298,7 +298,6 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         init_info: StreamsyncInitInfo,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.init_info = init_info
         transport: dict[str, Any] = {"connect_timeout": init_info.timeout}
         if init_info.secret is not None:
             transport["secret"] = init_info.secret
