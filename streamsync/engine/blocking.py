@@ -1,7 +1,6 @@
 """The synchronous face of a channel (:class:`BlockingWeightSync`, what ``with`` gives): each
-call runs the async one in a short-lived event loop on the caller's own thread, so the
-weights are read, and CUDA work is issued, where the trainer runs; the transport stays open
-on the channel's loop thread between calls.
+call runs the async one in a short-lived event loop on the caller's thread, so the weights
+are read, and CUDA work issued, where the trainer runs.
 """
 
 from __future__ import annotations

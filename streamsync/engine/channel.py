@@ -1,19 +1,12 @@
 """The engine seam's trainer side: :class:`EngineChannel`, a persistent channel into one
-inference engine, or into several from one stream (fan-out).
-
-An engine is reached through an :class:`~streamsync.engine.clients.EngineClient`. The channel
-runs the send beside every client's receive and concludes the sync (:mod:`.rounds`: the
-error to raise under the worker's own name and its engine's index, or the merged report).
-Its transport lives on a loop of its own (:mod:`.loops`), so synchronous code (``with``: the
-:class:`~streamsync.engine.blocking.BlockingWeightSync` face) and any event loop (``async
-with`` and ``await update``) can drive it. The LoRA lifecycle is :mod:`.loras`; the worker
-side keeps its receivers in a :class:`streamsync.engine.worker.WorkerReceivers`. A second
-engine is one client plus one sink; vLLM's are :mod:`streamsync.vllm.client` and
-:mod:`streamsync.vllm.worker_sink`.
+inference engine, or into several from one stream (fan-out), each reached through an
+:class:`~streamsync.engine.clients.EngineClient`. It runs the send beside every client's
+receive and concludes the sync (:mod:`.rounds`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -24,13 +17,10 @@ import msgspec
 from streamsync._log import log, warn
 from streamsync.engine.blocking import BlockingWeightSync, run_blocking
 from streamsync.engine.clients import EngineClient, FactsClient
-from streamsync.engine.loops import HostedSender, HostedTransport
+from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import EngineFacts, WorkerOptions, sending_to
-from streamsync.engine.rounds import (
-    SyncRound,
-    several,
-)
+from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.errors import (
     ClosedError,
     ConfigError,
@@ -42,13 +32,13 @@ from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
 from streamsync.transports import check_options
+from streamsync.transports.base import Sender
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["EngineChannel"]
 
 
-# Keywords of the channel itself, beside the transport's options (``require_all`` is one of
-# those: the channel passes it on).
+# The channel's own keywords, beside the transport's (``require_all`` is passed on).
 _WEIGHT_SYNC_KEYWORDS = (
     "delta",
     "pipeline",
@@ -59,13 +49,18 @@ _WEIGHT_SYNC_KEYWORDS = (
 )
 
 
+def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
+    # A channel dropped unclosed: close its sender on its loop, then stop that loop (without
+    # waiting: this may run on any thread).
+    loop.close_soon(*(sender.aclose for sender in senders))
+
+
 class EngineChannel:
     """A persistent trainer-side channel into one engine, or into several from one stream
-    and one sender (fan-out: pass a list of clients; every engine's workers receive).
+    and one sender (fan-out: pass a list of clients).
 
-    The transport's slots and sockets are created once and reused by every sync; the
-    workers keep theirs too. They live on the channel's own :class:`EventLoopThread`, so
-    the channel serves any caller:
+    The transport's slots and sockets are made once, on the channel's own
+    :class:`EventLoopThread`, and reused by every sync, so the channel serves any caller:
 
     - any event loop, a fresh one per step included: ``async with WeightSync(...) as sync:
       await sync.update(weights)``. A client whose engine is bound to its event loop (vLLM's
@@ -111,20 +106,22 @@ class EngineChannel:
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         self.checksum = checksum
-        #: Every update is a delta sync (see :func:`~streamsync.send`): only what changed
-        #: moves; the workers keep a copy of the weights to patch. Held here alone: each
-        #: sync's worker options get it from here.
+        #: Every update is a delta sync (see :func:`~streamsync.send`); each sync's worker
+        #: options take it from here.
         self.delta = delta
         self.worker_options = worker_options  # type: ignore[assignment]  # coerced
-        #: False: a sync completes on the engines that are there; one that is gone (its RPC
-        #: fails, its workers' links drop) is named in ``report.absent`` instead of failing
-        #: the sync, and takes part again once it is back.
+        #: False: a sync completes on the engines that are there and names the others in
+        #: ``report.absent``.
         self.require_all = require_all
         if not require_all:
             transport_options = {**transport_options, "require_all": False}
         check_options(endpoint, transport_options, caller=("WeightSync", _WEIGHT_SYNC_KEYWORDS))
         self._transport_options = transport_options
-        self._transport = HostedTransport(f"streamsync-channel {endpoint}")
+        # The sender lives on a loop thread of the channel's own, started at the first open
+        # and kept across reopenings until aclose; _open is what its finalizer closes.
+        self._loop: EventLoopThread | None = None
+        self._sender: HostedSender | None = None
+        self._open: list[Sender] = []
         self._loras = ChannelLoras(self)
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
@@ -146,21 +143,17 @@ class EngineChannel:
         self._worker_options = coerced
 
     @property
-    def client(self) -> EngineClient:
-        """The engine client (the first, with several)."""
-        return self.clients[0]
-
-    @property
     def url(self) -> str:
         """The URL workers connect to: ``endpoint``, with a port 0 resolved once open."""
-        return self._transport.url(self.endpoint)
+        if self._sender is None:
+            return self.endpoint
+        return str(getattr(self._sender.sender, "url", self.endpoint))
 
     @property
     def receivers(self) -> int:
         """How many workers a sync reaches, over every engine."""
         return sum(c.receivers for c in self.clients)
 
-    # -- synchronous form: ``with`` gives a BlockingWeightSync ---------------------------
     def __enter__(self) -> BlockingWeightSync:
         try:
             run_blocking(
@@ -170,20 +163,19 @@ class EngineChannel:
                 instead="async with WeightSync(...)",
             )
         except BaseException:
-            self._transport.stop()
+            self._stop()
             raise
         return BlockingWeightSync(self)
 
     def __exit__(self, *exc: object) -> None:
         run_blocking(self.clients, "sync.close()", self.aclose, instead="await sync.aclose()")
 
-    # -- asynchronous form (any event loop) ---------------------------------------------
     async def __aenter__(self) -> EngineChannel:
         try:
             await self._ensure_sender()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._transport.stop)
+                await anyio.to_thread.run_sync(self._stop)
             raise
         return self
 
@@ -197,18 +189,17 @@ class EngineChannel:
             try:
                 await self._close_both()
             finally:
-                loop = self._transport.loop
-                if loop is not None and not loop.is_current():
-                    await anyio.to_thread.run_sync(self._transport.stop)
+                if self._loop is not None and not self._loop.is_current():
+                    await anyio.to_thread.run_sync(self._stop)
 
     async def _close_both(self) -> None:
         url = self.url  # what the workers connected to (a port 0 resolved)
         await self._close_sender()
 
-        async def close(e: int, client: EngineClient) -> None:
+        async def close(e: int) -> None:
             try:
                 with anyio.fail_after(self.timeout):
-                    closed = await client.close_receivers(url)
+                    closed = await self.clients[e].close_receivers(url)
             except Exception as exc:  # the engine shut down first, or its RPC failed
                 warn(
                     "engine.close_receivers_failed",
@@ -219,39 +210,54 @@ class EngineChannel:
             else:
                 log("engine.close", endpoint=self.endpoint, engine=e, receivers=closed)
 
-        async with anyio.create_task_group() as tg:
-            for e, client in enumerate(self.clients):
-                tg.start_soon(close, e, client)
+        await each(len(self.clients), close)
 
     async def _close_sender(self) -> None:
-        await self._transport.close_sender()
+        """Close the sender (the loop thread keeps running; the next sync reopens it)."""
+        sender, self._sender = self._sender, None
+        try:
+            if sender is not None:
+                await sender.aclose()
+        finally:
+            self._open.clear()
+
+    def _stop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            self._finalizer.detach()
+            loop.stop()
 
     async def _ensure_sender(self) -> HostedSender:
-        if not self._transport.is_open:
-            opts = dict(self._transport_options)
-            opts.setdefault("receivers", self.receivers)
-            opts.setdefault("slot_bytes", self.bucket_bytes)
-            sender = await self._transport.sender(self.endpoint, opts)
+        if self._sender is None:
+            if self._loop is None:
+                self._loop = EventLoopThread(f"streamsync-channel {self.endpoint}")
+                self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
+            options = {
+                "receivers": self.receivers,
+                "slot_bytes": self.bucket_bytes,
+                **self._transport_options,
+            }
+            self._sender = await HostedSender.open_on(self._loop, self.endpoint, options)
+            self._open.append(self._sender.sender)
             self.facts = await self._hello()
-            return sender
-        return await self._transport.sender(self.endpoint, {})
+        return self._sender
 
     async def _hello(self) -> tuple[EngineFacts, ...]:
         """Each engine's facts, asked once per opening; an engine whose hello fails (it may
         be down, and rejoin later) is left out, with a warning."""
         told: list[EngineFacts | None] = [None] * len(self.clients)
 
-        async def ask(e: int, client: FactsClient) -> None:
+        async def ask(e: int) -> None:
+            client = self.clients[e]
+            if not isinstance(client, FactsClient):
+                return
             try:
                 with anyio.fail_after(self.timeout):
                     told[e] = await client.hello()
             except Exception as exc:
                 warn("engine.hello_failed", endpoint=self.endpoint, engine=e, error=repr(exc))
 
-        async with anyio.create_task_group() as tg:
-            for e, client in enumerate(self.clients):
-                if isinstance(client, FactsClient):
-                    tg.start_soon(ask, e, client)
+        await each(len(self.clients), ask)
         return tuple(f for f in told if f is not None)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -305,9 +311,7 @@ class EngineChannel:
         await self._run(sync, sender, options, weights, pipeline, mode, sync_id)
         if sync.report is None and sync.send_error is None and not await sender.settle():
             # Cancelled (an engine failed first), and a call still runs on the channel's
-            # loop after the wait: its state is unknown, so it goes. Normally the cancelled
-            # call unwinds at once (the sync it was in is aborted or never began), and the
-            # channel, with every engine's receivers, stays open.
+            # loop: the sender's state is unknown, so it goes.
             await self._close_sender()
         return await self._conclude(sync, after=options.lora is None)
 
@@ -489,12 +493,7 @@ class EngineChannel:
     async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
         try:
             with anyio.fail_after(self.timeout):
-                if len(engines) == 1:  # its own error, not in a group
-                    await self.clients[engines[0]].after_sync()
-                    return
-                async with anyio.create_task_group() as tg:
-                    for e in engines:
-                        tg.start_soon(self.clients[e].after_sync)
+                await each(len(engines), lambda i: self.clients[engines[i]].after_sync())
         except TimeoutError:
             if report is None:
                 warn("engine.after_sync_timeout", endpoint=self.endpoint, engines=list(engines))

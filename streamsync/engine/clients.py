@@ -38,7 +38,7 @@ class LoopBoundClient(EngineClient, Protocol):
     ``AsyncLLM``): a channel refuses its blocking form, and the async form runs the
     client's calls on the caller's loop."""
 
-    #: Always true; declares the client loop-bound.
+    #: Whether it is bound now (one client class may serve both kinds of engine).
     loop_bound: bool
 
 

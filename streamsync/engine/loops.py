@@ -1,12 +1,8 @@
-"""Event loops that streamsync owns, so that its callers need not own one.
-
-A channel's sockets and background readers belong to the event loop that opened them. A
-trainer that runs each step in a fresh loop (``asyncio.run`` per step), or no loop at all,
-cannot keep such a channel, so streamsync keeps it on a loop of its own:
-:class:`EventLoopThread` (a long-lived anyio loop in a daemon thread) and
-:class:`HostedSender` (a :class:`~streamsync.transports.Sender` that lives on one and is
-awaited from any loop). The engine workers' receivers live on one too
-(:class:`streamsync.engine.worker.WorkerReceivers`).
+"""Event loops that streamsync owns: a channel's sockets and readers belong to the loop
+that opened them, and a trainer that runs each step in a fresh loop, or none, cannot keep
+them. :class:`EventLoopThread` is a long-lived anyio loop in a daemon thread;
+:class:`HostedSender` a :class:`~streamsync.transports.Sender` that lives on one and is
+awaited from any loop.
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-import weakref
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -149,11 +144,28 @@ class HostedSender(Sender):
     the host's for as long as the sender is open."""
 
     def __init__(self, sender: Sender, loop: EventLoopThread) -> None:
+        """``sender``: open, on ``loop`` (:meth:`open_on`)."""
         self.sender = sender
         self.loop = loop
         self.receivers = sender.receivers
         self.slot_bytes = sender.slot_bytes
         self._running = 0  # calls running on the host's loop (touched only there)
+
+    @classmethod
+    async def open_on(
+        cls, loop: EventLoopThread, endpoint: str, options: dict[str, Any]
+    ) -> HostedSender:
+        """A sender for ``endpoint``, made and opened on ``loop`` (which keeps its sockets
+        and readers), on the caller's CUDA device (a cuda-ipc ring is allocated there)."""
+        cuda = caller_cuda()
+
+        async def opened() -> Sender:
+            with cuda():
+                sender = open_sender(endpoint, **options)
+                await sender.open()
+            return sender
+
+        return cls(await loop.call(opened), loop)
 
     async def _hosted(self, fn: Callable[[], Awaitable[T]]) -> T:
         cuda = caller_cuda()
@@ -180,9 +192,6 @@ class HostedSender(Sender):
             return not self._running
 
         return await self.loop.call(idle)
-
-    async def open(self) -> None:
-        await self._hosted(self.sender.open)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -225,78 +234,3 @@ class HostedSender(Sender):
 
     def __repr__(self) -> str:
         return f"HostedSender({self.sender!r}, loop={self.loop.name!r})"
-
-
-def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
-    # The finalizer of a transport nobody closed: close it on its own loop, then stop that
-    # loop (without waiting: this may run on any thread).
-    loop.close_soon(*(sender.aclose for sender in senders))
-
-
-class HostedTransport:
-    """A channel's sender, hosted on an :class:`EventLoopThread` of its own: the thread
-    starts at the first :meth:`sender`, the sender opens there (under the caller's CUDA
-    stream) and stays open across calls until :meth:`close_sender`; :meth:`stop` ends the
-    thread. Dropped unclosed, it closes the sender and stops the thread."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._loop: EventLoopThread | None = None
-        self._sender: HostedSender | None = None
-        self._open: list[Sender] = []  # the transport behind _sender, for the finalizer
-
-    @property
-    def loop(self) -> EventLoopThread | None:
-        """The hosting loop, while it runs."""
-        return self._loop
-
-    def url(self, default: str) -> str:
-        """The open sender's URL (a port 0 resolved), else ``default``."""
-        return str(getattr(self._open[0], "url", default)) if self._open else default
-
-    @property
-    def current(self) -> HostedSender | None:
-        """The sender while it is open."""
-        return self._sender
-
-    @property
-    def is_open(self) -> bool:
-        """Whether the sender is open."""
-        return self._sender is not None
-
-    async def sender(self, endpoint: str, options: dict[str, Any]) -> HostedSender:
-        """The sender, opened on ``endpoint`` with ``options`` if it is not open."""
-        if self._sender is None:
-            if self._loop is None:
-                self._loop = EventLoopThread(self.name)
-                self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
-            cuda = caller_cuda()
-
-            async def opened() -> Sender:
-                # Made and opened on the hosting loop, which keeps its sockets and readers,
-                # on the caller's CUDA device (a cuda-ipc ring is allocated there).
-                with cuda():
-                    sender = open_sender(endpoint, **options)
-                    await sender.open()
-                return sender
-
-            inner = await self._loop.call(opened)
-            self._open.append(inner)
-            self._sender = HostedSender(inner, self._loop)
-        return self._sender
-
-    async def close_sender(self) -> None:
-        """Close the sender (the thread keeps running)."""
-        if self._sender is not None:
-            sender, self._sender = self._sender, None
-            try:
-                await sender.aclose()
-            finally:
-                self._open.clear()
-
-    def stop(self) -> None:
-        """End the hosting thread."""
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            self._finalizer.detach()
-            loop.stop()

@@ -15,6 +15,7 @@ import msgspec
 from streamsync._log import log, warn
 from streamsync.engine.clients import LoraClient
 from streamsync.engine.messages import LoraTarget
+from streamsync.engine.rounds import each
 from streamsync.errors import ConfigError, LoraError, StreamsyncError
 from streamsync.lora import check_lora_name, lora_adapter, lora_id, version_path
 from streamsync.pipeline import AdapterLike
@@ -89,9 +90,9 @@ class ChannelLoras:
         engine_id = lora_id(name)
         in_flight: list[int | None] = [None] * len(clients)
 
-        async def install(e: int, client: LoraClient) -> None:
+        async def install(e: int) -> None:
             try:
-                in_flight[e] = await client.install_lora(name, engine_id, path)
+                in_flight[e] = await clients[e].install_lora(name, engine_id, path)
             except StreamsyncError as exc:
                 exc.engine = channel.engine_index(e)
                 raise
@@ -105,12 +106,7 @@ class ChannelLoras:
                 raise error from exc
 
         with anyio.fail_after(channel.timeout):
-            if len(clients) == 1:
-                await install(0, clients[0])
-            else:
-                async with anyio.create_task_group() as tg:
-                    for e, client in enumerate(clients):
-                        tg.start_soon(install, e, client)
+            await each(len(clients), install)
         return in_flight
 
     def lora(self, name: str) -> tuple[int, str]:

@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import msgspec
 
@@ -35,21 +35,46 @@ __all__ = ["WorkerOptions", "WorkerResult"]
 WORKER_PROTOCOL = 4
 
 
-def _check_version(kind: str, data: object) -> None:
-    version = data.get("version", WORKER_PROTOCOL) if isinstance(data, Mapping) else None
-    if version != WORKER_PROTOCOL:
-        raise ProtocolVersionError(
-            f"{kind} of protocol version {version!r}; this streamsync speaks "
-            f"{WORKER_PROTOCOL}: install the same streamsync on the trainer and the engine"
-        )
+class Versioned(msgspec.Struct, frozen=True, kw_only=True):
+    """A struct that crosses an engine's control plane as plain values, stamped with
+    :data:`WORKER_PROTOCOL`: a peer of another streamsync fails by name, not by field."""
+
+    version: int = WORKER_PROTOCOL
+
+    #: What the struct is, as errors name it (``{rank}``: the worker's).
+    what: ClassVar[str]
+    #: The error a malformed one raises.
+    invalid: ClassVar[type[StreamsyncError]] = WireFormatError
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain values for the engine's RPC."""
+        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_wire(cls, data: object, *, rank: int = 0) -> Self:
+        """The struct from what crossed the RPC (from worker ``rank``)."""
+        if isinstance(data, cls):
+            return data
+        what = cls.what.format(rank=rank)
+        version = data.get("version", WORKER_PROTOCOL) if isinstance(data, Mapping) else None
+        if version != WORKER_PROTOCOL:
+            raise ProtocolVersionError(
+                f"{what} of protocol version {version!r}; this streamsync speaks "
+                f"{WORKER_PROTOCOL}: install the same streamsync on the trainer and the engine"
+            )
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            fields = ", ".join(f for f in cls.__struct_fields__ if f != "version")
+            raise cls.invalid(f"{what}: {exc}; valid fields: {fields}") from None
 
 
-class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
+class EngineFacts(Versioned, frozen=True, kw_only=True):
     """What an engine tells the trainer of itself when a channel opens (its hello), so the
     trainer decides from the engine's facts, not from what is installed beside it (a
     trainer image without vLLM, or with another version, would decide wrongly)."""
 
-    version: int = WORKER_PROTOCOL
+    what: ClassVar[str] = "the engine's hello"
     #: The engine's vLLM as ``(major, minor, patch)``; ``None``: not a vLLM engine, or its
     #: version is unknown.
     vllm_version: tuple[int, int, int] | None = None
@@ -67,19 +92,6 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
             return cls()
         major, minor, patch = match.groups()
         return cls(vllm_version=(int(major), int(minor), int(patch or 0)))
-
-    def to_wire(self) -> dict[str, Any]:
-        """Plain values for the engine's RPC."""
-        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
-
-    @classmethod
-    def from_wire(cls, data: object) -> EngineFacts:
-        """The struct from what a worker answered."""
-        _check_version("the engine's hello", data)
-        try:
-            return msgspec.convert(data, cls)
-        except msgspec.ValidationError as exc:
-            raise WireFormatError(f"the engine's hello: {exc}") from None
 
 
 #: The facts of the engines the running sync feeds (one per engine), set by the channel
@@ -105,11 +117,11 @@ class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     remove: bool = False
 
 
-class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class WorkerOptions(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What the trainer tells every worker for one sync (``worker_options=`` of a channel,
     as this struct or as a mapping of its fields)."""
 
-    version: int = WORKER_PROTOCOL
+    what: ClassVar[str] = "worker options from the trainer"
     #: Seconds for each wait of the receive; ``None``: the channel's ``timeout``.
     timeout: float | None = None
     #: Keyword arguments of :func:`~streamsync.open_receiver` on the worker.
@@ -145,23 +157,17 @@ class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         return msgspec.to_builtins(self, builtin_types=(bytes, bytearray))  # type: ignore[no-any-return]
 
     @classmethod
-    def from_wire(cls, data: object) -> WorkerOptions:
+    def from_wire(cls, data: object, *, rank: int = 0) -> Self:
         """The struct a worker received (``None``: the defaults)."""
-        if isinstance(data, WorkerOptions) or data is None:
-            return data or cls()
-        _check_version("worker options", data)
-        try:
-            return msgspec.convert(data, cls)
-        except msgspec.ValidationError as exc:
-            raise WireFormatError(f"worker options from the trainer: {exc}") from None
+        return cls() if data is None else super().from_wire(data, rank=rank)
 
 
-class WorkerResult(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerResult(Versioned, frozen=True, kw_only=True):
     """One worker's outcome of one sync: its receiver's report, or the error it hit (by
     class name, with the partial report), so that a failed sync never takes the engine
     down and the trainer re-raises the worker's own exception class."""
 
-    version: int = WORKER_PROTOCOL
+    what: ClassVar[str] = "worker {rank}'s result"
     pid: int
     #: The receiver's report (partial, or ``None`` if nothing was received, on failure).
     report: SyncReport | None = None
@@ -194,10 +200,6 @@ class WorkerResult(msgspec.Struct, frozen=True, kw_only=True):
         exc.engine = engine
         return exc
 
-    def to_wire(self) -> dict[str, Any]:
-        """Plain values for the engine's RPC."""
-        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
-
     def to_text(self) -> str:
         """This result as one token of plain characters (no quotes, no escapes), for a
         control plane that carries only an error's text back (vLLM's HTTP routes): an
@@ -216,17 +218,6 @@ class WorkerResult(msgspec.Struct, frozen=True, kw_only=True):
             return cls.from_wire(msgspec.msgpack.decode(base64.urlsafe_b64decode(found[1])))
         except (ValueError, msgspec.DecodeError):
             return None
-
-    @classmethod
-    def from_wire(cls, data: object, *, rank: int = 0) -> WorkerResult:
-        """The struct from what the engine's RPC returned for worker ``rank``."""
-        if isinstance(data, WorkerResult):
-            return data
-        _check_version(f"worker {rank}'s result", data)
-        try:
-            return msgspec.convert(data, cls)
-        except msgspec.ValidationError as exc:
-            raise WireFormatError(f"worker {rank}'s result: {exc}") from None
 
 
 _TOKEN = "streamsync-result:"

@@ -9,7 +9,7 @@ engine) or ``engine<e>.worker<rank>.<name>`` (several, from one stream).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,33 +22,20 @@ from streamsync.report import LoadResult, SyncReport
 from streamsync.transports.base import Sender
 
 
+async def each(count: int, call: Callable[[int], Coroutine[Any, Any, object]]) -> None:
+    """``call(e)`` for each of ``count`` engines at once; with one engine its error is
+    raised as it is, not in a group."""
+    if count == 1:
+        await call(0)
+        return
+    async with anyio.create_task_group() as tg:
+        for e in range(count):
+            tg.start_soon(call, e)
+
+
 def several(engines: Any) -> bool:
     """Whether ``engines`` is several engines (a list or tuple of them), not one."""
     return isinstance(engines, list | tuple)
-
-
-def worker_failure(
-    results: Sequence[WorkerResult], *, engine: int | None = None
-) -> StreamsyncError | None:
-    """The failed workers' root cause (:func:`streamsync.errors.root_cause`), or ``None``
-    (``engine``: which of several engines these workers belong to, named in the error)."""
-    return _root_cause([r.exception(rank, engine=engine) for rank, r in enumerate(results)])
-
-
-def merge_worker_reports(report: SyncReport, results: Sequence[WorkerResult]) -> SyncReport:
-    """The sender's ``report`` with each worker's model instances, as ``worker<rank>.<name>``."""
-    return msgspec.structs.replace(report, instances=_instances("", results))
-
-
-def merge_engine_reports(
-    report: SyncReport, engines: Sequence[Sequence[WorkerResult]]
-) -> SyncReport:
-    """The sender's ``report`` of a fan-out with each engine's workers' model instances, as
-    ``engine<e>.worker<rank>.<name>``."""
-    instances: dict[str, LoadResult] = {}
-    for e, results in enumerate(engines):
-        instances.update(_instances(f"engine{e}.", results))
-    return msgspec.structs.replace(report, instances=instances)
 
 
 def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadResult]:
@@ -151,10 +138,10 @@ class SyncRound:
         """The sender's report with every worker's instances, and the ``absent`` engines
         named in ``absent``."""
         assert self.report is not None
-        if fanout:
-            merged = merge_engine_reports(self.report, self.results)
-        else:
-            merged = merge_worker_reports(self.report, self.results[0])
+        instances: dict[str, LoadResult] = {}
+        for e, results in enumerate(self.results):
+            instances.update(_instances(f"engine{e}." if fanout else "", results))
+        merged = msgspec.structs.replace(self.report, instances=instances)
         if absent:
             gone = tuple(f"engine {e}: {type(err).__name__}: {err}" for e, err in absent.items())
             merged = msgspec.structs.replace(merged, absent=(*merged.absent, *gone))

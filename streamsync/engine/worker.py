@@ -69,9 +69,7 @@ class WorkerReceivers:
         ``make_sink`` builds for them, then :meth:`receive`. A streamsync error in any step
         is returned in the result, not raised."""
         try:
-            opts = (
-                options if isinstance(options, WorkerOptions) else WorkerOptions.from_wire(options)
-            )
+            opts = WorkerOptions.from_wire(options)
             sink = make_sink(opts)
         except StreamsyncError as exc:
             receiver = self._receivers.get(endpoint)

@@ -9,18 +9,11 @@
                                weight_transfer=WeightTransfer(config.vllm_server_base_url))
     trainer.train()
 
-:class:`WeightTransfer` has the five methods of TRL's ``WeightTransferProtocol``, called by the
-trainer on its main process: ``init_weight_transfer`` once at train begin, then per sync
-``pause`` → ``send_weights(iterator)`` → ``resume``, and ``destroy`` at train end.
-``send_weights`` streams TRL's ``(name, tensor)`` iterator (the base checkpoint's names, a
-peft adapter merged in) through the pipeline over the transport, and returns once every
-worker of the server has applied it. The trainer side is the backend's
+:class:`WeightTransfer` has the five methods of TRL's ``WeightTransferProtocol``
+(``init_weight_transfer``; per sync ``pause`` → ``send_weights(iterator)`` → ``resume``;
+``destroy``) on the backend's
 :class:`~streamsync.vllm.native.trainer.StreamsyncTrainerEngine` over vLLM's own
-``HTTPVLLMWeightSyncClient``; only JSON crosses HTTP.
-
-With a peft model, :meth:`WeightTransfer.adapter_only` makes each sync move only the LoRA
-adapter, from memory, instead of the merged weights (see its docstring for what it changes
-in the trainer). TRL itself is never imported here: the protocol is structural.
+``HTTPVLLMWeightSyncClient``. TRL itself is never imported here: the protocol is structural.
 """
 
 from __future__ import annotations
@@ -113,10 +106,8 @@ class WeightTransfer:
         self.server_timeout = server_timeout
         self.control_timeout = control_timeout
         self.weight_sync_timeout = weight_sync_timeout
-        self._engine: Any = None  # a StreamsyncTrainerEngine once initialised
+        self._engine: Any = None  # a StreamsyncTrainerEngine
         self._adapter: _AdapterOnly | None = None
-
-    # TRL's WeightTransferProtocol.
 
     def init_weight_transfer(self) -> None:
         """Wait for the server, check that it runs the ``streamsync`` backend, bind the
@@ -152,7 +143,6 @@ class WeightTransfer:
             rank=0,
         )
         client = HTTPVLLMWeightSyncClient(self.server_url, timeout=self.weight_sync_timeout)
-        # The backend's own class, not vLLM's factory's lookup of it by name: one hop less.
         self._engine = StreamsyncTrainerEngine.trainer_init(info, client=client)
         log(
             "trl.init_weight_transfer",
@@ -195,8 +185,6 @@ class WeightTransfer:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
-
-    # Beyond the protocol.
 
     @property
     def last_report(self) -> SyncReport | None:
@@ -259,8 +247,6 @@ class WeightTransfer:
         check_lora_name(f"{name}-v1")
         loop_kwargs["lora_name"] = name
         self._adapter = _AdapterOnly(trainer, model, name)
-
-    # Internals.
 
     def _require(self, what: str) -> Any:
         if self._engine is None:

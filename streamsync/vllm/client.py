@@ -1,12 +1,9 @@
-"""The trainer side for vLLM: engine clients for ``LLM`` and ``AsyncLLM``, and
-``update_weights(llm, weights, endpoint=..., pipeline=...)``.
+"""The trainer side for vLLM: :class:`WeightSync` and ``update_weights`` on the engine
+client of an ``LLM`` or ``AsyncLLM`` (:class:`VllmClient`).
 
-A client runs the workers' receive through ``collective_rpc`` (in a thread for ``LLM``,
-awaited in a task for ``AsyncLLM``, so the sender is not blocked) and resets the prefix
-cache after a sync (its blocks hold what the old weights computed). ``collective_rpc``
-carries the endpoint and the :class:`~streamsync.engine.channel.WorkerOptions` as plain values
-(msgpack when the engine core is another process) and brings back each worker's
-:class:`~streamsync.engine.channel.WorkerResult` as plain values too.
+The client runs the workers' receive through ``collective_rpc``, with plain values both
+ways (msgpack when the engine core is another process), and resets the prefix cache after
+a sync (its blocks hold what the old weights computed).
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import anyio.to_thread
@@ -101,85 +99,49 @@ def check_extension(llm: Any) -> None:
     )
 
 
-def _results(raw: list[Any]) -> list[WorkerResult]:
-    return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
-
-
-class LLMClient:
-    """A synchronous vLLM ``LLM``: each RPC runs in a worker thread."""
+class VllmClient:
+    """An ``LLM`` or ``AsyncLLM`` as an engine client: the same calls, awaited on the
+    engine's own loop for an ``AsyncLLM`` (it is then loop-bound), run in a worker thread
+    for an ``LLM``."""
 
     def __init__(self, llm: Any) -> None:
         check_extension(llm)
         self.llm = llm
         self.receivers = world_size(llm)
+        #: An ``AsyncLLM``: driven from the event loop that created it.
+        self.loop_bound = inspect.iscoroutinefunction(getattr(llm, "collective_rpc", None))
+        # What takes adapters and tells requests in flight: the AsyncLLM, or LLM's engine.
+        self._engine = llm if self.loop_bound else llm.llm_engine
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.loop_bound:
+            return await fn(*args)
+        return await anyio.to_thread.run_sync(partial(fn, *args), abandon_on_cancel=True)
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return list(await self._call(partial(self.llm.collective_rpc, method, args=args)))
 
     async def hello(self) -> EngineFacts:
         """The engine's facts, as its first worker tells them."""
-        return EngineFacts.from_wire((await self._call(lambda: self.llm.collective_rpc(_HELLO)))[0])
+        return EngineFacts.from_wire((await self._rpc(_HELLO))[0])
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
-        args = (endpoint, options.to_wire())
-        return _results(await self._call(lambda: self.llm.collective_rpc(_RECEIVE, args=args)))
+        raw = await self._rpc(_RECEIVE, endpoint, options.to_wire())
+        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
 
     async def after_sync(self) -> None:
         await self._call(self.llm.reset_prefix_cache)
 
     async def close_receivers(self, endpoint: str) -> int:
-        return sum(await self._call(lambda: self.llm.collective_rpc(_CLOSE, args=(endpoint,))))
+        return sum(await self._rpc(_CLOSE, endpoint))
 
     async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
-        engine = self.llm.llm_engine
         request = _lora_request(name, lora_id, path, load_inplace=True)
-        await self._call(lambda: engine.add_lora(request))
-        return _in_flight(engine, name)
+        await self._call(self._engine.add_lora, request)
+        return _in_flight(self._engine, name)
 
     async def remove_lora(self, name: str, lora_id: int) -> None:
-        await self._call(lambda: self.llm.llm_engine.remove_lora(lora_id))
-
-
-class AsyncLLMClient:
-    """A vLLM ``AsyncLLM`` (in-process or multi-process engine core): RPCs are awaited, on
-    the event loop that created it."""
-
-    #: Its RPCs are awaited on the engine's own loop (a
-    #: :class:`~streamsync.engine.channel.LoopBoundClient`).
-    loop_bound = True
-
-    def __init__(self, llm: Any) -> None:
-        check_extension(llm)
-        self.llm = llm
-        self.receivers = world_size(llm)
-
-    async def hello(self) -> EngineFacts:
-        """The engine's facts, as its first worker tells them."""
-        return EngineFacts.from_wire((await self.llm.collective_rpc(_HELLO))[0])
-
-    async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
-        args = (endpoint, options.to_wire())
-        return _results(list(await self.llm.collective_rpc(_RECEIVE, args=args)))
-
-    async def after_sync(self) -> None:
-        await self.llm.reset_prefix_cache()
-
-    async def close_receivers(self, endpoint: str) -> int:
-        return sum(await self.llm.collective_rpc(_CLOSE, args=(endpoint,)))
-
-    async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
-        await self.llm.add_lora(_lora_request(name, lora_id, path, load_inplace=True))
-        return _in_flight(self.llm, name)
-
-    async def remove_lora(self, name: str, lora_id: int) -> None:
-        await self.llm.remove_lora(lora_id)
-
-
-def vllm_client(llm: Any) -> EngineClient:
-    """The engine client for a vLLM ``LLM`` or ``AsyncLLM``."""
-    if inspect.iscoroutinefunction(getattr(llm, "collective_rpc", None)):
-        return AsyncLLMClient(llm)
-    return LLMClient(llm)
+        await self._call(self._engine.remove_lora, lora_id)
 
 
 def _in_process(llm: Any) -> bool:
@@ -190,7 +152,7 @@ def _in_process(llm: Any) -> bool:
 
 def _clients(llm: Any) -> EngineClient | list[EngineClient]:
     if not several(llm):
-        return vllm_client(llm)
+        return VllmClient(llm)
     local = [e for e, one in enumerate(llm) if _in_process(one)]
     if len(local) > 1:
         # vLLM keeps the current config in a process-wide global that every weight load
@@ -201,12 +163,12 @@ def _clients(llm: Any) -> EngineClient | list[EngineClient]:
             "so one channel cannot feed them; start them with multiprocessing (vLLM's "
             "default), or in processes of their own"
         )
-    return [vllm_client(one) for one in llm]
+    return [VllmClient(one) for one in llm]
 
 
 class WeightSync(EngineChannel):
     """A persistent channel into one vLLM engine, or into several from one stream
-    (:class:`streamsync.engine.channel.EngineChannel` on their :func:`vllm_client`).
+    (:class:`streamsync.engine.channel.EngineChannel` on their :class:`VllmClient`).
 
     From synchronous code (an ``LLM``)::
 
@@ -223,30 +185,9 @@ class WeightSync(EngineChannel):
     receives the same stream, and the report names ``engine<e>.worker<w>.<instance>``.
     """
 
-    def __init__(
-        self,
-        llm: Any,
-        endpoint: str,
-        *,
-        pipeline: AdapterLike | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        timeout: float = DEFAULT_TIMEOUT,
-        checksum: bool = False,
-        worker_options: WorkerOptions | Mapping[str, Any] | None = None,
-        delta: bool = False,
-        **transport_options: Any,
-    ) -> None:
-        super().__init__(
-            _clients(llm),
-            endpoint,
-            pipeline=pipeline,
-            bucket_bytes=bucket_bytes,
-            timeout=timeout,
-            checksum=checksum,
-            worker_options=worker_options,
-            delta=delta,
-            **transport_options,
-        )
+    def __init__(self, llm: Any, endpoint: str, **options: Any) -> None:
+        """``options``: those of :class:`~streamsync.engine.channel.EngineChannel`."""
+        super().__init__(_clients(llm), endpoint, **options)
         self.llm = llm
 
     def __enter__(self) -> BlockingVllmSync:
@@ -306,7 +247,7 @@ async def update_weights(
     return await update_engine(
         llm,
         weights,
-        client=vllm_client,
+        client=VllmClient,
         endpoint=endpoint,
         pipeline=pipeline,
         bucket_bytes=bucket_bytes,

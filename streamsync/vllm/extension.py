@@ -67,16 +67,3 @@ class WorkerExtension:
     def streamsync_close(self, endpoint: str | None = None) -> int:
         """Close this worker's receivers (all, or the one for ``endpoint``); returns how many."""
         return self.streamsync_receivers.close(endpoint)
-
-    def streamsync_describe(self) -> dict[str, Any]:
-        """The model instances this worker serves and their parameter/buffer names."""
-        from streamsync.vllm.sink import model_instances
-
-        out: dict[str, Any] = {}
-        for inst in model_instances(self):
-            out[inst.name] = {
-                "class": type(inst.model).__name__,
-                "parameters": sorted(n for n, _ in inst.model.named_parameters()),
-                "buffers": sorted(n for n, _ in inst.model.named_buffers()),
-            }
-        return out

@@ -19,20 +19,9 @@ with the server started with ``--weight-transfer-config '{"backend": "streamsync
 
 Both sides register the backend when this module is imported, and in every vLLM process
 (the server's engine core and workers included) through the ``vllm.general_plugins`` entry
-point :func:`register`.
-
-The worker side (:class:`StreamsyncWeightTransferEngine`) keeps a
-:class:`~streamsync.engine.worker.WorkerReceivers` connected to the endpoint the trainer names at
-``init_weight_transfer_engine``; each ``update_weights`` call runs one whole sync into a
-:class:`~streamsync.vllm.sink.VllmSink` on the model vLLM targets (the main model, or the
-drafter after ``start_draft_weight_update``): prepare, load per bucket, finalize. The trainer
-side (:class:`StreamsyncTrainerEngine`) is a :class:`~streamsync.engine.channel.EngineChannel` whose
-engine client is vLLM's ``VLLMWeightSyncClient``: ``update_weights`` runs beside the send.
-Only JSON-native values cross the control plane (the init and update infos are versioned
-msgspec structs as builtins); nothing is pickled. :func:`weight_source` goes the other way:
-our adapters in front of vLLM's own backends.
-
-Modules: ``messages`` (what crosses the control plane), ``worker``, ``trainer``, ``source``.
+point :func:`register`. Only JSON-native values cross the control plane. Modules:
+``messages`` (what crosses the control plane), ``worker``, ``trainer``, and ``source``
+(:func:`weight_source`: our adapters in front of vLLM's own backends).
 """
 
 from __future__ import annotations

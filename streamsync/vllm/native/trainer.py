@@ -53,9 +53,8 @@ class StreamsyncInitInfo(TrainerInitInfo):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     #: Seconds for each wait of a sync, and for the workers' connect.
     timeout: float = DEFAULT_TIMEOUT
-    #: The channel's shared secret. It is sent to the workers in the init call (over the
-    #: control plane, in clear); leave it ``None`` and set ``$STREAMSYNC_SECRET`` on both
-    #: sides to keep it off the wire.
+    #: The channel's shared secret, sent to the workers in the init call, in clear; leave it
+    #: ``None`` and set ``$STREAMSYNC_SECRET`` on both sides to keep it off the wire.
     secret: str | None = None
     #: How many workers receive (tensor x pipeline x data parallel size). ``None``: asked of
     #: the engine (the server's ``/get_world_size``, or the client's ``get_world_size()``);
@@ -65,7 +64,7 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: ``quirks``, ``transport``).
     worker_options: Mapping[str, Any] | None = None
     #: Delta syncs (see :func:`streamsync.send`): each ``send_weights`` moves only what
-    #: changed since the last; the workers keep a copy of the weights to patch.
+    #: changed since the last.
     delta: bool = False
 
 
@@ -137,41 +136,52 @@ def _rpc_error(call: str, exc: Exception) -> StreamsyncError:
     return ReceiverFailedError(f"vLLM's {call} failed: {detail}")
 
 
+def _http(client: Any, method: str, route: str, **kwargs: Any) -> Any:
+    """``method /route`` on the server at ``client``'s ``base_url`` (``None`` where it has
+    none), bounded by the client's ``timeout``; an unreachable server is a
+    :class:`PeerBrokenError` that names it."""
+    base_url = getattr(client, "base_url", None)
+    if base_url is None:
+        return None
+    import requests
+
+    url = f"{str(base_url).rstrip('/')}/{route}"
+    try:
+        timeout = getattr(client, "timeout", DEFAULT_TIMEOUT)
+        return requests.request(method, url, timeout=timeout, **kwargs)
+    except requests.RequestException as exc:
+        raise PeerBrokenError(
+            f"the vLLM server at {base_url} cannot be reached ({method} /{route}: "
+            f"{type(exc).__name__}: {exc})"
+        ) from exc
+
+
 def _lora_route(client: Any, action: str, name: str, path: str | None) -> None:
     """``load`` (in place) or ``unload`` LoRA adapter ``name`` through ``client``: its own
     ``load_lora_adapter`` / ``unload_lora_adapter`` where it has them, else the server's
-    ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` at its ``base_url``."""
+    ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``."""
     method = getattr(client, f"{action}_lora_adapter", None)
     if method is not None:
         method(name, path) if action == "load" else method(name)
         return
-    base_url = getattr(client, "base_url", None)
-    if base_url is None:
+    body: dict[str, Any] = {"lora_name": name}
+    if action == "load":
+        body.update(lora_path=path, load_inplace=True)
+    response = _http(client, "POST", f"v1/{action}_lora_adapter", json=body)
+    where = f"the vLLM server at {getattr(client, 'base_url', None)}"
+    if response is None:
         raise ConfigError(
             f"{type(client).__name__} has no {action}_lora_adapter method (nor a base_url "
             f"to post /v1/{action}_lora_adapter to): it cannot install LoRA adapters"
         )
-    import requests
-
-    url = f"{str(base_url).rstrip('/')}/v1/{action}_lora_adapter"
-    body: dict[str, Any] = {"lora_name": name}
-    if action == "load":
-        body.update(lora_path=path, load_inplace=True)
-    try:
-        response = requests.post(url, json=body, timeout=getattr(client, "timeout", 60.0))
-    except requests.RequestException as exc:
-        raise PeerBrokenError(
-            f"the vLLM server at {base_url} cannot be reached (POST /v1/{action}_lora_adapter: "
-            f"{type(exc).__name__}: {exc})"
-        ) from exc
     if response.status_code == 404:
         raise LoraError(
-            f"the vLLM server at {base_url} has no /v1/{action}_lora_adapter route: start it "
+            f"{where} has no /v1/{action}_lora_adapter route: start it "
             "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (and --enable-lora)"
         )
     if not response.ok:
         raise LoraError(
-            f"the vLLM server at {base_url} refused to {action} LoRA adapter {name!r} "
+            f"{where} refused to {action} LoRA adapter {name!r} "
             f"(HTTP {response.status_code}): {response.text.strip()[:1000]}"
         )
 
@@ -183,16 +193,13 @@ def _start_draft(client: Any) -> None:
     if method is not None:
         method()
         return
-    base_url = getattr(client, "base_url", None)
-    if base_url is None:
+    response = _http(client, "POST", "start_draft_weight_update")
+    if response is None:
         raise ConfigError(
             f"{type(client).__name__} has no start_draft_weight_update method (nor a "
             "base_url to post /start_draft_weight_update to); draft=True needs one"
         )
-    import requests
-
-    timeout = getattr(client, "timeout", DEFAULT_TIMEOUT)
-    requests.post(f"{base_url}/start_draft_weight_update", timeout=timeout).raise_for_status()
+    response.raise_for_status()
 
 
 def engine_world_size(client: Any) -> int | None:
@@ -202,14 +209,13 @@ def engine_world_size(client: Any) -> int | None:
     method = getattr(client, "get_world_size", None)
     if callable(method):
         return int(method())
-    base_url = getattr(client, "base_url", None)
-    if base_url is None:
+    response = _http(client, "GET", "get_world_size")
+    if response is None:
         return None
     import requests
 
-    url = f"{str(base_url).rstrip('/')}/get_world_size"
+    base_url = client.base_url
     try:
-        response = requests.get(url, timeout=getattr(client, "timeout", DEFAULT_TIMEOUT))
         response.raise_for_status()
         return int(response.json()["world_size"])
     except requests.RequestException as exc:
@@ -230,22 +236,20 @@ def engine_facts(client: Any) -> EngineFacts:
     method = getattr(client, "get_version", None)
     if callable(method):
         return EngineFacts.of_vllm(str(method()))
-    base_url = getattr(client, "base_url", None)
-    if base_url is None:
+    response = _http(client, "GET", "version")
+    if response is None:
         raise ConfigError(
             f"cannot ask {type(client).__name__} which vLLM the engine runs (no "
             "get_version(), no base_url); expand_moe(when='auto') decides from the vLLM here"
         )
     import requests
 
-    url = f"{str(base_url).rstrip('/')}/version"
     try:
-        response = requests.get(url, timeout=getattr(client, "timeout", DEFAULT_TIMEOUT))
         response.raise_for_status()
         return EngineFacts.of_vllm(str(response.json()["version"]))
     except (requests.RequestException, KeyError, TypeError, ValueError) as exc:
         raise PeerBrokenError(
-            f"the vLLM server at {base_url} did not say its version (GET /version: "
+            f"the vLLM server at {client.base_url} did not say its version (GET /version: "
             f"{type(exc).__name__}: {exc})"
         ) from exc
 
@@ -294,7 +298,6 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         init_info: StreamsyncInitInfo,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.init_info = init_info
         transport: dict[str, Any] = {"connect_timeout": init_info.timeout}
         if init_info.secret is not None:
             transport["secret"] = init_info.secret
@@ -371,43 +374,40 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
                 for _ in weights:
                     pass
             return
-        if self._sync is None:
-            raise ConfigError("send_weights after shutdown(); call trainer_init again")
-        start = "start_draft_weight_update" if draft else "start_weight_update"
-        try:
-            if draft:
-                _start_draft(self.client)
-            else:
-                self.client.start_weight_update()
-        except Exception as exc:
-            raise _rpc_error(start, exc) from exc
-        try:
-            report = self._sync.update(weights)
-        except ReceiverFailedError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, StreamsyncError) and not isinstance(
-                cause, (ReceiverFailedError, *errors.CONSEQUENCES)
-            ):
-                # The worker's own error, as the transport carried it to the sender.
-                cause.add_note(str(exc))
-                raise cause from None
-            raise
-        try:
-            self.client.finish_weight_update(weight_version)
-        except Exception as exc:
-            raise _rpc_error("finish_weight_update", exc) from exc
-        self.last_report = report
 
-    def _session(self, what: str, run: Callable[[BlockingWeightSync], Any]) -> Any:
-        """``run`` on the channel inside one of vLLM's weight-update sessions."""
+        def update(sync: BlockingWeightSync) -> SyncReport:
+            try:
+                return sync.update(weights)
+            except ReceiverFailedError as exc:
+                cause = exc.__cause__
+                if isinstance(cause, StreamsyncError) and not isinstance(
+                    cause, (ReceiverFailedError, *errors.CONSEQUENCES)
+                ):
+                    # The worker's own error, as the transport carried it to the sender.
+                    cause.add_note(str(exc))
+                    raise cause from None
+                raise
+
+        self.last_report = self._session("send_weights", update, draft, weight_version)
+
+    def _session(
+        self,
+        what: str,
+        run: Callable[[BlockingWeightSync], Any],
+        draft: bool = False,
+        weight_version: str | None = None,
+    ) -> Any:
+        """``run`` on the channel inside one of vLLM's weight-update sessions (``draft``:
+        the drafter's), which ``finish_weight_update(weight_version)`` ends."""
         if not self.is_sender:
             return None
         if self._sync is None:
             raise ConfigError(f"{what} after shutdown(); call trainer_init again")
+        start = "start_draft_weight_update" if draft else "start_weight_update"
         try:
-            self.client.start_weight_update()
+            _start_draft(self.client) if draft else self.client.start_weight_update()
         except Exception as exc:
-            raise _rpc_error("start_weight_update", exc) from exc
+            raise _rpc_error(start, exc) from exc
         try:
             result = run(self._sync)
         except BaseException:
@@ -417,7 +417,7 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
                 self.client.finish_weight_update(None)
             raise
         try:
-            self.client.finish_weight_update(None)
+            self.client.finish_weight_update(weight_version)
         except Exception as exc:
             raise _rpc_error("finish_weight_update", exc) from exc
         return result
