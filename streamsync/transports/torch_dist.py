@@ -61,16 +61,15 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.transports import Endpoint, Transport
-from streamsync.transports.link import Fds, LinkEvents, LinkLost, Peer, ReceiverLink, SenderLink
+from streamsync.transports.link import LinkLost, Peer
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import DEVICE, HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
-from streamsync.transports.places import host_port
+from streamsync.transports.places import cuda_device, host_port
 from streamsync.transports.slots import Shared, SlotStore, SlotView
 from streamsync.transports.torch_group import (
     GroupPlan,
     ProcessGroupMember,
     as_timedelta,
-    cuda_device,
     local_address,
 )
 from streamsync.transports.zeromq import ZmqDialer, ZmqLink
@@ -157,26 +156,19 @@ def _allocate(slots: int, slot_bytes: int, device: torch.device) -> list[torch.T
     return list(ring.view(slots, slot_bytes).unbind(0))
 
 
-class GroupLink(SenderLink):
-    """Sender end: the rendezvous store at HOST:PORT and a ZeroMQ link on HOST (its port
-    written to the store) for the ring's frames."""
+class GroupLink(ZmqLink):
+    """Sender end: the rendezvous store at HOST:PORT, and the ring's frames over a ZeroMQ
+    link on HOST whose port is written to the store."""
 
     def __init__(
-        self,
-        scheme: str,
-        target: str,
-        member: ProcessGroupMember,
-        *,
-        hwm: int,
-        heartbeat: float,
-        timeout: float,
+        self, endpoint: Endpoint, member: ProcessGroupMember, *, timeout: float, **link: Any
     ) -> None:
-        self.url = f"{scheme}://{target}"
-        self.scheme = scheme
-        self.host, self.port = host_port(scheme, target, bind=True)
+        self.scheme = endpoint.scheme
+        self.host, self.port = host_port(endpoint.scheme, endpoint.target, bind=True)
+        super().__init__("zmq+tcp", f"{self.host}:0", **link)
+        self.url = endpoint.url
         self.member = member
         self.timeout = timeout
-        self.inner = ZmqLink("zmq+tcp", f"{self.host}:0", hwm=hwm, heartbeat=heartbeat)
 
     async def open(self) -> None:
         from torch._C._distributed_c10d import TCPStore
@@ -215,23 +207,11 @@ class GroupLink(SenderLink):
             raise
         self.member.store = store
         self.port = int(store.port)
-        self.url = f"{self.scheme}://{self.host}:{self.port}"
-        self.member.url = self.url
         self.member.local_host = self.host
-        await self.inner.open()
-        control_port = self.inner.url.rpartition(":")[2]
+        await super().open()  # names the link's own port in self.url
+        control_port = self.url.rpartition(":")[2]
+        self.url = self.member.url = f"{self.scheme}://{self.host}:{self.port}"
         await _in_thread(lambda: store.set(_CONTROL_KEY, control_port.encode()))
-
-    async def serve(self, events: LinkEvents) -> None:
-        await self.inner.serve(events)
-
-    async def send(
-        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
-    ) -> None:
-        await self.inner.send(peer, frame, payload, fds)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @dataclass
@@ -284,7 +264,7 @@ class GroupSender(LinkedSender):
         await self.link.send(peer, frame, self._marker if payload is not None else None)
 
     def _launch(self, sync_id: int, data: torch.Tensor) -> None:
-        timeout = self.sync_timeout
+        timeout = 60.0 if self._sync is None else self._sync.timeout
         # The group forms on the first bucket, within the sync's timeout too: every
         # receiver is on the link by then.
         form = 0.0 if self.member.formed else timeout
@@ -369,29 +349,34 @@ class GroupSender(LinkedSender):
 
 
 def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> GroupSender:
-    backend = BACKENDS[endpoint.scheme]
-    heartbeat = opts.pop("heartbeat")
-    device = _device(endpoint, backend, opts.pop("device"))
-    url = f"{endpoint.scheme}://{endpoint.target}"
-    member = ProcessGroupMember(url, backend, device=device)
+    member = _member(endpoint, opts.pop("device"))
     link = GroupLink(
-        endpoint.scheme,
-        endpoint.target,
+        endpoint,
         member,
         hwm=2 * opts["slots"] + 8,
-        heartbeat=heartbeat,
+        heartbeat=opts.pop("heartbeat"),
         timeout=opts["connect_timeout"],
     )
     store = GroupSlots(opts.pop("slots"), opts.pop("slot_bytes"), member)
     return GroupSender(link, store, **opts)
 
 
-def _device(endpoint: Endpoint, backend: str, device: Any) -> torch.device:
+def _member(endpoint: Endpoint, device: Any) -> ProcessGroupMember:
+    """This side's seat in the channel's group, on the device its backend sends from."""
+    import torch.distributed as dist
+
+    backend = BACKENDS[endpoint.scheme]
     if backend == "gloo":
         if device is not None and torch.device(device).type != "cpu":
             raise ConfigError(f"{endpoint.scheme}: device={device}; gloo sends from host memory")
-        return torch.device("cpu")
-    return cuda_device(f"{endpoint.scheme}://{endpoint.target}", device)
+        return ProcessGroupMember(endpoint.url, backend)
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise ConfigError(
+            f"{endpoint.url}: NCCL needs CUDA and a torch built with NCCL in this process; "
+            "use torch+gloo:// instead"
+        )
+    device = cuda_device(endpoint.url, device, instead="torch+gloo://")
+    return ProcessGroupMember(endpoint.url, backend, device=device)
 
 
 # -- receiver ------------------------------------------------------------------------------
@@ -470,26 +455,18 @@ class GroupView(SlotView):
         self._released = {}
 
 
-class GroupDialer(ReceiverLink):
+class GroupDialer(ZmqDialer):
     """Receiver end: reads the link's port from the store and joins the link; each
     header's marker names the slot its broadcast fills (:meth:`GroupView.fill`)."""
 
     def __init__(
-        self,
-        scheme: str,
-        target: str,
-        view: GroupView,
-        *,
-        heartbeat: float,
-        timeout: float,
+        self, endpoint: Endpoint, member: ProcessGroupMember, *, heartbeat: float, timeout: float
     ) -> None:
-        self.url = f"{scheme}://{target}"
-        self.host, self.port = host_port(scheme, target, bind=False)
-        self.view = view
-        self.member = view.member
-        self.heartbeat = heartbeat
+        super().__init__("zmq+tcp", endpoint.target, heartbeat=heartbeat)
+        self.url = endpoint.url
+        self.host, self.port = host_port(endpoint.scheme, endpoint.target, bind=False)
+        self.member = member
         self.timeout = timeout
-        self.inner: ZmqDialer | None = None
 
     async def connect(self) -> None:
         from torch._C._distributed_c10d import TCPStore
@@ -519,20 +496,11 @@ class GroupDialer(ReceiverLink):
         self.member.store = store
         self.member.url = self.url
         self.member.local_host = local_address(self.host, self.port)
-        self.inner = ZmqDialer("zmq+tcp", f"{self.host}:{port.decode()}", heartbeat=self.heartbeat)
-        await self.inner.connect()
-
-    async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
-        assert self.inner is not None
-        return await self.inner.handshake(hello)
-
-    async def send(self, frame: bytes) -> None:
-        assert self.inner is not None
-        await self.inner.send(frame)
+        self.address = f"tcp://{self.host}:{port.decode()}"
+        await super().connect()
 
     async def receive(self) -> tuple[bytes, Any]:
-        assert self.inner is not None
-        frame, marker = await self.inner.receive()
+        frame, marker = await super().receive()
         if marker is None:
             return frame, None
         if len(marker) != _MARKER.size:
@@ -540,26 +508,17 @@ class GroupDialer(ReceiverLink):
         return frame, _MARKER.unpack(bytes(marker))  # (slot, nbytes): the view's to fill
 
     async def aclose(self) -> None:
-        if self.inner is not None:
-            await self.inner.aclose()
-            self.inner = None
+        await super().aclose()
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
             await _in_thread(self.member.close)
 
 
 def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
-    backend = BACKENDS[endpoint.scheme]
-    url = f"{endpoint.scheme}://{endpoint.target}"
-    device = _device(endpoint, backend, opts.pop("device"))
-    view = GroupView(ProcessGroupMember(url, backend, device=device))
+    member = _member(endpoint, opts.pop("device"))
     link = GroupDialer(
-        endpoint.scheme,
-        endpoint.target,
-        view,
-        heartbeat=opts.pop("heartbeat"),
-        timeout=opts["connect_timeout"],
+        endpoint, member, heartbeat=opts.pop("heartbeat"), timeout=opts["connect_timeout"]
     )
-    return LinkedReceiver(link, view, **opts)
+    return LinkedReceiver(link, GroupView(member), **opts)
 
 
 #: ``torch+gloo://HOST:PORT`` and ``torch+nccl://HOST:PORT``: the entry points' object.
