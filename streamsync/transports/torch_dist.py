@@ -1,40 +1,30 @@
 """``torch+gloo://HOST:PORT`` and ``torch+nccl://HOST:PORT``: each bucket broadcast once to
 every receiver in a private ``torch.distributed`` process group.
 
-The slot ring is the one every linked transport runs (:mod:`streamsync.transports.linked`):
-the handshake, headers, acks and reports travel as authenticated msgspec frames over a
-ZeroMQ link (:mod:`streamsync.transports.zeromq`); only a bucket's bytes take the process
-group, as one ``broadcast`` from the sender's slot into the same slot of every receiver.
+The ring is the linked transports' (:mod:`streamsync.transports.linked`): handshake,
+headers, acks and reports travel over a ZeroMQ link; only a bucket's bytes take the group,
+one ``broadcast`` from the sender's slot into the same slot of every receiver. A 12-byte
+marker (slot, size) follows each header, so each receiver's link reader joins the broadcasts
+in the order the sender publishes them while its sink loads earlier slots.
 
 Rendezvous: the sender hosts a ``TCPStore`` at HOST:PORT (port 0 picks one; the sender's
-``url`` then names it) and writes the port of its ZeroMQ link there; a receiver reads it
-and joins the link. The ``Welcome`` names the group (a random key prefix in the store and
-its size); sender = rank 0, receiver ``i`` = rank ``i + 1`` in join order. The group
-(:mod:`streamsync.transports.torch_group`) is formed on the first bucket, never through
-the default group (``init_process_group`` is not
-called, so it coexists with an FSDP trainer's or a vLLM worker's own groups; vLLM's
-``StatelessProcessGroup`` is the pattern). Nothing is pickled: the store holds bytes only.
+``url`` then names it) and writes its link's port there. The ``Welcome`` names the group (a
+random key prefix in the store, its size); the sender is rank 0, receiver ``i`` rank
+``i + 1``. The group (:mod:`streamsync.transports.torch_group`) forms on the first bucket.
+Nothing is pickled: the store holds bytes only.
 
-With a bucket's header each receiver gets a 12-byte marker (slot, size) as a payload
-frame: its link reader then joins the broadcast into that slot, so receivers take part in
-the same order as the sender publishes, while their sinks load earlier slots.
+Failures: every broadcast has the sync's timeout, and a receiver's death seen on the link
+ends the sender's wait at once. A failed or timed-out broadcast leaves the group out of
+step, so the channel is broken (:class:`~streamsync.PeerBrokenError` or
+:class:`~streamsync.SyncTimeoutError`): a group has a fixed size, and a receiver that
+restarts needs a new sender.
 
-Failures: every broadcast has the sync's timeout (the process group's own timeout, so no
-thread waits forever); a receiver's death seen on the link (ZeroMQ's monitor) ends the
-sender's wait at once. A failed or timed-out broadcast leaves the group unusable, so the
-channel is then broken (:class:`~streamsync.PeerBrokenError` or
-:class:`~streamsync.SyncTimeoutError`): the group has a fixed size, and a receiver that
-restarts needs a new channel (a new sender), not a seat in the old group.
+``torch+nccl`` keeps the ring on the GPU (``device=``, default the current one). The store
+and the link listen on HOST only (127.0.0.1 by default, ``*`` for every interface); gloo
+connects over the interface that reaches HOST (``GLOO_SOCKET_IFNAME`` overrides it). The
+broadcast bytes are neither encrypted nor authenticated, as ``zmq+tcp`` payloads.
 
-``torch+nccl`` keeps the ring on the GPU (``device=``, default the current device): no
-host staging. The store and the link listen on HOST only (127.0.0.1 unless HOST says
-otherwise, ``*`` for every interface), as ``zmq+tcp``; gloo's own connections use the
-interface that reaches HOST (``GLOO_SOCKET_IFNAME`` overrides it). The broadcast bytes are
-neither encrypted nor authenticated (as ``zmq+tcp`` payloads are not).
-
-URL options: ``receivers``, ``slots``, ``slot_bytes``, ``connect_timeout``. Keyword
-arguments: those, ``secret``, ``heartbeat`` (the link's keepalive, seconds), ``device``
-(nccl: this side's GPU, default the current device).
+Options: every transport's, ``heartbeat`` (the link's keepalive) and ``device``.
 """
 
 from __future__ import annotations
@@ -72,7 +62,7 @@ from streamsync.transports.torch_group import (
     as_timedelta,
     local_address,
 )
-from streamsync.transports.zeromq import ZmqDialer, ZmqLink
+from streamsync.transports.zeromq import ZmqDialer, ZmqLink, file_id
 from streamsync.wire.bucket import allocate_slot
 from streamsync.wire.frames import Abort, BucketHeader, Bye, End, Welcome
 
@@ -85,17 +75,6 @@ _CLOSE_S = 1.0
 #: Seconds a sender's store gets to open (its own client connects to it) however short the
 #: sync's timeout.
 OPEN_STORE_S = 30.0
-
-
-def _close_if_ours(fd: int, ours: os.stat_result) -> None:
-    """Close the listening socket handed to a store that failed, unless the store closed it
-    already (then ``fd`` is closed, or by now another file's)."""
-    try:
-        now = os.fstat(fd)
-    except OSError:
-        return
-    if (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino):
-        os.close(fd)
 
 
 BACKENDS = {"torch+gloo": "gloo", "torch+nccl": "nccl"}
@@ -178,7 +157,7 @@ class GroupLink(ZmqLink):
         listener = _listen(self.url, self.host, self.port)
         self.port = listener.getsockname()[1]
         fd = listener.detach()
-        ours = os.fstat(fd)
+        ours = file_id(fd)
         host = "127.0.0.1" if self.host in ("*", "0.0.0.0") else self.host
 
         def serve_store() -> Any:
@@ -199,7 +178,8 @@ class GroupLink(ZmqLink):
         try:
             store = await _in_thread(serve_store)
         except BaseException as exc:
-            _close_if_ours(fd, ours)
+            if file_id(fd) == ours:  # else the store closed it already
+                os.close(fd)
             if isinstance(exc, RuntimeError):  # DistNetworkError, DistStoreError
                 raise PeerBrokenError(
                     f"{self.url}: could not open its rendezvous store on {host}:{self.port} ({exc})"
