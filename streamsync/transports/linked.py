@@ -201,7 +201,6 @@ class LinkedSender(RingSender):
             self.peers[peer.index] = peer
             self.on_joined(peer.index)
             log("channel.joined", url=self.url, receiver=peer.index, peer=peer.describe)
-            self._signal.notify()
             return True
         if isinstance(msg, Bye):
             peer.said_bye = True

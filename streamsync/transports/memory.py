@@ -125,8 +125,8 @@ class MemorySender(RingSender):
                 receiver.met()
         self.store.open()  # allocated once and reused by every sync on this channel
 
-    async def _await_receivers(self, timeout: float) -> None:
-        await super()._await_receivers(timeout)
+    async def wait_ready(self, *, timeout: float) -> None:
+        await super().wait_ready(timeout=timeout)
         chan = self._chan
         assert chan is not None
         if len(chan.receivers) > self.receivers:

@@ -193,9 +193,10 @@ class RingSender(Sender):
     ) -> None:
         """Deliver ``msg`` (and a bucket's packed bytes) to every receiver."""
 
-    async def _await_receivers(self, timeout: float) -> None:
+    async def wait_ready(self, *, timeout: float) -> None:
         """Wait, within ``timeout`` and ``connect_timeout``, until enough receivers are
         there for a sync to begin (:meth:`_enough`)."""
+        self._check()
         limit = min(timeout, self.connect_timeout)
 
         def ready() -> bool:
@@ -247,10 +248,6 @@ class RingSender(Sender):
 
     def attendance(self) -> Attendance:
         return self._attendance
-
-    async def wait_ready(self, *, timeout: float) -> None:
-        self._check()
-        await self._await_receivers(timeout)
 
     def statistics(self) -> SenderStatistics:
         return self._stats
@@ -386,8 +383,7 @@ class RingSender(Sender):
                 "on this channel"
             )
         self._sync = sync = RunningSync(sync_id, timeout)
-        self._check()
-        await self._await_receivers(timeout)
+        await self.wait_ready(timeout=timeout)
         sync.members = self._admit()
         sync.absent += [
             f"{self._describe(index)} is not there"
