@@ -155,7 +155,7 @@ class LinkedSender(RingSender):
     async def _tell(self, peer: Peer, frame: bytes, *, within: float = 1.0) -> None:
         """Send ``peer`` a last frame, best effort: a peer that cannot hear it is going."""
         with anyio.move_on_after(within), contextlib.suppress(StreamsyncError, OSError):
-            await self._send_frame(peer, frame, None)
+            await self.link.send(peer, frame)
 
     def on_lost(self, peer: Peer, detail: str) -> None:
         if peer.codec is None or peer.said_bye:

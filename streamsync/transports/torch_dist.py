@@ -29,7 +29,6 @@ Options: every transport's, ``heartbeat`` (the link's keepalive) and ``device``.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import socket
@@ -285,20 +284,16 @@ class GroupSender(LinkedSender):
         # The group is out of step now (or its thread still runs): no later broadcast.
         self.member.poison()
         error = pending.error
-        # The reason a receiver gave (its failure, its goodbye) may still be in flight.
-        with contextlib.suppress(SyncTimeoutError):
-            await self._signal.wait_until(
-                lambda: (
-                    (sync := self._sync) is not None
-                    and (
-                        sync.lost is not None
-                        or bool(sync.absent)
-                        or (sync.failed is not None and not self._failed_as_consequence())
-                    )
-                ),
-                timeout=0.2,
-                what="",
+        await self._hear(
+            lambda: (
+                (sync := self._sync) is not None
+                and (
+                    sync.lost is not None
+                    or bool(sync.absent)
+                    or (sync.failed is not None and not self._failed_as_consequence())
+                )
             )
+        )
         if not isinstance(error, StreamsyncError):
             error = PeerBrokenError(
                 f"{self.url}: a receiver left during a broadcast; open a new channel"
@@ -308,19 +303,15 @@ class GroupSender(LinkedSender):
         if quiet:
             self.on_broken(error)
             return
-        await self._abort_survivors(Abort(pending.sync_id, f"{type(error).__name__}: {error}"))
+        abort = Abort(pending.sync_id, f"{type(error).__name__}: {error}")
+        for peer in list(self.peers.values()):
+            if peer.codec is not None and not peer.said_bye:
+                await self._tell(peer, peer.codec.encode(abort), within=0.5)
         try:
             self._check()  # what a receiver said, if it said why
         finally:
             self.on_broken(error)
         self._check()
-
-    async def _abort_survivors(self, abort: Abort) -> None:
-        for peer in list(self.peers.values()):
-            if peer.codec is None or peer.said_bye:
-                continue
-            with anyio.move_on_after(0.5), contextlib.suppress(StreamsyncError):
-                await self._send_frame(peer, peer.codec.encode(abort), None)
 
     async def _shutdown(self) -> None:
         await super()._shutdown()
