@@ -1,20 +1,15 @@
 """``memory://NAME``: an in-process transport for tests and single-process setups.
 
-The slot-ring protocol of the process transports (so backpressure, fan-out and reports
-behave the same) over :class:`~streamsync.transports.slots.HostSlots`, read by reference;
-messages travel as objects through per-receiver inboxes. Sender and receivers meet by name.
+The process transports' slot ring (the same backpressure, fan-out and reports) over
+:class:`~streamsync.transports.slots.HostSlots`, read by reference; messages travel as
+objects through per-receiver inboxes. It takes every option they take, so a user's test
+makes the production call, and checks ``secret`` (a differing one is an
+:class:`~streamsync.errors.AuthenticationError`). A receiver opens at once (one task may
+open both sides); its first receive waits for a sender until ``connect_timeout`` after it
+opened, within that receive's ``timeout``.
 
-It takes every option the process transports take, so a user's test makes the production
-call. ``secret`` is checked (a receiver whose secret differs from the sender's gets
-:class:`~streamsync.errors.AuthenticationError`), though nothing crosses a process
-boundary to sign. Timeouts follow the rule of every transport
-(:mod:`streamsync.transports.options`): a receiver opens at once (both sides may be opened
-by one task), and its first receive waits for a sender to be there until
-``connect_timeout`` after it opened (and within that receive's ``timeout``).
-
-Both ends of a channel share one state object (as anyio's memory streams do). Sides
-opened by name in different places of a program find it through the transport object,
-:data:`TRANSPORT`, which holds each open channel by name until its last side closes.
+Both ends of a channel share one state object, as anyio's memory streams do, found by
+name through :data:`TRANSPORT`, which holds each open channel until its last side closes.
 """
 
 from __future__ import annotations

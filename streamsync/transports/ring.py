@@ -2,16 +2,14 @@
 receivers' reports, failure propagation.
 
 A transport implements :meth:`RingSender._publish` and feeds what receivers send back into
-:meth:`RingSender.on_reply`, a receiver that leaves or dies into ``on_left`` (and a channel
-that cannot go on into ``on_broken``); :class:`RingReceiver` needs ``_next`` and ``_post``.
-:mod:`streamsync.transports.linked` runs both over a link.
+``on_reply``, a receiver that leaves into ``on_left``, a channel that cannot go on into
+``on_broken``; :class:`RingReceiver` needs ``_next`` and ``_post``.
 
-Membership: a sync's *members* are the receivers present when it begins (``_admit``); only
-they get its messages and owe acks for its slots. A receiver that joins meanwhile takes part
-from the next sync. A member that goes away during a sync fails that sync with a named
-error (``require_all=True``, the default) or drops out of it, the others completing it and
-the report naming it absent (``require_all=False``); either way the channel goes on serving
-the others, and a replacement is admitted at the next sync.
+A sync's *members* are the receivers present when it begins (``_admit``): only they get
+its messages and owe acks; one that joins meanwhile takes part from the next sync. A member
+that goes away fails the sync with a named error (``require_all=True``) or is reported
+absent while the others complete it; either way the channel serves on, and a replacement
+is admitted at the next sync.
 """
 
 from __future__ import annotations
