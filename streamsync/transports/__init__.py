@@ -15,18 +15,12 @@
 ``torch+nccl://HOST:PORT``   the same over NCCL, the ring on the GPU
 ===========================  ============================================================
 
-Every transport, built-in or not, is found the same way: by an entry point in the
-``streamsync.transports`` group whose name is the URL scheme and whose object is a
-:class:`Transport` (imported when a channel of that scheme is first opened); see
-``pyproject.toml``. :func:`register` adds one at run time, for a process that cannot install
-a distribution. A URL's query string and keyword arguments hold the transport's options
-(``shm://demo?receivers=2&slots=3``), declared by the transport and checked
-(:mod:`streamsync.transports.options`): anything else is a
-:class:`~streamsync.errors.ConfigError` that lists the valid ones. Secrets are never URL
-options: pass ``secret=`` to the sender and receivers, or set ``$STREAMSYNC_SECRET``.
-Timeouts follow one rule on every transport (see :mod:`streamsync.transports.options`):
-``connect_timeout`` bounds waiting for the peer to be there, a sync's ``timeout`` each wait
-once connected.
+Every transport, built-in or not, is an entry point in the ``streamsync.transports`` group
+named by its URL scheme, whose object is a :class:`Transport` (imported on first use);
+:func:`register` adds one at run time. A URL's query and keyword arguments hold the
+transport's declared options (``shm://demo?receivers=2&slots=3``), checked by
+:mod:`streamsync.transports.options`, which also states the one timeout rule. Secrets are
+never URL options: pass ``secret=`` to both sides, or set ``$STREAMSYNC_SECRET``.
 """
 
 from __future__ import annotations
@@ -209,18 +203,15 @@ def one_shot_options(
 def open_sender(url: str, **options: Any) -> Sender:
     """A sender for ``url`` (not yet opened: use ``async with``). ``options`` are the
     transport's declared options; they override the URL's query, except
-    ``connect_timeout``, which must agree with it. ``connect_timeout`` (default 60 s)
-    bounds each wait for the receivers to join; each sync's own ``timeout`` bounds that
-    sync's waits (see :mod:`streamsync.transports.options`)."""
+    ``connect_timeout`` (default 60 s, each wait for the receivers to join), which must
+    agree with it."""
     transport, endpoint, values = _resolve(url, options, side="sender")
     return transport.sender(endpoint, values)
 
 
 def open_receiver(url: str, **options: Any) -> Receiver:
     """A receiver for ``url`` (not yet opened: use ``async with``). The sender's URL serves
-    both sides: its sender options in the query (``receivers``, ``slots``, ...) are
-    accepted here and mean nothing to a receiver. ``connect_timeout`` (default 60 s)
-    bounds the wait for the sender to be there; each ``receive``'s ``timeout`` bounds that
-    sync's waits (see :mod:`streamsync.transports.options`)."""
+    both sides: its sender options in the query are accepted and ignored here.
+    ``connect_timeout`` (default 60 s) bounds the wait for the sender to be there."""
     transport, endpoint, values = _resolve(url, options, side="receiver")
     return transport.receiver(endpoint, values)

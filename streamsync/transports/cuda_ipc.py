@@ -1,23 +1,22 @@
 """``cuda-ipc://NAME``: a ring of CUDA buffers shared between processes on one machine.
 
-The sender allocates and exports one device buffer of every slot once; only the handle's
-fields travel, as a msgspec struct in the authenticated ``Welcome`` (never pickle). Each
-receiver rebuilds it on the local index of the same physical device (matched by UUID).
-CUDA events, never a device-wide synchronise: a receiver's stream waits on the slot's
-interprocess event before reading it, and acks only after its sink's copies completed.
-Messages ride the unix link of ``shm://``. URL options: ``receivers``, ``slots``,
-``slot_bytes``, ``connect_timeout``; keyword arguments: those, ``device`` (sender),
-``secret``.
+The sender allocates and exports one device buffer holding every slot, once; the handle's
+fields travel as a msgspec struct in the authenticated ``Welcome`` (never pickle), and each
+receiver rebuilds it on its local index of the same physical device (matched by UUID). A
+receiver's stream waits on the slot's interprocess event before reading it and acks only
+after its sink's copies completed: CUDA events, never a device-wide synchronise. Messages
+ride the unix link of ``shm://``. Options: every transport's, and ``device`` (the sender's
+GPU, default the current one).
 
-A receiver in the sender's own process uses the sender's ring as it is (CUDA opens no handle
-in the process that exported it). A sender killed outright cannot remove the files torch and
-the CUDA driver keep in ``/dev/shm`` for its handles (``torch_<pid>_*``, the ring's reference
-count, and ``cuda.shm.*.<pid in hex>.*``, its interprocess events): a receiver that finds the
-sender's process gone when it closes removes them. The driver never removes its event file,
-not even at a normal exit: a process that opened a ``cuda-ipc://`` sender or receiver removes
-its own when it exits (through :mod:`multiprocessing`'s exit hook, which also runs in
-multiprocessing's children, which end with ``os._exit``). A closing sender collects its ring
-at once if every receiver has let go of it.
+A receiver in the sender's own process uses the sender's ring as it is: CUDA opens no
+handle in the process that exported it.
+
+Files in ``/dev/shm``: torch and the driver keep the ring's reference count
+(``torch_<pid>_*``) and its events (``cuda.shm.*.<pid in hex>.*``) there, and a sender
+killed outright cannot remove them: a receiver that finds the sender's process gone when
+it closes does. The driver never removes its event files, even at a normal exit, so a
+process that opened a ``cuda-ipc://`` side removes its own as it exits (multiprocessing's
+exit hook, which also runs in its children, which end with ``os._exit``).
 """
 
 # torch's CUDA IPC helpers are untyped.

@@ -143,14 +143,10 @@ def accept(
     return msg, session_codec(secret, nonce, msg.nonce)
 
 
-def refusal(codec: WireCodec, exc: StreamsyncError) -> bytes:
-    """Sender: the ``Bye`` frame that tells a refused newcomer why."""
-    return codec.encode(Bye(_REFUSED + str(exc), error=type(exc).__name__))
-
-
-def busy(codec: WireCodec, exc: StreamsyncError) -> bytes:
-    """Sender: the ``Bye`` frame that asks a newcomer to try again (see the module doc)."""
-    return codec.encode(Bye(_BUSY + str(exc), error=type(exc).__name__))
+def refusal(codec: WireCodec, exc: StreamsyncError, *, busy: bool = False) -> bytes:
+    """Sender: the ``Bye`` frame that tells a refused newcomer why (``busy``: to try
+    again, see the module doc)."""
+    return codec.encode(Bye((_BUSY if busy else _REFUSED) + str(exc), error=type(exc).__name__))
 
 
 def refused(reason: str, error: str | None, *, url: str) -> StreamsyncError:

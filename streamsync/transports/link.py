@@ -1,26 +1,22 @@
 """The link seam: opaque frames between a sender and each of its receivers.
 
 A link knows nothing of the protocol: :class:`~streamsync.transports.linked.LinkedSender`
-runs the handshake and the ring over it. With a slot store whose ``payload_frames`` is true
-it also carries a bucket's bytes after its header. Lower-level failures are mapped with
-:func:`map_exceptions` at every boundary: a failed write raises
-:class:`~streamsync.PeerBrokenError`, a failed read :class:`LinkLost`.
+runs the handshake and the ring over it, and a link whose slot store has ``payload_frames``
+carries a bucket's bytes after its header. At every boundary :func:`map_exceptions` maps
+lower-level failures: a failed write raises :class:`~streamsync.PeerBrokenError`, a failed
+read :class:`LinkLost`.
 
-- :class:`SenderLink` (one per channel): ``open()`` binds (a taken address raises
-  :class:`~streamsync.ConfigError`; ``url`` then names the bound port); ``serve(events)``
-  runs in the channel's task group until cancelled, accepting receivers (each a
-  :class:`Peer`) and reporting their frames to :class:`LinkEvents`; ``send(peer, frame,
-  payload=None, fds=())``; ``aclose()``. A link keeps accepting while it is open: receivers
-  may leave and be replaced.
-- :class:`ReceiverLink`: ``connect()`` (one try: :class:`NotThere` when nothing listens
-  at the sender's address, for the caller to try again, paced by :class:`Tries`; a link
-  may also keep trying itself, bounded by the caller), ``handshake(hello)`` (the answer
-  and any descriptors passed with it), ``send(frame)``, ``receive()`` (a frame and its
-  payload), ``aclose()``.
+- :class:`SenderLink`, one per channel: ``open()`` binds (a taken address is a
+  :class:`~streamsync.ConfigError`; ``url`` then names the bound port), ``serve(events)``
+  accepts receivers until cancelled, each a :class:`Peer` whose frames go to
+  :class:`LinkEvents` (receivers may leave and be replaced meanwhile).
+- :class:`ReceiverLink`: ``connect()`` makes one try (:class:`NotThere` when nothing
+  listens yet, for the caller to try again, paced by :class:`Tries`), ``handshake(hello)``
+  returns the answer and any descriptors passed with it, ``receive()`` a frame and its
+  payload.
 
 Here: :class:`UnixLink`/:class:`UnixDialer`, length-prefixed frames over abstract unix
-sockets, owner-only (``SO_PEERCRED``). ``zmq+*://`` adds its link in
-:mod:`streamsync.transports.zeromq`.
+sockets, owner-only (``SO_PEERCRED``); :mod:`streamsync.transports.zeromq` adds ZeroMQ's.
 """
 
 from __future__ import annotations
@@ -77,11 +73,10 @@ RETRY_MAX_S = 0.02
 
 @dataclass
 class Tries:
-    """How a receiver paces its tries to reach a sender that is not there yet (none bound
-    yet, or the last one still closing, as between the steps of a one-shot loop): each
-    pause is a tenth of the time waited so far, at least :data:`RETRY_MIN_S` and at most
-    :data:`RETRY_MAX_S`. A sender that comes soon is met within a few milliseconds of
-    coming; one long in coming costs a try every :data:`RETRY_MAX_S`, never a busy loop.
+    """How a receiver paces its tries to reach a sender not there yet (or still closing,
+    between the steps of a one-shot loop): each pause is a tenth of the time waited so
+    far, within :data:`RETRY_MIN_S` and :data:`RETRY_MAX_S`, so a sender that comes soon is
+    met within milliseconds and one long in coming costs a try every :data:`RETRY_MAX_S`.
     Records the tries that failed and the pauses after them."""
 
     started: float

@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 from collections import deque
+from typing import Any
 
 import anyio
 import torch
@@ -32,7 +33,6 @@ from streamsync.errors import (
 )
 from streamsync.transports import handshake
 from streamsync.transports.link import (
-    LAST_WORD_S,
     LinkLost,
     NotThere,
     Peer,
@@ -74,24 +74,9 @@ class LinkedSender(RingSender):
     protocol version) also shows in the next sync's report and in a timeout's message.
     """
 
-    def __init__(
-        self,
-        link: SenderLink,
-        store: SlotStore,
-        *,
-        receivers: int = 1,
-        secret: bytes | str | None = None,
-        connect_timeout: float = 60.0,
-        require_all: bool = True,
-    ) -> None:
-        url = link.url
-        # receivers, slots and slot_bytes were checked against the transport's declared
-        # options (streamsync.transports.options) when the URL was opened.
-        super().__init__(store, receivers=receivers, require_all=require_all)
-        self.url = url
+    def __init__(self, link: SenderLink, store: SlotStore, **options: Any) -> None:
+        super().__init__(link.url, store, **options)
         self.link = link
-        self.connect_timeout = connect_timeout
-        self._secret = handshake.resolve_secret(secret)
         self._codec = WireCodec(self._secret)
         #: The receivers counted in, by index.
         self.peers: dict[int, Peer] = {}
@@ -133,8 +118,7 @@ class LinkedSender(RingSender):
                 "sender with receivers=N to serve more"
             )
             log("channel.busy", url=self.url, peer=peer.who, pid=hello.pid, reason=why)
-            with anyio.move_on_after(1.0), contextlib.suppress(StreamsyncError):
-                await self.link.send(peer, handshake.busy(self._codec, ConfigError(why)))
+            await self._tell(peer, handshake.refusal(self._codec, ConfigError(why), busy=True))
             return False
         index = free[0]
         shared = self.store.shared()
@@ -166,8 +150,12 @@ class LinkedSender(RingSender):
         # A receiver of another channel or version: told why, and reported.
         warn("channel.refused", url=self.url, peer=peer.who, error=f"{type(exc).__name__}: {exc}")
         self._refused.append(f"{peer.who}: {type(exc).__name__}: {exc}")
-        with anyio.move_on_after(1.0), contextlib.suppress(StreamsyncError):
-            await self.link.send(peer, handshake.refusal(self._codec, exc))
+        await self._tell(peer, handshake.refusal(self._codec, exc))
+
+    async def _tell(self, peer: Peer, frame: bytes, *, within: float = 1.0) -> None:
+        """Send ``peer`` a last frame, best effort: a peer that cannot hear it is going."""
+        with anyio.move_on_after(within), contextlib.suppress(StreamsyncError, OSError):
+            await self.link.send(peer, frame)
 
     def on_lost(self, peer: Peer, detail: str) -> None:
         if peer.codec is None or peer.said_bye:
@@ -213,7 +201,6 @@ class LinkedSender(RingSender):
             self.peers[peer.index] = peer
             self.on_joined(peer.index)
             log("channel.joined", url=self.url, receiver=peer.index, peer=peer.describe)
-            self._signal.notify()
             return True
         if isinstance(msg, Bye):
             peer.said_bye = True
@@ -239,25 +226,12 @@ class LinkedSender(RingSender):
         self._refused.clear()
         return refused
 
-    async def _await_receivers(self, timeout: float) -> None:
-        limit = min(timeout, self.connect_timeout)
-
-        def ready() -> bool:
-            self._check()
-            return self._enough(len(self.peers))
-
-        try:
-            await self._signal.wait_until(ready, timeout=limit, what="receivers")
-        except SyncTimeoutError:
-            detail = "".join(
-                f"; {label}: {'; '.join(items)}"
-                for label, items in (("left", self._left), ("refused", self._refused))
-                if items
-            )
-            raise SyncTimeoutError(
-                f"{self.url}: {len(self.peers)} of {self.receivers} receivers joined within "
-                f"{limit:g} s{detail}"
-            ) from None
+    def _whereabouts(self) -> str:
+        return "".join(
+            f"; {label}: {'; '.join(items)}"
+            for label, items in (("left", self._left), ("refused", self._refused))
+            if items
+        )
 
     async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
         await self.link.send(peer, frame, payload)
@@ -274,14 +248,12 @@ class LinkedSender(RingSender):
             try:
                 await self._send_frame(peer, peer.codec.encode(msg), payload)
             except PeerBrokenError as exc:
-                # What the receiver said before it went (its failure, its goodbye) may
-                # still be unread: give the reader a moment, so that the reason wins.
+
                 def heard(peer: Peer = peer) -> bool:
                     failed = self._sync is not None and self._sync.failed is not None
                     return failed or self.peers.get(peer.index) is not peer
 
-                with contextlib.suppress(SyncTimeoutError):
-                    await self._signal.wait_until(heard, timeout=LAST_WORD_S, what="")
+                await self._hear(heard)
                 self._leave(peer, exc)
                 self._check()
 
@@ -292,9 +264,7 @@ class LinkedSender(RingSender):
             with anyio.move_on_after(1.0):
                 for peer in list(self.peers.values()):
                     if not peer.said_bye and peer.codec is not None:
-                        with contextlib.suppress(StreamsyncError, OSError):
-                            frame = peer.codec.encode(Bye("sender closed"))
-                            await self._send_frame(peer, frame, None)
+                        await self._tell(peer, peer.codec.encode(Bye("sender closed")))
             await self._shutdown()
 
     async def _shutdown(self) -> None:
@@ -312,22 +282,13 @@ class LinkedReceiver(RingReceiver):
     """Receiver side of the ring over ``link``, reaching the slots through ``view``; its
     reader queues what the sender says (a dead sender is noticed even while a sink loads)."""
 
-    def __init__(
-        self,
-        link: ReceiverLink,
-        view: SlotView,
-        *,
-        secret: bytes | str | None = None,
-        connect_timeout: float = 60.0,
-    ) -> None:
-        self.url = link.url
+    def __init__(self, link: ReceiverLink, view: SlotView, **options: Any) -> None:
+        super().__init__(link.url, **options)
         self.link = link
         self.view = view
-        self.connect_timeout = connect_timeout
         #: How the last :meth:`open` paced its tries to reach the sender.
         self.tries = Tries(0.0)
-        self._sync_timeout = connect_timeout  # the running receive's, once there is one
-        self._secret = handshake.resolve_secret(secret)
+        self._sync_timeout = self.connect_timeout  # the running receive's, once there is one
         self._codec = WireCodec(self._secret)
         self._session: WireCodec | None = None
         self.slots = 0
@@ -344,9 +305,7 @@ class LinkedReceiver(RingReceiver):
             while True:
                 remaining = deadline - anyio.current_time()
                 if remaining <= 0:
-                    raise last or SyncTimeoutError(
-                        f"{self.url}: no sender answered within {self.connect_timeout:g} s"
-                    )
+                    raise last or self._no_sender()
                 try:
                     with anyio.fail_after(min(remaining, _ATTEMPT_S)):
                         await self._join()
@@ -364,9 +323,7 @@ class LinkedReceiver(RingReceiver):
                     if isinstance(exc, StreamsyncError):
                         raise
                     if last is None or isinstance(last, SyncTimeoutError):
-                        last = SyncTimeoutError(
-                            f"{self.url}: no sender answered within {self.connect_timeout:g} s"
-                        )
+                        last = self._no_sender()
                 # Try again on a new link (a new identity: nothing of this one carries over).
                 with anyio.CancelScope(shield=True):
                     await self.link.aclose()
@@ -456,9 +413,7 @@ class LinkedReceiver(RingReceiver):
                     with anyio.fail_after(timeout):
                         item = await self._queue.receive()
                 except TimeoutError:
-                    raise SyncTimeoutError(
-                        f"{self.url}: nothing from the sender within {timeout:g} s"
-                    ) from None
+                    raise self._silence(timeout) from None
         if isinstance(item, StreamsyncError):
             self._terminal = item
             raise item

@@ -1,20 +1,15 @@
 """``memory://NAME``: an in-process transport for tests and single-process setups.
 
-The slot-ring protocol of the process transports (so backpressure, fan-out and reports
-behave the same) over :class:`~streamsync.transports.slots.HostSlots`, read by reference;
-messages travel as objects through per-receiver inboxes. Sender and receivers meet by name.
+The process transports' slot ring (the same backpressure, fan-out and reports) over
+:class:`~streamsync.transports.slots.HostSlots`, read by reference; messages travel as
+objects through per-receiver inboxes. It takes every option they take, so a user's test
+makes the production call, and checks ``secret`` (a differing one is an
+:class:`~streamsync.errors.AuthenticationError`). A receiver opens at once (one task may
+open both sides); its first receive waits for a sender until ``connect_timeout`` after it
+opened, within that receive's ``timeout``.
 
-It takes every option the process transports take, so a user's test makes the production
-call. ``secret`` is checked (a receiver whose secret differs from the sender's gets
-:class:`~streamsync.errors.AuthenticationError`), though nothing crosses a process
-boundary to sign. Timeouts follow the rule of every transport
-(:mod:`streamsync.transports.options`): a receiver opens at once (both sides may be opened
-by one task), and its first receive waits for a sender to be there until
-``connect_timeout`` after it opened (and within that receive's ``timeout``).
-
-Both ends of a channel share one state object (as anyio's memory streams do). Sides
-opened by name in different places of a program find it through the transport object,
-:data:`TRANSPORT`, which holds each open channel by name until its last side closes.
+Both ends of a channel share one state object, as anyio's memory streams do, found by
+name through :data:`TRANSPORT`, which holds each open channel until its last side closes.
 """
 
 from __future__ import annotations
@@ -33,10 +28,8 @@ from streamsync.errors import (
     ConfigError,
     EndOfStream,
     PeerBrokenError,
-    SyncTimeoutError,
 )
 from streamsync.transports import Endpoint, Transport
-from streamsync.transports.handshake import resolve_secret
 from streamsync.transports.ring import RingReceiver, RingSender
 from streamsync.transports.slots import HostSlots
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
@@ -51,7 +44,6 @@ class _Channel:
     sender: MemorySender | None = None
     inboxes: list[MemoryObjectSendStream[Message]] = field(default_factory=list)
     receivers: list[MemoryReceiver | None] = field(default_factory=list)
-    joined: anyio.Event | None = None
 
     @property
     def unused(self) -> bool:
@@ -101,53 +93,40 @@ class MemorySender(RingSender):
         self,
         name: str,
         *,
-        receivers: int = 1,
         slots: int = 2,
         slot_bytes: int = DEFAULT_BUCKET_BYTES,
-        connect_timeout: float = 60.0,
-        require_all: bool = True,
-        secret: bytes | str | None = None,
         channels: MemoryChannels | None = None,
+        **options: Any,
     ) -> None:
         store = HostSlots(slots, slot_bytes, prefault=False)
-        super().__init__(store, receivers=receivers, require_all=require_all)
+        super().__init__(f"memory://{name}", store, **options)
         self.name = name
-        self.connect_timeout = connect_timeout
-        self.secret = resolve_secret(secret)
         self._channels = channels or TRANSPORT.channels
         self._chan: _Channel | None = None
 
     async def open(self) -> None:
         chan = self._channels.join(self.name)
         if chan.sender is not None:
-            raise ConfigError(f"memory://{self.name} already has a sender")
+            raise ConfigError(f"{self.url} already has a sender")
         chan.sender = self
         self._chan = chan
         for index, receiver in enumerate(chan.receivers):
             if receiver is None:
                 continue
-            if receiver.secret != self.secret:
-                receiver.refuse(self.name)
+            if receiver._secret != self._secret:
+                receiver.refuse()
                 chan.receivers[index] = None
             else:
                 receiver.met()
         self.store.open()  # allocated once and reused by every sync on this channel
 
-    async def _await_receivers(self, timeout: float) -> None:
+    async def wait_ready(self, *, timeout: float) -> None:
+        await super().wait_ready(timeout=timeout)
         chan = self._chan
         assert chan is not None
-        with anyio.move_on_after(min(timeout, self.connect_timeout)):
-            while not self._enough(len(self._admit())):
-                chan.joined = anyio.Event()
-                await chan.joined.wait()
-        if not self._enough(len(self._admit())):
-            raise SyncTimeoutError(
-                f"memory://{self.name}: {len(self._admit())} of {self.receivers} receivers "
-                f"joined within {min(timeout, self.connect_timeout):g} s"
-            )
         if len(chan.receivers) > self.receivers:
             raise ConfigError(
-                f"memory://{self.name}: {len(chan.receivers)} receivers joined; the sender "
+                f"{self.url}: {len(chan.receivers)} receivers joined; the sender "
                 f"expects receivers={self.receivers}"
             )
 
@@ -166,9 +145,7 @@ class MemorySender(RingSender):
                     raise anyio.ClosedResourceError
                 inboxes[index].send_nowait(msg)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self.on_left(
-                    index, PeerBrokenError(f"memory://{self.name}: receiver {index} is gone")
-                )
+                self.on_left(index, PeerBrokenError(f"{self.url}: receiver {index} is gone"))
                 self._check()
 
     async def aclose(self) -> None:
@@ -194,16 +171,10 @@ class MemoryReceiver(RingReceiver):
     """Receiver side of ``memory://NAME``."""
 
     def __init__(
-        self,
-        name: str,
-        *,
-        secret: bytes | str | None = None,
-        connect_timeout: float = 60.0,
-        channels: MemoryChannels | None = None,
+        self, name: str, *, channels: MemoryChannels | None = None, **options: Any
     ) -> None:
+        super().__init__(f"memory://{name}", **options)
         self.name = name
-        self.secret = resolve_secret(secret)
-        self.connect_timeout = connect_timeout
         self._channels = channels or TRANSPORT.channels
         self._chan: _Channel | None = None
         self._inbox: MemoryObjectReceiveStream[Message] | None = None
@@ -218,10 +189,10 @@ class MemoryReceiver(RingReceiver):
         if self._met is not None:
             self._met.set()
 
-    def refuse(self, name: str) -> None:
+    def refuse(self) -> None:
         """Turned away by a sender whose secret differs: the next receive raises."""
         self._refused = AuthenticationError(
-            f"memory://{name}: the sender has another secret; pass the same secret= (or "
+            f"{self.url}: the sender has another secret; pass the same secret= (or "
             "$STREAMSYNC_SECRET) to both sides"
         )
         if self._inbox is not None:
@@ -232,8 +203,8 @@ class MemoryReceiver(RingReceiver):
         self._met = anyio.Event()
         self._meet_by = anyio.current_time() + self.connect_timeout
         chan = self._channels.join(self.name)
-        if chan.sender is not None and chan.sender.secret != self.secret:
-            self.refuse(self.name)
+        if chan.sender is not None and chan.sender._secret != self._secret:
+            self.refuse()
             self._channels.leave(chan)
             assert self._refused is not None
             raise self._refused
@@ -251,8 +222,6 @@ class MemoryReceiver(RingReceiver):
         if chan.sender is not None:
             chan.sender.on_joined(self._index)
             self.met()
-        if chan.joined is not None:
-            chan.joined.set()
 
     async def _meet(self, timeout: float) -> None:
         """Wait for a sender to be there, until ``connect_timeout`` after opening and
@@ -266,12 +235,8 @@ class MemoryReceiver(RingReceiver):
         if self._met.is_set():
             return
         if left <= timeout:
-            raise SyncTimeoutError(
-                f"memory://{self.name}: no sender answered within {self.connect_timeout:g} s"
-            )
-        raise SyncTimeoutError(
-            f"memory://{self.name}: nothing from the sender within {timeout:g} s"
-        )
+            raise self._no_sender()
+        raise self._silence(timeout)
 
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:
         await self._meet(timeout)
@@ -283,13 +248,11 @@ class MemoryReceiver(RingReceiver):
                 with anyio.fail_after(timeout):
                     msg = await self._inbox.receive()
             except TimeoutError:
-                raise SyncTimeoutError(
-                    f"memory://{self.name}: nothing from the sender within {timeout:g} s"
-                ) from None
+                raise self._silence(timeout) from None
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 if self._refused is not None:
                     raise self._refused from None
-                raise EndOfStream(f"memory://{self.name}: sender closed the channel") from None
+                raise EndOfStream(f"{self.url}: sender closed the channel") from None
             if not isinstance(msg, BucketHeader):
                 return msg, None
             sender = self._chan.sender

@@ -2,20 +2,19 @@
 receivers' reports, failure propagation.
 
 A transport implements :meth:`RingSender._publish` and feeds what receivers send back into
-:meth:`RingSender.on_reply`, a receiver that leaves or dies into ``on_left`` (and a channel
-that cannot go on into ``on_broken``); :class:`RingReceiver` needs ``_next`` and ``_post``.
-:mod:`streamsync.transports.linked` runs both over a link.
+``on_reply``, a receiver that leaves into ``on_left``, a channel that cannot go on into
+``on_broken``; :class:`RingReceiver` needs ``_next`` and ``_post``.
 
-Membership: a sync's *members* are the receivers present when it begins (``_admit``); only
-they get its messages and owe acks for its slots. A receiver that joins meanwhile takes part
-from the next sync. A member that goes away during a sync fails that sync with a named
-error (``require_all=True``, the default) or drops out of it, the others completing it and
-the report naming it absent (``require_all=False``); either way the channel goes on serving
-the others, and a replacement is admitted at the next sync.
+A sync's *members* are the receivers present when it begins (``_admit``): only they get
+its messages and owe acks; one that joins meanwhile takes part from the next sync. A member
+that goes away fails the sync with a named error (``require_all=True``) or is reported
+absent while the others complete it; either way the channel serves on, and a replacement
+is admitted at the next sync.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
@@ -43,6 +42,8 @@ from streamsync.transports.base import (
     Sender,
     SenderStatistics,
 )
+from streamsync.transports.handshake import resolve_secret
+from streamsync.transports.link import LAST_WORD_S
 from streamsync.transports.slots import SlotStore
 from streamsync.wire.bucket import Bucket
 from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
@@ -128,6 +129,8 @@ class RunningSync:
     (made when the sync begins, dropped when it ends: nothing of it outlives it)."""
 
     sync_id: int
+    #: Bounds each wait of this sync, a transport's own (a broadcast) included.
+    timeout: float = 60.0
     #: The receivers taking part: those present when it began.
     members: set[int] = field(default_factory=set)
     #: Each member's report.
@@ -143,12 +146,21 @@ class RunningSync:
 class RingSender(Sender):
     """Sender half of the ring protocol over ``store``; transports provide the messaging."""
 
-    def __init__(self, store: SlotStore, *, receivers: int, require_all: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        store: SlotStore,
+        *,
+        receivers: int = 1,
+        require_all: bool = True,
+        connect_timeout: float = 60.0,
+        secret: bytes | str | None = None,
+    ) -> None:
+        self.url = url
         self.receivers = receivers
         self.require_all = require_all
-        #: The running sync's timeout (set by :meth:`send`): what waits of a transport's
-        #: own, outside the ring (a broadcast), are bounded by.
-        self.sync_timeout = 60.0
+        self.connect_timeout = connect_timeout
+        self._secret = resolve_secret(secret)
         self.store = store
         self.slot_bytes = store.slot_bytes
         self.ring = SlotRing(store.slots, receivers)
@@ -179,8 +191,34 @@ class RingSender(Sender):
     ) -> None:
         """Deliver ``msg`` (and a bucket's packed bytes) to every receiver."""
 
-    async def _await_receivers(self, timeout: float) -> None:
-        """Wait until every receiver has joined (a transport's rendezvous)."""
+    async def wait_ready(self, *, timeout: float) -> None:
+        """Wait, within ``timeout`` and ``connect_timeout``, until enough receivers are
+        there for a sync to begin (:meth:`_enough`)."""
+        self._check()
+        limit = min(timeout, self.connect_timeout)
+
+        def ready() -> bool:
+            self._check()
+            return self._enough(len(self._admit()))
+
+        try:
+            await self._signal.wait_until(ready, timeout=limit, what="receivers")
+        except SyncTimeoutError:
+            raise SyncTimeoutError(
+                f"{self.url}: {len(self._admit())} of {self.receivers} receivers joined "
+                f"within {limit:g} s{self._whereabouts()}"
+            ) from None
+
+    def _whereabouts(self) -> str:
+        """What a timeout waiting for receivers adds: who left, who was refused."""
+        return ""
+
+    async def _hear(self, heard: Callable[[], bool]) -> None:
+        """Give the readers a moment (:data:`LAST_WORD_S`) until ``heard()``: what a
+        receiver said before it went (its failure, its goodbye) may still be unread, and
+        it, not what this side saw, is the reason to raise."""
+        with contextlib.suppress(SyncTimeoutError):
+            await self._signal.wait_until(heard, timeout=LAST_WORD_S, what="")
 
     def _admit(self) -> set[int]:
         """The receivers present now, who become the members of the sync that begins."""
@@ -208,10 +246,6 @@ class RingSender(Sender):
 
     def attendance(self) -> Attendance:
         return self._attendance
-
-    async def wait_ready(self, *, timeout: float) -> None:
-        self._check()
-        await self._await_receivers(timeout)
 
     def statistics(self) -> SenderStatistics:
         return self._stats
@@ -248,6 +282,7 @@ class RingSender(Sender):
         """A receiver joined as ``index`` (transports call this): whatever the index's
         previous receiver held, this one is at no version the sender knows."""
         self._held.pop(index, None)
+        self._signal.notify()
 
     def on_left(self, index: int, why: StreamsyncError) -> None:
         """Receiver ``index`` left or went away (transports call this): it owes nothing; a
@@ -291,10 +326,11 @@ class RingSender(Sender):
     async def send(
         self, sync_id: int, seq: int, bucket: Bucket, *, timeout: float, checksum: bool = False
     ) -> None:
-        self.sync_timeout = timeout
         if seq == 0 and (self._sync is None or self._sync.sync_id != sync_id):
             await self._begin(sync_id, timeout)
         self._check()
+        if self._sync is not None:
+            self._sync.timeout = timeout
         if bucket.nbytes > self.slot_bytes:
             raise StreamsyncError(
                 f"bucket of {bucket.nbytes} bytes does not fit a slot of {self.slot_bytes}"
@@ -344,9 +380,8 @@ class RingSender(Sender):
                 f"sync {sync_id} started while sync {self._sync.sync_id} is still running "
                 "on this channel"
             )
-        self._sync = sync = RunningSync(sync_id)
-        self._check()
-        await self._await_receivers(timeout)
+        self._sync = sync = RunningSync(sync_id, timeout)
+        await self.wait_ready(timeout=timeout)
         sync.members = self._admit()
         sync.absent += [
             f"{self._describe(index)} is not there"
@@ -425,6 +460,21 @@ class RingSender(Sender):
 
 class RingReceiver(Receiver):
     """Receiver half of the ring protocol; transports provide ``_next`` and ``_post``."""
+
+    def __init__(
+        self, url: str, *, secret: bytes | str | None = None, connect_timeout: float = 60.0
+    ) -> None:
+        self.url = url
+        self.connect_timeout = connect_timeout
+        self._secret = resolve_secret(secret)
+
+    def _silence(self, timeout: float) -> SyncTimeoutError:
+        """The error of a receive that heard nothing within its ``timeout``."""
+        return SyncTimeoutError(f"{self.url}: nothing from the sender within {timeout:g} s")
+
+    def _no_sender(self) -> SyncTimeoutError:
+        """The error of a receiver that met no sender within ``connect_timeout``."""
+        return SyncTimeoutError(f"{self.url}: no sender answered within {self.connect_timeout:g} s")
 
     @abstractmethod
     async def _next(self, *, timeout: float) -> tuple[Message, torch.Tensor | None]:

@@ -1,11 +1,10 @@
 """The slot-store seam: where a channel's bucket bytes live.
 
-:class:`SlotStore` (sender) allocates the slots once per channel, hands the ring a writable
-uint8 view of each, says what a joining receiver needs to reach them (:class:`Shared`, sent
-with the ``Welcome``) and is told when a slot holds a complete bucket. With
-``payload_frames`` the slots are private and a bucket's bytes travel over the link after its
-header. :class:`SlotView` (receiver) attaches to what the ``Welcome`` described, returns a
-bucket's bytes and is told before a slot is acked.
+:class:`SlotStore` (sender) allocates the slots once per channel and says what a joining
+receiver needs to reach them (:class:`Shared`, sent with the ``Welcome``); with
+``payload_frames`` the slots are private and a bucket's bytes follow its header over the
+link. :class:`SlotView` (receiver) attaches to what the ``Welcome`` described and returns a
+bucket's bytes.
 
 Here: :class:`MemfdSlots`/:class:`MemfdView` (``shm://``) and
 :class:`HostSlots`/:class:`PayloadView` (``zmq+*://``); ``cuda-ipc://`` adds its own.
@@ -80,10 +79,9 @@ class SlotView(ABC):
         """The uint8 bytes of a bucket (``payload``: the link's payload frame, or None)."""
 
     async def fill(self, header: BucketHeader, payload: Any, *, timeout: float) -> torch.Tensor:
-        """The bucket's bytes, once they are in this side's slot, as the link's reader
-        takes each header in order. A store whose bytes arrive by another path than the
-        link (a broadcast) takes part in it here, within ``timeout`` (the running sync's);
-        by default :meth:`data`."""
+        """The bucket's bytes once they are in this side's slot, called by the link's reader
+        in header order: bytes that come by another path (a broadcast) are awaited here,
+        within the sync's ``timeout``. By default :meth:`data`."""
         return self.data(header, payload)
 
     def release(self, header: BucketHeader) -> None:  # noqa: B027 - optional hook

@@ -1,45 +1,34 @@
 """``torch+gloo://HOST:PORT`` and ``torch+nccl://HOST:PORT``: each bucket broadcast once to
 every receiver in a private ``torch.distributed`` process group.
 
-The slot ring is the one every linked transport runs (:mod:`streamsync.transports.linked`):
-the handshake, headers, acks and reports travel as authenticated msgspec frames over a
-ZeroMQ link (:mod:`streamsync.transports.zeromq`); only a bucket's bytes take the process
-group, as one ``broadcast`` from the sender's slot into the same slot of every receiver.
+The ring is the linked transports' (:mod:`streamsync.transports.linked`): handshake,
+headers, acks and reports travel over a ZeroMQ link; only a bucket's bytes take the group,
+one ``broadcast`` from the sender's slot into the same slot of every receiver. A 12-byte
+marker (slot, size) follows each header, so each receiver's link reader joins the broadcasts
+in the order the sender publishes them while its sink loads earlier slots.
 
 Rendezvous: the sender hosts a ``TCPStore`` at HOST:PORT (port 0 picks one; the sender's
-``url`` then names it) and writes the port of its ZeroMQ link there; a receiver reads it
-and joins the link. The ``Welcome`` names the group (a random key prefix in the store and
-its size); sender = rank 0, receiver ``i`` = rank ``i + 1`` in join order. The group
-(:mod:`streamsync.transports.torch_group`) is formed on the first bucket, never through
-the default group (``init_process_group`` is not
-called, so it coexists with an FSDP trainer's or a vLLM worker's own groups; vLLM's
-``StatelessProcessGroup`` is the pattern). Nothing is pickled: the store holds bytes only.
+``url`` then names it) and writes its link's port there. The ``Welcome`` names the group (a
+random key prefix in the store, its size); the sender is rank 0, receiver ``i`` rank
+``i + 1``. The group (:mod:`streamsync.transports.torch_group`) forms on the first bucket.
+Nothing is pickled: the store holds bytes only.
 
-With a bucket's header each receiver gets a 12-byte marker (slot, size) as a payload
-frame: its link reader then joins the broadcast into that slot, so receivers take part in
-the same order as the sender publishes, while their sinks load earlier slots.
+Failures: every broadcast has the sync's timeout, and a receiver's death seen on the link
+ends the sender's wait at once. A failed or timed-out broadcast leaves the group out of
+step, so the channel is broken (:class:`~streamsync.PeerBrokenError` or
+:class:`~streamsync.SyncTimeoutError`): a group has a fixed size, and a receiver that
+restarts needs a new sender.
 
-Failures: every broadcast has the sync's timeout (the process group's own timeout, so no
-thread waits forever); a receiver's death seen on the link (ZeroMQ's monitor) ends the
-sender's wait at once. A failed or timed-out broadcast leaves the group unusable, so the
-channel is then broken (:class:`~streamsync.PeerBrokenError` or
-:class:`~streamsync.SyncTimeoutError`): the group has a fixed size, and a receiver that
-restarts needs a new channel (a new sender), not a seat in the old group.
+``torch+nccl`` keeps the ring on the GPU (``device=``, default the current one). The store
+and the link listen on HOST only (127.0.0.1 by default, ``*`` for every interface); gloo
+connects over the interface that reaches HOST (``GLOO_SOCKET_IFNAME`` overrides it). The
+broadcast bytes are neither encrypted nor authenticated, as ``zmq+tcp`` payloads.
 
-``torch+nccl`` keeps the ring on the GPU (``device=``, default the current device): no
-host staging. The store and the link listen on HOST only (127.0.0.1 unless HOST says
-otherwise, ``*`` for every interface), as ``zmq+tcp``; gloo's own connections use the
-interface that reaches HOST (``GLOO_SOCKET_IFNAME`` overrides it). The broadcast bytes are
-neither encrypted nor authenticated (as ``zmq+tcp`` payloads are not).
-
-URL options: ``receivers``, ``slots``, ``slot_bytes``, ``connect_timeout``. Keyword
-arguments: those, ``secret``, ``heartbeat`` (the link's keepalive, seconds), ``device``
-(nccl: this side's GPU, default the current device).
+Options: every transport's, ``heartbeat`` (the link's keepalive) and ``device``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import socket
@@ -61,19 +50,18 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.transports import Endpoint, Transport
-from streamsync.transports.link import Fds, LinkEvents, LinkLost, Peer, ReceiverLink, SenderLink
+from streamsync.transports.link import LinkLost, Peer
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import DEVICE, HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
-from streamsync.transports.places import host_port
+from streamsync.transports.places import cuda_device, host_port
 from streamsync.transports.slots import Shared, SlotStore, SlotView
 from streamsync.transports.torch_group import (
     GroupPlan,
     ProcessGroupMember,
     as_timedelta,
-    cuda_device,
     local_address,
 )
-from streamsync.transports.zeromq import ZmqDialer, ZmqLink
+from streamsync.transports.zeromq import ZmqDialer, ZmqLink, file_id
 from streamsync.wire.bucket import allocate_slot
 from streamsync.wire.frames import Abort, BucketHeader, Bye, End, Welcome
 
@@ -86,17 +74,6 @@ _CLOSE_S = 1.0
 #: Seconds a sender's store gets to open (its own client connects to it) however short the
 #: sync's timeout.
 OPEN_STORE_S = 30.0
-
-
-def _close_if_ours(fd: int, ours: os.stat_result) -> None:
-    """Close the listening socket handed to a store that failed, unless the store closed it
-    already (then ``fd`` is closed, or by now another file's)."""
-    try:
-        now = os.fstat(fd)
-    except OSError:
-        return
-    if (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino):
-        os.close(fd)
 
 
 BACKENDS = {"torch+gloo": "gloo", "torch+nccl": "nccl"}
@@ -157,26 +134,19 @@ def _allocate(slots: int, slot_bytes: int, device: torch.device) -> list[torch.T
     return list(ring.view(slots, slot_bytes).unbind(0))
 
 
-class GroupLink(SenderLink):
-    """Sender end: the rendezvous store at HOST:PORT and a ZeroMQ link on HOST (its port
-    written to the store) for the ring's frames."""
+class GroupLink(ZmqLink):
+    """Sender end: the rendezvous store at HOST:PORT, and the ring's frames over a ZeroMQ
+    link on HOST whose port is written to the store."""
 
     def __init__(
-        self,
-        scheme: str,
-        target: str,
-        member: ProcessGroupMember,
-        *,
-        hwm: int,
-        heartbeat: float,
-        timeout: float,
+        self, endpoint: Endpoint, member: ProcessGroupMember, *, timeout: float, **link: Any
     ) -> None:
-        self.url = f"{scheme}://{target}"
-        self.scheme = scheme
-        self.host, self.port = host_port(scheme, target, bind=True)
+        self.scheme = endpoint.scheme
+        self.host, self.port = host_port(endpoint.scheme, endpoint.target, bind=True)
+        super().__init__("zmq+tcp", f"{self.host}:0", **link)
+        self.url = endpoint.url
         self.member = member
         self.timeout = timeout
-        self.inner = ZmqLink("zmq+tcp", f"{self.host}:0", hwm=hwm, heartbeat=heartbeat)
 
     async def open(self) -> None:
         from torch._C._distributed_c10d import TCPStore
@@ -186,7 +156,7 @@ class GroupLink(SenderLink):
         listener = _listen(self.url, self.host, self.port)
         self.port = listener.getsockname()[1]
         fd = listener.detach()
-        ours = os.fstat(fd)
+        ours = file_id(fd)
         host = "127.0.0.1" if self.host in ("*", "0.0.0.0") else self.host
 
         def serve_store() -> Any:
@@ -207,7 +177,8 @@ class GroupLink(SenderLink):
         try:
             store = await _in_thread(serve_store)
         except BaseException as exc:
-            _close_if_ours(fd, ours)
+            if file_id(fd) == ours:  # else the store closed it already
+                os.close(fd)
             if isinstance(exc, RuntimeError):  # DistNetworkError, DistStoreError
                 raise PeerBrokenError(
                     f"{self.url}: could not open its rendezvous store on {host}:{self.port} ({exc})"
@@ -215,23 +186,11 @@ class GroupLink(SenderLink):
             raise
         self.member.store = store
         self.port = int(store.port)
-        self.url = f"{self.scheme}://{self.host}:{self.port}"
-        self.member.url = self.url
         self.member.local_host = self.host
-        await self.inner.open()
-        control_port = self.inner.url.rpartition(":")[2]
+        await super().open()  # names the link's own port in self.url
+        control_port = self.url.rpartition(":")[2]
+        self.url = self.member.url = f"{self.scheme}://{self.host}:{self.port}"
         await _in_thread(lambda: store.set(_CONTROL_KEY, control_port.encode()))
-
-    async def serve(self, events: LinkEvents) -> None:
-        await self.inner.serve(events)
-
-    async def send(
-        self, peer: Peer, frame: bytes, payload: torch.Tensor | None = None, fds: Fds = ()
-    ) -> None:
-        await self.inner.send(peer, frame, payload, fds)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @dataclass
@@ -284,7 +243,7 @@ class GroupSender(LinkedSender):
         await self.link.send(peer, frame, self._marker if payload is not None else None)
 
     def _launch(self, sync_id: int, data: torch.Tensor) -> None:
-        timeout = self.sync_timeout
+        timeout = 60.0 if self._sync is None else self._sync.timeout
         # The group forms on the first bucket, within the sync's timeout too: every
         # receiver is on the link by then.
         form = 0.0 if self.member.formed else timeout
@@ -325,20 +284,16 @@ class GroupSender(LinkedSender):
         # The group is out of step now (or its thread still runs): no later broadcast.
         self.member.poison()
         error = pending.error
-        # The reason a receiver gave (its failure, its goodbye) may still be in flight.
-        with contextlib.suppress(SyncTimeoutError):
-            await self._signal.wait_until(
-                lambda: (
-                    (sync := self._sync) is not None
-                    and (
-                        sync.lost is not None
-                        or bool(sync.absent)
-                        or (sync.failed is not None and not self._failed_as_consequence())
-                    )
-                ),
-                timeout=0.2,
-                what="",
+        await self._hear(
+            lambda: (
+                (sync := self._sync) is not None
+                and (
+                    sync.lost is not None
+                    or bool(sync.absent)
+                    or (sync.failed is not None and not self._failed_as_consequence())
+                )
             )
+        )
         if not isinstance(error, StreamsyncError):
             error = PeerBrokenError(
                 f"{self.url}: a receiver left during a broadcast; open a new channel"
@@ -348,19 +303,15 @@ class GroupSender(LinkedSender):
         if quiet:
             self.on_broken(error)
             return
-        await self._abort_survivors(Abort(pending.sync_id, f"{type(error).__name__}: {error}"))
+        abort = Abort(pending.sync_id, f"{type(error).__name__}: {error}")
+        for peer in list(self.peers.values()):
+            if peer.codec is not None and not peer.said_bye:
+                await self._tell(peer, peer.codec.encode(abort), within=0.5)
         try:
             self._check()  # what a receiver said, if it said why
         finally:
             self.on_broken(error)
         self._check()
-
-    async def _abort_survivors(self, abort: Abort) -> None:
-        for peer in list(self.peers.values()):
-            if peer.codec is None or peer.said_bye:
-                continue
-            with anyio.move_on_after(0.5), contextlib.suppress(StreamsyncError):
-                await self._send_frame(peer, peer.codec.encode(abort), None)
 
     async def _shutdown(self) -> None:
         await super()._shutdown()
@@ -369,29 +320,34 @@ class GroupSender(LinkedSender):
 
 
 def _sender(endpoint: Endpoint, opts: dict[str, Any]) -> GroupSender:
-    backend = BACKENDS[endpoint.scheme]
-    heartbeat = opts.pop("heartbeat")
-    device = _device(endpoint, backend, opts.pop("device"))
-    url = f"{endpoint.scheme}://{endpoint.target}"
-    member = ProcessGroupMember(url, backend, device=device)
+    member = _member(endpoint, opts.pop("device"))
     link = GroupLink(
-        endpoint.scheme,
-        endpoint.target,
+        endpoint,
         member,
         hwm=2 * opts["slots"] + 8,
-        heartbeat=heartbeat,
+        heartbeat=opts.pop("heartbeat"),
         timeout=opts["connect_timeout"],
     )
     store = GroupSlots(opts.pop("slots"), opts.pop("slot_bytes"), member)
     return GroupSender(link, store, **opts)
 
 
-def _device(endpoint: Endpoint, backend: str, device: Any) -> torch.device:
+def _member(endpoint: Endpoint, device: Any) -> ProcessGroupMember:
+    """This side's seat in the channel's group, on the device its backend sends from."""
+    import torch.distributed as dist
+
+    backend = BACKENDS[endpoint.scheme]
     if backend == "gloo":
         if device is not None and torch.device(device).type != "cpu":
             raise ConfigError(f"{endpoint.scheme}: device={device}; gloo sends from host memory")
-        return torch.device("cpu")
-    return cuda_device(f"{endpoint.scheme}://{endpoint.target}", device)
+        return ProcessGroupMember(endpoint.url, backend)
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise ConfigError(
+            f"{endpoint.url}: NCCL needs CUDA and a torch built with NCCL in this process; "
+            "use torch+gloo:// instead"
+        )
+    device = cuda_device(endpoint.url, device, instead="torch+gloo://")
+    return ProcessGroupMember(endpoint.url, backend, device=device)
 
 
 # -- receiver ------------------------------------------------------------------------------
@@ -470,26 +426,18 @@ class GroupView(SlotView):
         self._released = {}
 
 
-class GroupDialer(ReceiverLink):
+class GroupDialer(ZmqDialer):
     """Receiver end: reads the link's port from the store and joins the link; each
     header's marker names the slot its broadcast fills (:meth:`GroupView.fill`)."""
 
     def __init__(
-        self,
-        scheme: str,
-        target: str,
-        view: GroupView,
-        *,
-        heartbeat: float,
-        timeout: float,
+        self, endpoint: Endpoint, member: ProcessGroupMember, *, heartbeat: float, timeout: float
     ) -> None:
-        self.url = f"{scheme}://{target}"
-        self.host, self.port = host_port(scheme, target, bind=False)
-        self.view = view
-        self.member = view.member
-        self.heartbeat = heartbeat
+        super().__init__("zmq+tcp", endpoint.target, heartbeat=heartbeat)
+        self.url = endpoint.url
+        self.host, self.port = host_port(endpoint.scheme, endpoint.target, bind=False)
+        self.member = member
         self.timeout = timeout
-        self.inner: ZmqDialer | None = None
 
     async def connect(self) -> None:
         from torch._C._distributed_c10d import TCPStore
@@ -519,20 +467,11 @@ class GroupDialer(ReceiverLink):
         self.member.store = store
         self.member.url = self.url
         self.member.local_host = local_address(self.host, self.port)
-        self.inner = ZmqDialer("zmq+tcp", f"{self.host}:{port.decode()}", heartbeat=self.heartbeat)
-        await self.inner.connect()
-
-    async def handshake(self, hello: bytes) -> tuple[bytes, list[int]]:
-        assert self.inner is not None
-        return await self.inner.handshake(hello)
-
-    async def send(self, frame: bytes) -> None:
-        assert self.inner is not None
-        await self.inner.send(frame)
+        self.address = f"tcp://{self.host}:{port.decode()}"
+        await super().connect()
 
     async def receive(self) -> tuple[bytes, Any]:
-        assert self.inner is not None
-        frame, marker = await self.inner.receive()
+        frame, marker = await super().receive()
         if marker is None:
             return frame, None
         if len(marker) != _MARKER.size:
@@ -540,26 +479,17 @@ class GroupDialer(ReceiverLink):
         return frame, _MARKER.unpack(bytes(marker))  # (slot, nbytes): the view's to fill
 
     async def aclose(self) -> None:
-        if self.inner is not None:
-            await self.inner.aclose()
-            self.inner = None
+        await super().aclose()
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
             await _in_thread(self.member.close)
 
 
 def _receiver(endpoint: Endpoint, opts: dict[str, Any]) -> LinkedReceiver:
-    backend = BACKENDS[endpoint.scheme]
-    url = f"{endpoint.scheme}://{endpoint.target}"
-    device = _device(endpoint, backend, opts.pop("device"))
-    view = GroupView(ProcessGroupMember(url, backend, device=device))
+    member = _member(endpoint, opts.pop("device"))
     link = GroupDialer(
-        endpoint.scheme,
-        endpoint.target,
-        view,
-        heartbeat=opts.pop("heartbeat"),
-        timeout=opts["connect_timeout"],
+        endpoint, member, heartbeat=opts.pop("heartbeat"), timeout=opts["connect_timeout"]
     )
-    return LinkedReceiver(link, view, **opts)
+    return LinkedReceiver(link, GroupView(member), **opts)
 
 
 #: ``torch+gloo://HOST:PORT`` and ``torch+nccl://HOST:PORT``: the entry points' object.

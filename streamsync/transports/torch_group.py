@@ -22,8 +22,7 @@ from typing import Any
 import msgspec
 import torch
 
-from streamsync.errors import ConfigError, PeerBrokenError, StreamsyncError, SyncTimeoutError
-from streamsync.transports import places
+from streamsync.errors import PeerBrokenError, StreamsyncError, SyncTimeoutError
 
 
 class GroupPlan(msgspec.Struct, frozen=True, array_like=True):
@@ -174,16 +173,3 @@ def local_address(host: str, port: int) -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return ""
-
-
-def cuda_device(url: str, device: Any) -> torch.device:
-    """The CUDA device ``device`` names (default the current one); a ``ConfigError`` saying
-    what to use instead where there is no CUDA or no NCCL."""
-    import torch.distributed as dist
-
-    if not torch.cuda.is_available() or not dist.is_nccl_available():
-        raise ConfigError(
-            f"{url}: NCCL needs CUDA and a torch built with NCCL in this process; "
-            "use torch+gloo:// instead"
-        )
-    return places.cuda_device(url, device, instead="torch+gloo://")

@@ -1,27 +1,22 @@
 """``zmq+tcp://HOST:PORT`` and ``zmq+ipc://PATH``: the slot ring over ZeroMQ, across machines.
 
-Composes :class:`~streamsync.transports.slots.HostSlots` with a ZeroMQ link: a ROUTER on the
-sender (binds; fan-out by identity) and a DEALER per receiver, plain pyzmq sockets woken by
-anyio on their ``zmq.FD``. A bucket goes as a metadata frame and the slot's bytes, without
-copying; the slot is reused only after every receiver acked it. A dead peer is seen by
-socket monitors: at once for a killed process, and over tcp by the kernel's keepalive
-probes for a vanished machine. Neither side sends ZeroMQ heartbeats (see :func:`_open` for
-why); a frozen peer is what every wait's ``timeout`` is for.
+:class:`~streamsync.transports.slots.HostSlots` with a ZeroMQ link: a ROUTER on the sender
+(binds; fan-out by identity) and a DEALER per receiver, plain pyzmq sockets woken by anyio
+on their ``zmq.FD``. A bucket goes as a header frame and the slot's bytes, uncopied; the
+slot is reused once every receiver acked it. Socket monitors see a dead peer: at once for a
+killed process, over tcp by keepalive probes for a vanished machine (no ZeroMQ heartbeats:
+see :func:`_open`); a frozen peer is what every wait's ``timeout`` is for.
 
 Security: tcp binds 127.0.0.1 unless HOST says otherwise (``*``: every interface); a secret
 authenticates every message by HMAC (payloads are not encrypted). An ipc socket file is 0600
-and removed when the sender closes (a replacement receiver needs it meanwhile); a bare name
-lives in a 0700 per-user directory, ``@name`` is abstract. What is not a receiver of this
-channel (random bytes, malformed frames, a wrong secret) is refused at the handshake and
-logged, and never ends the channel: whatever one message does is contained in the serve
-loop. ZeroMQ itself drops a peer whose greeting is not ZMTP or whose message exceeds
-``MAXMSGSIZE``. (Random bytes often pass for ZMTP 1.0, whose messages carry no metadata:
-asking them for ``Peer-Address`` or ``SRCFD`` raises EINVAL; the serve loop contains it.)
+and removed when its sender closes; a bare name lives in a 0700 per-user directory,
+``@name`` is abstract. Whatever a stranger sends (random bytes, malformed frames, a wrong
+secret) is refused at the handshake and logged, and never ends the channel. ZeroMQ itself
+drops a peer whose greeting is not ZMTP or whose message exceeds ``MAXMSGSIZE``.
 
-Options: every transport's, and ``heartbeat`` on both sides (seconds, default 1.0, whole
-seconds of at least 1 on the wire: a tcp connection silent that long is probed, and dropped
-after 3 unanswered probes, about 4 heartbeats). Port 0 binds a free port; the sender's
-``url`` then names it.
+Options: every transport's, and ``heartbeat`` on both sides (seconds, whole and at least 1
+on the wire: a tcp connection silent that long is probed, and dropped after 3 unanswered
+probes). Port 0 binds a free port; the sender's ``url`` then names it.
 """
 
 from __future__ import annotations
@@ -41,6 +36,7 @@ from streamsync.errors import ConfigError, PeerBrokenError, WireFormatError
 from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import (
     LAST_WORD_S,
+    MAX_FRAME_BYTES,
     RETRY_MAX_S,
     RETRY_MIN_S,
     Fds,
@@ -56,8 +52,6 @@ from streamsync.transports.options import HEARTBEAT, RECEIVER_OPTIONS, SENDER_OP
 from streamsync.transports.places import host_port
 from streamsync.transports.slots import HostSlots, PayloadView
 
-# Largest message the sender accepts from a receiver (as ``link.MAX_FRAME_BYTES``).
-_MAX_INBOUND_BYTES = 64 << 20
 # Longest sleep on a socket's FD: bounds the cost of an edge another call consumed, and how
 # often a receiver looks at its disconnect monitor.
 _POLL_S = 0.05
@@ -94,28 +88,15 @@ def _open(
 ) -> tuple[Any, _Socket, _Socket]:
     """A ZeroMQ context, a tuned socket of ``kind`` in it, and its disconnect monitor.
 
-    No ZeroMQ heartbeats, on either side: a socket that pings can be aborted by libzmq
-    4.3.5 (bundled with pyzmq 27). When a connection's inbound pipe is full or gone, the
-    engine stops reading; if the peer then hangs up, the engine marks an I/O error and
-    waits for the pipe to drain, but its heartbeat timer still fires ``out_event``, which
-    asserts ``!_io_error`` (src/stream_engine_base.cpp:310) and aborts the whole process.
-    Nothing but that timer calls ``out_event`` there; see zeromq/libzmq#3937, #4364, #4767
-    (open). Two ways in:
-
-    - on a sender, a stranger that claims a routing id already taken, so that the ROUTER
-      never reads its connection (``tests/test_strangers.py``: a pinging sender died every
-      time);
-    - on a receiver, closing its socket while the sender's last message (its goodbye) is
-      on the way and the sender then hangs up: the pipe is gone while the socket lingers
-      to deliver the receiver's own last words. A receiver that pinged died this way in a
-      one-shot loop under load (``docs/transports.md``, "One-shot calls";
-      ``tests/test_one_shot_loops.py``).
-
-    A vanished machine is found by TCP keepalive instead (in the kernel, no libzmq timer):
-    probes after ``heartbeat`` seconds of silence, every ``heartbeat`` seconds, 3 unanswered
-    drop the connection, which the monitor reports. Over ipc both ends are on one machine,
-    where a dead process's socket closes at once. A frozen process still answers probes; a
-    wait on it ends at its ``timeout``.
+    No ZeroMQ heartbeats: libzmq 4.3.5 (pyzmq 27) aborts the process when a heartbeat
+    timer fires on a connection whose peer hung up while its inbound pipe was full or gone
+    (``out_event`` asserts ``!_io_error``, src/stream_engine_base.cpp:310;
+    zeromq/libzmq#3937, #4364, #4767). A stranger claiming a taken routing id sets that up
+    on a sender (``tests/test_strangers.py``), a receiver closing as its sender says
+    goodbye on a receiver (``tests/test_one_shot_loops.py``). TCP keepalive, in the
+    kernel, finds a vanished machine instead: probes after ``heartbeat`` seconds of silence,
+    every ``heartbeat`` seconds, 3 unanswered drop the connection, which the monitor
+    reports. Over ipc a dead process's socket closes at once.
     """
     import zmq
 
@@ -175,47 +156,39 @@ class _Socket:
             try:
                 self.sock.send_multipart(parts, self.zmq.NOBLOCK, copy=False)
                 break
-            except (
-                self.zmq.Again
-            ):  # the peer's high-water mark: back off (rare; the ring bounds it)
+            except self.zmq.Again:  # the peer's high-water mark (rare: the ring bounds it)
                 await anyio.sleep(0.001)
         if self._sleep is not None and self._ready():
             self._sleep.cancel()
 
 
 def _peer_address(frame: Any) -> str | None:
-    """The address of the peer a message came from, if ZeroMQ knows it (ZMTP 3 only)."""
+    """The address of the peer a message came from, if ZeroMQ knows it."""
+    return str(_metadata(frame, "Peer-Address") or "") or None
+
+
+def _source_fd(frame: Any) -> int | None:
+    """The descriptor of the connection a message came from."""
+    import zmq
+
+    fd = _metadata(frame, zmq.SRCFD)
+    return None if fd is None else int(fd)
+
+
+def _metadata(frame: Any, key: Any) -> Any:
     import zmq
 
     try:
-        return str(frame.get("Peer-Address")) or None
+        return frame.get(key)
     except zmq.ZMQError:  # EINVAL: a message without metadata (a ZMTP 1.0 peer's)
         return None
 
 
-def _source_fd(frame: Any) -> int | None:
-    """The descriptor of the connection a message came from (ZMTP 3 only, as above)."""
-    import zmq
-
+def file_id(where: int | str) -> tuple[int, int] | None:
+    """Which file a descriptor or path is now (a closed descriptor's number is soon
+    reused); ``None``: none."""
     try:
-        return int(frame.get(zmq.SRCFD))
-    except zmq.ZMQError:
-        return None
-
-
-def _socket_id(fd: int) -> tuple[int, int] | None:
-    """Which socket ``fd`` is now (a closed descriptor's number is soon reused)."""
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _socket_id_of(path: str) -> tuple[int, int] | None:
-    """Which file ``path`` names now (``None``: none)."""
-    try:
-        st = os.stat(path)
+        st = os.stat(where)
     except OSError:
         return None
     return st.st_dev, st.st_ino
@@ -261,7 +234,7 @@ class ZmqLink(SenderLink):
         self._by_fd: dict[int, Peer] = {}
         self._sockets: dict[bytes, tuple[int, tuple[int, int] | None]] = {}
         self._file: str | None = None
-        self._file_id: tuple[int, int] | None = None
+        self._bound_id: tuple[int, int] | None = None
 
     async def open(self) -> None:
         import zmq
@@ -273,7 +246,7 @@ class ZmqLink(SenderLink):
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable receiver raises
         # Anyone who can reach the port can send: a peer announcing a bigger message is
         # dropped before ZeroMQ allocates it (receivers only send hellos, acks and reports).
-        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         path = self.address.removeprefix("ipc://")
         if self.address.startswith("ipc://") and not path.startswith("@"):
             # ZeroMQ binds an ipc path by removing whatever file is there: a live sender's
@@ -287,7 +260,7 @@ class ZmqLink(SenderLink):
         if bound.startswith("ipc://") and not bound.startswith("ipc://@"):
             self._file = bound.removeprefix("ipc://")
             os.chmod(self._file, 0o600)
-            self._file_id = _socket_id_of(self._file)
+            self._bound_id = file_id(self._file)
         if self._scheme == "zmq+tcp" and self.address.endswith(":0"):
             host = self._target.rpartition(":")[0]
             self.url = f"zmq+tcp://{host}:{bound.rpartition(':')[2]}"
@@ -337,7 +310,7 @@ class ZmqLink(SenderLink):
         # open (given a moment more) means the drop reported was of an earlier connection
         # with this descriptor (a stranger's, say), read after the receiver reused it.
         for _ in range(5):
-            if socket_id is None or _socket_id(fd) != socket_id:
+            if socket_id is None or file_id(fd) != socket_id:
                 break
             await anyio.sleep(LAST_WORD_S)
         else:
@@ -377,7 +350,7 @@ class ZmqLink(SenderLink):
             await events.on_refused(peer, exc)
         elif await events.on_frame(peer, frame):
             self._peers[identity] = peer
-            self._sockets[identity] = (fd, _socket_id(fd))
+            self._sockets[identity] = (fd, file_id(fd))
             earlier = self._by_fd.get(fd)
             self._by_fd[fd] = peer
             if earlier is not None:
@@ -399,7 +372,7 @@ class ZmqLink(SenderLink):
 
     def _remove_file(self) -> None:
         # Only the file this sender bound: one another sender made since is not ours.
-        if self._file is not None and _socket_id_of(self._file) == self._file_id:
+        if self._file is not None and file_id(self._file) == self._bound_id:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._file)
         self._file = None
