@@ -14,8 +14,8 @@
 #endif
 #if defined(__SSE2__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-/* The fp32 -> bf16 cast has an AVX-512 loop, compiled for that target alone and taken where
- * the CPU (and the OS, which libgcc's check asks too) supports it. */
+/* The fp32 -> bf16 cast and the comparison with the cast fused have AVX-512 loops, compiled for
+ * that target alone and taken where the CPU (and the OS, which libgcc's check asks too) supports it. */
 #define SS_AVX512 1
 #endif
 
