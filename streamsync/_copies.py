@@ -65,6 +65,7 @@ _SIGNATURES: Final[dict[str, tuple[Any, ...]]] = {
     **{f"ss_diff_{size}": _DIFF for size in (1, 2, 4, 8)},
     **{f"ss_apply_{size}": (None, _P, _P, _P, _P, _I64) for size in (1, 2, 4, 8)},
     "ss_diff_f32_bf16": _DIFF,
+    "ss_diff_f32_bf16_portable": _DIFF,
     "ss_check": (_I64, _P, _P, _I64, _I64, _I64),
     "ss_copy": (None, _P, _P, _I64),
     "ss_memmove_many": (None, _P, _I64),

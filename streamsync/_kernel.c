@@ -14,8 +14,8 @@
 #endif
 #if defined(__SSE2__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-/* The fp32 -> bf16 cast has an AVX-512 loop, compiled for that target alone and taken where
- * the CPU (and the OS, which libgcc's check asks too) supports it. */
+/* The fp32 -> bf16 cast and the comparison with the cast fused have AVX-512 loops, compiled for
+ * that target alone and taken where the CPU (and the OS, which libgcc's check asks too) supports it. */
 #define SS_AVX512 1
 #endif
 
@@ -76,48 +76,6 @@ KERNELS(8, uint64_t)
 
 /* fp32 -> bf16, rounding to nearest even (what torch's conversion does for numbers). */
 static inline uint16_t bf16_of(uint32_t x) { return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16); }
-
-/* The cast fused into the comparison: elements [lo, hi) of fp32 `a` as bf16 against bf16
- * `b`; as ss_diff_2 otherwise. -2 at the first NaN (torch's own conversion gives NaNs
- * different bits on different paths, so such a tensor is cast by torch). */
-int64_t ss_diff_f32_bf16(const unsigned char *a, const unsigned char *b, int64_t lo, int64_t hi,
-                         int32_t *pos32, int64_t *pos64, unsigned char *vals, int64_t limit) {
-    int64_t k = 0, i = lo;
-    for (; i + 16 <= hi; i += 16) {
-        uint32_t x[16], nan = 0, diff = 0;
-        uint16_t c[16], old[16];
-        memcpy(x, a + i * 4, 64);
-        memcpy(old, b + i * 2, 32);
-        for (int j = 0; j < 16; j++) {
-            nan |= (x[j] & 0x7fffffffu) > 0x7f800000u;
-            c[j] = bf16_of(x[j]);
-            diff |= (uint32_t)(c[j] ^ old[j]);
-        }
-        if (nan) return -2;
-        if (!diff) continue;
-        for (int j = 0; j < 16; j++) {
-            if (pos32) pos32[k] = (int32_t)(i + j); else pos64[k] = i + j;
-            memcpy(vals + k * 2, &c[j], 2);
-            k += c[j] != old[j];
-        }
-        if (k > limit) return -1;
-    }
-    for (; i < hi; i++) {
-        uint32_t x;
-        uint16_t old;
-        memcpy(&x, a + i * 4, 4);
-        memcpy(&old, b + i * 2, 2);
-        if ((x & 0x7fffffffu) > 0x7f800000u) return -2;
-        uint16_t c = bf16_of(x);
-        if (c != old) {
-            if (k == limit) return -1;
-            if (pos32) pos32[k] = (int32_t)i; else pos64[k] = i;
-            memcpy(vals + k * 2, &c, 2);
-            k++;
-        }
-    }
-    return k;
-}
 
 /* The index of the first position not strictly above the one before it (`after` before
  * the first) or not below `numel`; -1 when all are fine. */
@@ -269,6 +227,207 @@ static int use_avx512(void) {
 }
 #endif
 
+/* The fused comparison below, one element at a time from `i` (after its blocks). */
+static int64_t diff_f32_bf16_tail(const unsigned char *a, const unsigned char *b, int64_t i,
+                                  int64_t hi, int32_t *pos32, int64_t *pos64,
+                                  unsigned char *vals, int64_t limit, int64_t k) {
+    for (; i < hi; i++) {
+        uint32_t x;
+        uint16_t old;
+        memcpy(&x, a + i * 4, 4);
+        memcpy(&old, b + i * 2, 2);
+        if ((x & 0x7fffffffu) > 0x7f800000u) return -2;
+        uint16_t c = bf16_of(x);
+        if (c != old) {
+            if (k == limit) return -1;
+            if (pos32) pos32[k] = (int32_t)i; else pos64[k] = i;
+            memcpy(vals + k * 2, &c, 2);
+            k++;
+        }
+    }
+    return k;
+}
+
+/* Keeps the elements of the block of 16 at `i` (cast to `c`) that differ from the baseline:
+ * branchless, every element is written, only a changed one is kept. */
+static inline int64_t keep_block(const uint16_t *c, const unsigned char *b, int64_t i,
+                                 int32_t *pos32, int64_t *pos64, unsigned char *vals,
+                                 int64_t k) {
+    for (int j = 0; j < 16; j++) {
+        uint16_t old;
+        memcpy(&old, b + (i + j) * 2, 2);
+        if (pos32) pos32[k] = (int32_t)(i + j); else pos64[k] = i + j;
+        memcpy(vals + k * 2, &c[j], 2);
+        k += c[j] != old;
+    }
+    return k;
+}
+
+/* Blocks of 16 from `i` while a whole one remains, then the tail (SSE2 where compiled for
+ * it): each block is checked for a NaN, then compared, then its changes kept. */
+static int64_t diff_f32_bf16_from(const unsigned char *a, const unsigned char *b, int64_t i,
+                                  int64_t hi, int32_t *pos32, int64_t *pos64,
+                                  unsigned char *vals, int64_t limit, int64_t k) {
+#if defined(__SSE2__)
+    const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff);
+    const __m128i magnitude = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000);
+    for (; i + 16 <= hi; i += 16) {
+        const unsigned char *pa = a + 4 * i, *pb = b + 2 * i;
+        _mm_prefetch((const char *)pa + PREFETCH_AHEAD, _MM_HINT_T2);
+        _mm_prefetch((const char *)pb + PREFETCH_AHEAD / 2, _MM_HINT_T2);
+        __m128i x0 = _mm_loadu_si128((const __m128i *)pa);
+        __m128i x1 = _mm_loadu_si128((const __m128i *)(pa + 16));
+        __m128i x2 = _mm_loadu_si128((const __m128i *)(pa + 32));
+        __m128i x3 = _mm_loadu_si128((const __m128i *)(pa + 48));
+        /* A NaN's magnitude is above infinity's (both positive as signed integers). */
+#define SS_NAN(x) _mm_cmpgt_epi32(_mm_and_si128(x, magnitude), inf)
+        __m128i nan = _mm_or_si128(_mm_or_si128(SS_NAN(x0), SS_NAN(x1)),
+                                   _mm_or_si128(SS_NAN(x2), SS_NAN(x3)));
+#undef SS_NAN
+        if (_mm_movemask_epi8(nan)) return -2;
+        /* As the cast's SSE2 loop: rounded, sign-extended, packed without losing a bit. */
+#define SS_ROUND(x) \
+    _mm_srai_epi32(_mm_add_epi32(_mm_add_epi32(x, bias), _mm_and_si128(_mm_srli_epi32(x, 16), one)), 16)
+        __m128i lo = _mm_packs_epi32(SS_ROUND(x0), SS_ROUND(x1));
+        __m128i hi8 = _mm_packs_epi32(SS_ROUND(x2), SS_ROUND(x3));
+#undef SS_ROUND
+        __m128i same = _mm_and_si128(_mm_cmpeq_epi16(lo, _mm_loadu_si128((const __m128i *)pb)),
+                                     _mm_cmpeq_epi16(hi8, _mm_loadu_si128((const __m128i *)(pb + 16))));
+        if (_mm_movemask_epi8(same) == 0xffff) continue;
+        uint16_t c[16];
+        _mm_storeu_si128((__m128i *)c, lo);
+        _mm_storeu_si128((__m128i *)(c + 8), hi8);
+        k = keep_block(c, b, i, pos32, pos64, vals, k);
+        if (k > limit) return -1;
+    }
+#else
+    for (; i + 16 <= hi; i += 16) {
+        uint32_t x[16], nan = 0, diff = 0;
+        uint16_t c[16], old[16];
+        memcpy(x, a + i * 4, 64);
+        memcpy(old, b + i * 2, 32);
+        for (int j = 0; j < 16; j++) {
+            nan |= (x[j] & 0x7fffffffu) > 0x7f800000u;
+            c[j] = bf16_of(x[j]);
+            diff |= (uint32_t)(c[j] ^ old[j]);
+        }
+        if (nan) return -2;
+        if (!diff) continue;
+        k = keep_block(c, b, i, pos32, pos64, vals, k);
+        if (k > limit) return -1;
+    }
+#endif
+    return diff_f32_bf16_tail(a, b, i, hi, pos32, pos64, vals, limit, k);
+}
+#if defined(SS_AVX512)
+#define SS_TARGET_AVX512 __attribute__((target("avx512f,avx512bw")))
+
+/* The bf16 bits of 16 fp32 elements that hold no NaN (so the sum stays below 2^32 and a
+ * logical shift gives them), each in the low half of its 32-bit lane. */
+SS_TARGET_AVX512 static inline __m512i bf16_of_avx512(__m512i x) {
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+    return _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(x, bias), _mm512_and_si512(_mm512_srli_epi32(x, 16), one)), 16);
+}
+
+SS_TARGET_AVX512 static inline __mmask16 nan_avx512(__m512i x) {
+    return _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
+                                   _mm512_set1_epi32(0x7f800000));
+}
+
+/* Keeps the `changed` elements of the block of 16 at `i` (cast to `c`): their positions and
+ * values compressed into place, 16 of each stored (the room the caller leaves). */
+SS_TARGET_AVX512 static inline int64_t keep_avx512(__m512i c, __mmask16 changed, int64_t i,
+                                                   int32_t *pos32, int64_t *pos64,
+                                                   unsigned char *vals, int64_t k) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    _mm256_storeu_si256((__m256i *)(vals + 2 * k),
+                        _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(changed, c)));
+    __m512i at = _mm512_maskz_compress_epi32(changed, lane);
+    if (pos32) {
+        _mm512_storeu_si512((void *)(pos32 + k), _mm512_add_epi32(at, _mm512_set1_epi32((int32_t)i)));
+    } else {
+        __m512i from = _mm512_set1_epi64(i);
+        _mm512_storeu_si512((void *)(pos64 + k),
+                            _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(at)), from));
+        _mm512_storeu_si512((void *)(pos64 + k + 8),
+                            _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(at, 1)), from));
+    }
+    return k + __builtin_popcount((unsigned)changed);
+}
+
+/* The fused comparison's blocks of 16 from `*at` while a whole one remains, four at a time
+ * while four remain: four blocks with no NaN and no change cost one test, and the blocks of a
+ * group with either are taken in order, each checked for a NaN before its changes are kept,
+ * so the result is the portable loop's. Leaves `*at` where it stopped; returns the count so
+ * far, or -1 / -2 as ss_diff_f32_bf16. */
+SS_TARGET_AVX512 static int64_t diff_f32_bf16_avx512(const unsigned char *a, const unsigned char *b,
+                                                     int64_t *at, int64_t hi, int32_t *pos32,
+                                                     int64_t *pos64, unsigned char *vals,
+                                                     int64_t limit, int64_t k) {
+    int64_t i = *at;
+    for (; i + 64 <= hi; i += 64) {
+        const unsigned char *pa = a + 4 * i, *pb = b + 2 * i;
+        for (int line = 0; line < 256; line += 64)
+            _mm_prefetch((const char *)pa + PREFETCH_AHEAD + line, _MM_HINT_T2);
+        _mm_prefetch((const char *)pb + PREFETCH_AHEAD / 2, _MM_HINT_T2);
+        _mm_prefetch((const char *)pb + PREFETCH_AHEAD / 2 + 64, _MM_HINT_T2);
+        __m512i c[4];
+        __mmask16 nan[4], changed[4];
+        for (int q = 0; q < 4; q++) {
+            __m512i x = _mm512_loadu_si512((const void *)(pa + 64 * q));
+            c[q] = bf16_of_avx512(x);
+            nan[q] = nan_avx512(x);
+            changed[q] = _mm512_cmpneq_epi32_mask(
+                c[q], _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pb + 32 * q))));
+        }
+        if (!(nan[0] | nan[1] | nan[2] | nan[3] | changed[0] | changed[1] | changed[2] | changed[3]))
+            continue;
+        for (int q = 0; q < 4; q++) {
+            if (nan[q]) return -2;
+            if (!changed[q]) continue;
+            k = keep_avx512(c[q], changed[q], i + 16 * q, pos32, pos64, vals, k);
+            if (k > limit) return -1;
+        }
+    }
+    for (; i + 16 <= hi; i += 16) {
+        __m512i x = _mm512_loadu_si512((const void *)(a + 4 * i));
+        if (nan_avx512(x)) return -2;
+        __m512i c = bf16_of_avx512(x);
+        __mmask16 changed = _mm512_cmpneq_epi32_mask(
+            c, _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 2 * i))));
+        if (!changed) continue;
+        k = keep_avx512(c, changed, i, pos32, pos64, vals, k);
+        if (k > limit) return -1;
+    }
+    *at = i;
+    return k;
+}
+#endif
+
+/* The cast fused into the comparison: elements [lo, hi) of fp32 `a` as bf16 against bf16
+ * `b`; as ss_diff_2 otherwise, in blocks of 16 elements. -2 at the first block holding a NaN
+ * (torch's own conversion gives NaNs different bits on different paths, so such a tensor is
+ * cast by torch). */
+int64_t ss_diff_f32_bf16(const unsigned char *a, const unsigned char *b, int64_t lo, int64_t hi,
+                         int32_t *pos32, int64_t *pos64, unsigned char *vals, int64_t limit) {
+    int64_t k = 0;
+#if defined(SS_AVX512)
+    if (use_avx512()) {
+        k = diff_f32_bf16_avx512(a, b, &lo, hi, pos32, pos64, vals, limit, k);
+        if (k < 0) return k;
+    }
+#endif
+    return diff_f32_bf16_from(a, b, lo, hi, pos32, pos64, vals, limit, k);
+}
+
+/* The same comparison without the AVX-512 loop, so that tests reach the loop every CPU runs. */
+int64_t ss_diff_f32_bf16_portable(const unsigned char *a, const unsigned char *b, int64_t lo,
+                                  int64_t hi, int32_t *pos32, int64_t *pos64,
+                                  unsigned char *vals, int64_t limit) {
+    return diff_f32_bf16_from(a, b, lo, hi, pos32, pos64, vals, limit, 0);
+}
+
 /* Elements [i, n) of the cast: SSE2 blocks of 16, one at a time around them. */
 static int64_t cast_f32_bf16_from(unsigned char *dst, const unsigned char *src, int64_t i,
                                   int64_t n) {
@@ -415,6 +574,7 @@ static const struct {
     {"ss_apply_4", (void *)ss_apply_4},
     {"ss_apply_8", (void *)ss_apply_8},
     {"ss_diff_f32_bf16", (void *)ss_diff_f32_bf16},
+    {"ss_diff_f32_bf16_portable", (void *)ss_diff_f32_bf16_portable},
     {"ss_check", (void *)ss_check},
     {"ss_copy", (void *)ss_copy},
     {"ss_memmove_many", (void *)ss_memmove_many},
