@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 
@@ -746,3 +747,44 @@ def test_a_bucket_of_many_entries_keeps_no_copy_plan() -> None:
     assert bucket.moves_plan == []
     out, _ = roundtrip(tensors, 1 << 20)
     assert all(same_bits(a, b) for (_, a), (_, b) in zip(out, tensors, strict=True))
+
+
+@pytest.mark.parametrize(
+    "change", [{"shape": (1000,)}, {"dtype": "float32"}], ids=["shape", "dtype"]
+)
+def test_a_later_patch_piece_cannot_change_its_tensors_shape_or_dtype(
+    change: dict[str, object],
+) -> None:
+    # A piece that claimed more elements (or wider ones) than the tensor the first piece
+    # patched would write past that tensor's bytes.
+    import numpy as np
+
+    from streamsync.wire import patch as patches
+
+    numel = 300
+    pieces = []
+    for positions in ([1, 2], [5, 290]):
+        pos = np.array(positions, dtype=np.int32)
+        vals = np.arange(len(positions), dtype=np.uint16) + 7
+        buf = torch.empty(patches.patch_nbytes(len(positions), numel, 2), dtype=torch.uint8)
+        patches.encode((pos, vals), numel, 2, buf)
+        pieces.append((len(positions), buf))
+    builder = BucketBuilder(1 << 20)
+    assert not list(builder.add_patch("t", torch.bfloat16, (numel,), pieces))
+    bucket = builder.flush()
+    assert bucket is not None
+    data = torch.zeros(1 << 20, dtype=torch.uint8)
+    first, second = bucket.pack_into(data).entries()
+    second = msgspec.structs.replace(second, **change)
+    itemsize = 4 if second.dtype == "float32" else 2
+    # As many bytes as the claimed shape and dtype take.
+    second = msgspec.structs.replace(
+        second, nbytes=patches.patch_nbytes(2, math.prod(second.shape), itemsize)
+    )
+    guard = torch.zeros(numel + 1000, dtype=torch.bfloat16)  # the tensor, then a fence
+    header = BucketHeader(1, 0, 0, data.numel(), Layout.of([first, second]), base=5)
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    with pytest.raises(WireFormatError, match="piece 1 of the patch of tensor 't'"):
+        unpacker.feed(header, data, target=lambda n, d, s: guard[:numel])
+    assert not guard.view(torch.int16).any()

@@ -785,6 +785,12 @@ class Unpacker:
                 f"piece {entry.chunk} of the patch of tensor {name!r} says {entry.chunks} "
                 f"pieces, the first said {current.pieces}"
             )
+        if entry.shape != tuple(current.owner.shape) or dtype != current.owner.dtype:
+            raise WireFormatError(
+                f"piece {entry.chunk} of the patch of tensor {name!r} says shape "
+                f"{list(entry.shape)} of {entry.dtype}; the first said "
+                f"{list(current.owner.shape)} of {dtype_name(current.owner.dtype)}"
+            )
         numel = math.prod(entry.shape)
         region = data[entry.offset : entry.offset + entry.nbytes]
         if entry.checksum is not None and _digest(region) != entry.checksum:
