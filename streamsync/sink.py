@@ -161,7 +161,7 @@ class ModuleSink:
         self._unexpected: list[str] = []
         # Per bucket layout, its moves into the module (or None: that layout takes the
         # general path); a trainer repeats a few layouts every step.
-        self._plans: dict[CheckedLayout, tuple[MovePlan, tuple[str, ...]] | None] = {}
+        self._plans: dict[CheckedLayout, MovePlan | None] = {}
         self._version: int | None = None
 
     @property
@@ -212,21 +212,21 @@ class ModuleSink:
             return None  # skipped, or converted by load from the staging buffer
         return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
 
-    def _moves(self, layout: CheckedLayout) -> tuple[MovePlan, tuple[str, ...]] | None:
+    def _moves(self, layout: CheckedLayout) -> MovePlan | None:
         """The memmoves of a bucket of ``layout`` into the module, when every entry is one
         of its contiguous CPU tensors with the same shape and dtype; else ``None``."""
         if layout in self._plans:
             return self._plans[layout]
         dst: list[int] = []
         meta = self._meta
-        plan: tuple[MovePlan, tuple[str, ...]] | None = None
+        plan: MovePlan | None = None
         for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes(), strict=True):
             known = meta.get(name)
             if known is None or known[0] != shape or known[1] != dtype or known[2] is None:
                 break
             dst.append(known[2])
         else:
-            plan = MovePlan(dst, layout.offsets, layout.sizes, spread_small=False), layout.names
+            plan = MovePlan(dst, layout.offsets, layout.sizes, spread_small=False)
         if len(self._plans) >= _LAYOUTS_KEPT:
             self._plans.clear()
         self._plans[layout] = plan
@@ -234,12 +234,11 @@ class ModuleSink:
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
         if isinstance(tensors, BucketTensors) and tensors.layout is not None:
-            data = tensors.data
-            planned = self._moves(tensors.layout) if data is not None and data.is_cpu else None
-            if planned is not None and data is not None:  # memmoves: host memory only
-                moves, names = planned
+            layout, data = tensors.layout, tensors.data
+            moves = self._moves(layout) if data is not None and data.is_cpu else None
+            if moves is not None and data is not None:  # memmoves: host memory only
                 moves.run(0, data.data_ptr())
-                self._laid.append(names)
+                self._laid.append(layout.names)
                 return
         batch = CopyBatch()
         meta = self._meta
