@@ -552,6 +552,8 @@ def check_layout(layout: Layout, max_tensor_bytes: int) -> CheckedLayout:
     """Check a layout without extras: its columns agree, and every entry passes
     :func:`check_entry`. Its names are interned: one string per name with the sink's
     (``ModuleSink`` interns its own), however many layouts hold it."""
+    if layout.extras:
+        raise ValueError("check_layout takes a layout of whole tensors; check its entries")
     layout = msgspec.structs.replace(layout, names=tuple(map(sys.intern, layout.names)))
     return CheckedLayout(layout, [check_entry(e, max_tensor_bytes).dtype for e in layout.entries()])
 
