@@ -27,8 +27,7 @@ from streamsync._copies import CopyBatch, MovePlan
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.wire.bucket import LaidOut
-from streamsync.wire.frames import Layout
+from streamsync.wire.bucket import BucketTensors, CheckedLayout
 
 #: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
 #: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.
@@ -162,7 +161,7 @@ class ModuleSink:
         self._unexpected: list[str] = []
         # Per bucket layout, its moves into the module (or None: that layout takes the
         # general path); a trainer repeats a few layouts every step.
-        self._plans: dict[Layout, tuple[MovePlan, tuple[str, ...]] | None] = {}
+        self._plans: dict[CheckedLayout, MovePlan | None] = {}
         self._version: int | None = None
 
     @property
@@ -213,34 +212,33 @@ class ModuleSink:
             return None  # skipped, or converted by load from the staging buffer
         return dst if dst.is_contiguous() and dst.device.type == "cpu" else None
 
-    def _moves(self, batch: LaidOut) -> tuple[MovePlan, tuple[str, ...]] | None:
-        """The memmoves of a bucket laid out as ``batch`` into the module, when every entry
-        is one of its contiguous CPU tensors with the same shape and dtype; else ``None``."""
-        layout = batch.layout
+    def _moves(self, layout: CheckedLayout) -> MovePlan | None:
+        """The memmoves of a bucket of ``layout`` into the module, when every entry is one
+        of its contiguous CPU tensors with the same shape and dtype; else ``None``."""
         if layout in self._plans:
             return self._plans[layout]
         dst: list[int] = []
         meta = self._meta
-        plan: tuple[MovePlan, tuple[str, ...]] | None = None
-        for name, dtype, shape in zip(batch.names, batch.dtypes, batch.shapes(), strict=True):
+        plan: MovePlan | None = None
+        for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes(), strict=True):
             known = meta.get(name)
             if known is None or known[0] != shape or known[1] != dtype or known[2] is None:
                 break
             dst.append(known[2])
         else:
-            plan = MovePlan(dst, batch.offsets, batch.sizes, spread_small=False), batch.names
+            plan = MovePlan(dst, layout.offsets, layout.sizes, spread_small=False)
         if len(self._plans) >= _LAYOUTS_KEPT:
             self._plans.clear()
         self._plans[layout] = plan
         return plan
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
-        if isinstance(tensors, LaidOut) and tensors.data.is_cpu:  # memmoves: host memory only
-            planned = self._moves(tensors)
-            if planned is not None:
-                moves, names = planned
-                moves.run(0, tensors.data.data_ptr())
-                self._laid.append(names)
+        if isinstance(tensors, BucketTensors) and tensors.layout is not None:
+            layout, data = tensors.layout, tensors.data
+            moves = self._moves(layout) if data is not None and data.is_cpu else None
+            if moves is not None and data is not None:  # memmoves: host memory only
+                moves.run(0, data.data_ptr())
+                self._laid.append(layout.names)
                 return
         batch = CopyBatch()
         meta = self._meta

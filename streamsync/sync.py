@@ -26,7 +26,7 @@ from streamsync.errors import (
     SyncInProgressError,
     WireFormatError,
 )
-from streamsync.pipeline import AdapterLike, Chain, NamedTensor, reading
+from streamsync.pipeline import AdapterLike, Chain, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
 from streamsync.sink import (
     BUFFER_MANIFEST,
@@ -43,7 +43,7 @@ from streamsync.wire.bucket import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MAX_TENSOR_BYTES,
     Bucket,
-    names_of,
+    BucketTensors,
 )
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
 
@@ -688,7 +688,7 @@ async def _load_all(
         assert incoming.data is not None
         t0 = time.perf_counter()
         batch = unpacker.feed(msg, incoming.data, target=target)
-        names = names_of(batch)
+        names = batch.names
         if BUFFER_MANIFEST in names:
             batch = _declare_buffers(sink, batch)
         await call_phase(sink.load, batch)
@@ -716,7 +716,7 @@ async def _load_all(
     )
 
 
-def _declare_buffers(sink: Sink, batch: Sequence[NamedTensor]) -> list[NamedTensor]:
+def _declare_buffers(sink: Sink, batch: BucketTensors) -> BucketTensors:
     """``batch`` less the trainer's buffer manifest (see
     :func:`~streamsync.adapters.split_buffers`), whose names go to the sink's
     ``declare_buffers`` where it has one: a fact of the stream, not a tensor to load."""
@@ -725,7 +725,7 @@ def _declare_buffers(sink: Sink, batch: Sequence[NamedTensor]) -> list[NamedTens
     declare = getattr(sink, "declare_buffers", None)
     if declare is not None:
         declare(manifest_names(dict(batch)[BUFFER_MANIFEST]))
-    return [(name, tensor) for name, tensor in batch if name != BUFFER_MANIFEST]
+    return BucketTensors([(name, tensor) for name, tensor in batch if name != BUFFER_MANIFEST])
 
 
 async def _fail(receiver: Receiver, sync: _Progress, exc: BaseException, timeout: float) -> None:

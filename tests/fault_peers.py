@@ -24,10 +24,10 @@ import anyio
 import torch
 
 import streamsync as ss
-import streamsync.wire.bucket
 import streamsync.wire.frames
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink
 from streamsync.transports import Receiver, Sender, open_receiver, open_sender
+from streamsync.wire.bucket import Unpacker, allocate_slot
 from streamsync.wire.frames import BucketHeader, Entry, Layout
 
 #: Every wait of a sync, in seconds: the faults must surface within twice this.
@@ -36,8 +36,14 @@ CONNECT_S = 60.0
 BUCKET_BYTES = 1024
 SLOT_BYTES = 4096
 NAMES = [f"w{i}" for i in range(8)]
-# The largest buffer the unpacker allocated in this process (``peer_main`` records it).
+# The largest buffer the receiver's unpacker allocated in this process.
 _LARGEST = [0]
+
+
+def _recording(nbytes: int) -> torch.Tensor:
+    """The unpacker's allocator, recording the largest buffer asked for."""
+    _LARGEST[0] = max(_LARGEST[0], nbytes)
+    return allocate_slot(nbytes)
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -232,6 +238,7 @@ async def _receiver(tag: str, args: dict[str, Any], results: Any, control: Any) 
         try:
             rx = open_receiver(session["url"], connect_timeout=CONNECT_S, **args["options"])
             await rx.__aenter__()
+            rx.state.unpacker = Unpacker(allocate=_recording)
         except ss.StreamsyncError as exc:
             results.put({**_failure(_outcome(tag, s, 0, start), exc), "stage": "open"})
             continue
@@ -382,13 +389,6 @@ def peer_main(tag: str, role: str, args: dict[str, Any], conn: Any, control: Any
     if args.get("version") is not None:
         # This process speaks another version of the wire protocol.
         streamsync.wire.frames.PROTOCOL_VERSION = args["version"]  # type: ignore[misc]
-    allocate = streamsync.wire.bucket.allocate_slot
-
-    def recording(nbytes: int) -> torch.Tensor:
-        _LARGEST[0] = max(_LARGEST[0], nbytes)
-        return allocate(nbytes)
-
-    streamsync.wire.bucket.allocate_slot = recording
     run = _receiver if role == "receiver" else _sender
     try:
         asyncio.run(run(tag, args, results, control))

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from streamsync import ConfigError, adapter, named_tensors
-from streamsync.adapters import bucket, cast, rename, select, unbucket
+from streamsync.adapters import bucket, cast, rename, select
 from streamsync.adapters.bucket import Bucketer
 from streamsync.pipeline import Adapter, Chain, Stage
+from streamsync.testing.buckets import pack_bucket, unbucket
 from streamsync.wire.bucket import BucketBuilder
 
 
@@ -89,7 +90,7 @@ async def test_fused_and_unfused_cast_give_identical_bytes() -> None:
     src = {"w": torch.randn(300), "i": torch.arange(5)}
     fused = cast(torch.bfloat16) | bucket(1024)
     plain = cast(torch.bfloat16)
-    packed = [b.pack() async for b in fused(named_tensors(src))]
+    packed = [pack_bucket(b) async for b in fused(named_tensors(src))]
     got = dict(await collect(unbucket()(_aiter(packed))))
     want = dict(await collect(plain(named_tensors(src))))
     assert got.keys() == want.keys()
@@ -221,7 +222,7 @@ async def test_a_cast_before_a_bucket_that_casts_already_runs_on_its_own() -> No
     chain = cast(torch.bfloat16) | bucket(4096, cast=to_f32)
     assert len(chain.stages) == 2 and chain.stages[1].cast is to_f32
     src = {"w": torch.randn(300, dtype=torch.float32), "h": torch.randn(7).half()}
-    packed = [b.pack() async for b in chain(named_tensors(src))]
+    packed = [pack_bucket(b) async for b in chain(named_tensors(src))]
     got = dict(await collect(unbucket()(_aiter(packed))))
     assert torch.equal(got["w"], src["w"].bfloat16().float())
     assert got["h"].dtype == torch.float32 and torch.equal(got["h"], src["h"].bfloat16().float())

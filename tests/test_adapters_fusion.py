@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from streamsync import named_tensors
 from streamsync.adapters import bucket, cast, rename, select
 from streamsync.pipeline import Chain
+from streamsync.testing.buckets import pack_bucket
 
 CASTS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -75,7 +76,7 @@ def build(
 async def packed(chain: Chain, items: list[tuple[str, torch.Tensor]]) -> list[Any]:
     out = []
     async for plan in chain(named_tensors(items)):
-        done = plan.pack(checksum=True)
+        done = pack_bucket(plan, checksum=True)
         regions = [bytes(done.data[e.offset : e.offset + e.nbytes].numpy()) for e in done.entries]
         out.append((done.entries, regions, done.tensors))
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 
@@ -19,7 +20,8 @@ from streamsync.errors import (
     DuplicateTensorError,
     WireFormatError,
 )
-from streamsync.wire.bucket import ALIGN, BucketBuilder, Unpacker
+from streamsync.testing.buckets import pack_bucket
+from streamsync.wire.bucket import ALIGN, BucketBuilder, BucketTensors, Unpacker
 from streamsync.wire.frames import BucketHeader, End, Entry, Layout
 
 
@@ -118,7 +120,7 @@ def test_fused_cast_converts_while_packing() -> None:
     unpacker.begin(1)
     got = None
     for seq, b in enumerate(buckets):
-        packed = b.pack()
+        packed = pack_bucket(b)
         for _, t in unpacker.feed(
             BucketHeader(1, seq, 0, b.nbytes, Layout.of(packed.entries)), packed.data
         ):
@@ -187,7 +189,7 @@ def test_views_of_mixed_dtypes_in_one_bucket_are_where_their_entries_say() -> No
         assert not list(builder.add(name, tensor))
     bucket = builder.flush()
     assert bucket is not None
-    packed = bucket.pack()
+    packed = pack_bucket(bucket)
     unpacker = Unpacker()
     unpacker.begin(1)
     got = dict(unpacker.feed(_header(packed.entries, bucket.nbytes), packed.data))
@@ -454,19 +456,16 @@ def test_a_target_that_fits_receives_the_chunks() -> None:
 
 def test_staging_never_grows_past_the_tensor() -> None:
     # 1000 bytes of chunks after a 1 KiB first chunk: doubling would allocate 2 KiB.
-    unpacker = Unpacker()
     sizes = []
-    real = bucket_module.allocate_slot
 
     def recording(nbytes: int) -> torch.Tensor:
         sizes.append(nbytes)
-        return real(nbytes)
+        return bucket_module.allocate_slot(nbytes)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bucket_module, "allocate_slot", recording)
-        unpacker.begin(1)
-        for header, slot in _chunked("t", torch.arange(506.0)):  # 2024 bytes
-            unpacker.feed(header, slot)
+    unpacker = Unpacker(allocate=recording)
+    unpacker.begin(1)
+    for header, slot in _chunked("t", torch.arange(506.0)):  # 2024 bytes
+        unpacker.feed(header, slot)
     assert max(sizes) == 2024, sizes
 
 
@@ -475,25 +474,22 @@ def test_the_old_staging_buffer_is_freed_before_a_larger_one_is_allocated() -> N
     # the old buffer (whose bytes nobody needs any more) while the new one is allocated.
     buffers: list[weakref.ref[torch.Tensor]] = []  # every buffer the unpacker allocated
     alive: list[int] = []  # how many of them were alive at each allocation
-    real = bucket_module.allocate_slot
 
     def recording(nbytes: int) -> torch.Tensor:
         alive.append(sum(ref() is not None for ref in buffers))
-        buf = real(nbytes)
+        buf = bucket_module.allocate_slot(nbytes)
         buffers.append(weakref.ref(buf))
         return buf
 
-    unpacker = Unpacker()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bucket_module, "allocate_slot", recording)
-        unpacker.begin(1)
-        for header, slot in _chunked("small", torch.arange(300.0)):  # staging: 1200 bytes
-            unpacker.feed(header, slot)
-        first_sync = len(alive)
-        unpacker.begin(2)
-        got = []
-        for header, slot in _chunked("big", torch.arange(3000.0), 4096, sync_id=2):
-            got += unpacker.feed(header, slot)
+    unpacker = Unpacker(allocate=recording)
+    unpacker.begin(1)
+    for header, slot in _chunked("small", torch.arange(300.0)):  # staging: 1200 bytes
+        unpacker.feed(header, slot)
+    first_sync = len(alive)
+    unpacker.begin(2)
+    got = []
+    for header, slot in _chunked("big", torch.arange(3000.0), 4096, sync_id=2):
+        got += unpacker.feed(header, slot)
     assert torch.equal(got[0][1], torch.arange(3000.0))
     # Sync 2's first allocation (its first chunk, 4 KiB) found no buffer alive.
     assert len(alive) > first_sync and alive[first_sync] == 0, (first_sync, alive)
@@ -521,8 +517,9 @@ def test_a_repeated_layout_is_recognised_and_gives_the_same_tensors() -> None:
         header = BucketHeader(sync, 0, 0, 4096, Layout(*msgspec.structs.astuple(layout)))
         batches.append(unpacker.feed(header, slot))
     first, second = batches
-    assert isinstance(second, bucket_module.LaidOut) and second.plan is first.plan  # type: ignore[attr-defined]
-    assert list(bucket_module.names_of(second)) == ["a", "b", "c"]
+    assert isinstance(first, BucketTensors) and isinstance(second, BucketTensors)
+    assert second.layout is not None and second.layout is first.layout
+    assert list(second.names) == ["a", "b", "c"]
     for (name, got), (want_name, want) in zip(second, tensors.items(), strict=True):
         assert name == want_name and got.shape == want.shape and same_bits(got, want)
 
@@ -585,10 +582,9 @@ def test_module_sink_copies_a_recognised_layout_in_one_plan() -> None:
         sink.load(unpacker.feed(BucketHeader(3, 0, 0, 4096, bad), slot))
 
 
-def test_remembered_layouts_are_bounded_by_their_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_remembered_layouts_are_bounded_by_their_entries() -> None:
     # A sender sending ever new layouts cannot make a receiver keep them all.
-    monkeypatch.setattr(bucket_module, "_CHECKED_MAX", 10)
-    unpacker = Unpacker()
+    unpacker = Unpacker(remember=10)
     for sync in range(1, 6):
         layout, slot = _packed({f"s{sync}t{i}": torch.ones(4) for i in range(4)})
         unpacker.begin(sync)
@@ -675,33 +671,39 @@ def test_module_sink_reports_each_name_once_when_a_bucket_comes_twice() -> None:
     assert sink.finalize() == ss.LoadResult(loaded=("a",), missing=("b",))
 
 
+_DEVICE_SLOT = """
+import sys, torch
+from streamsync.wire.bucket import BucketBuilder
+
+def build():
+    cast = sys.argv[1] == "cast"
+    rule = (lambda _n, dtype: torch.bfloat16 if dtype == torch.float32 else None) if cast else None
+    builder = BucketBuilder(4096, cast=rule)
+    for name, t in [("a", torch.randn(5)), ("b", torch.arange(7)), ("c", torch.ones(3, 2))]:
+        assert list(builder.add(name, t)) == []
+    return builder.flush()
+
+expected = build().pack_into(torch.empty(4096, dtype=torch.uint8))
+assert build().pack_into(torch.empty(4096, dtype=torch.uint8, device="meta")) == expected
+print("packed")
+"""
+
+
 @pytest.mark.parametrize("cast", [False, True], ids=["all-moves", "moves-and-a-cast"])
-def test_a_device_slot_gets_torch_copies_never_a_host_memmove(
-    monkeypatch: pytest.MonkeyPatch, cast: bool
-) -> None:
+def test_a_device_slot_gets_torch_copies_never_a_host_memmove(cast: bool) -> None:
     # cuda-ipc:// packs into a GPU slot: a memmove there writes to a device address from the
-    # host (a segfault on the first GPU run). The meta device stands in for the GPU here.
-    def build() -> bucket_module.Bucket:
-        rule = (
-            (lambda _name, dtype: torch.bfloat16 if dtype == torch.float32 else None)
-            if cast
-            else None
-        )
-        builder = BucketBuilder(4096, cast=rule)
-        for name, t in [("a", torch.randn(5)), ("b", torch.arange(7)), ("c", torch.ones(3, 2))]:
-            assert list(builder.add(name, t)) == []
-        done = builder.flush()
-        assert done is not None
-        return done
+    # host (a segfault on the first GPU run). The meta device stands in for the GPU: its
+    # address is 0, so a memmove crashes the process that packs.
+    import subprocess
+    import sys
 
-    expected = build().pack_into(torch.empty(4096, dtype=torch.uint8))
-
-    def refuse(*args: object) -> None:
-        raise AssertionError("a host memmove into a device's slot")
-
-    monkeypatch.setattr(bucket_module, "MovePlan", refuse)
-    monkeypatch.setattr(bucket_module.CopyBatch, "move", refuse)
-    assert build().pack_into(torch.empty(4096, dtype=torch.uint8, device="meta")) == expected
+    out = subprocess.run(
+        [sys.executable, "-c", _DEVICE_SLOT, "cast" if cast else "moves"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "packed", (out.returncode, out.stderr)
 
 
 def test_a_refilled_bucket_reuses_its_copy_plan_only_while_its_sources_stay_put() -> None:
@@ -746,3 +748,44 @@ def test_a_bucket_of_many_entries_keeps_no_copy_plan() -> None:
     assert bucket.moves_plan == []
     out, _ = roundtrip(tensors, 1 << 20)
     assert all(same_bits(a, b) for (_, a), (_, b) in zip(out, tensors, strict=True))
+
+
+@pytest.mark.parametrize(
+    "change", [{"shape": (1000,)}, {"dtype": "float32"}], ids=["shape", "dtype"]
+)
+def test_a_later_patch_piece_cannot_change_its_tensors_shape_or_dtype(
+    change: dict[str, object],
+) -> None:
+    # A piece that claimed more elements (or wider ones) than the tensor the first piece
+    # patched would write past that tensor's bytes.
+    import numpy as np
+
+    from streamsync.wire import patch as patches
+
+    numel = 300
+    pieces = []
+    for positions in ([1, 2], [5, 290]):
+        pos = np.array(positions, dtype=np.int32)
+        vals = np.arange(len(positions), dtype=np.uint16) + 7
+        buf = torch.empty(patches.patch_nbytes(len(positions), numel, 2), dtype=torch.uint8)
+        patches.encode((pos, vals), numel, 2, buf)
+        pieces.append((len(positions), buf))
+    builder = BucketBuilder(1 << 20)
+    assert not list(builder.add_patch("t", torch.bfloat16, (numel,), pieces))
+    bucket = builder.flush()
+    assert bucket is not None
+    data = torch.zeros(1 << 20, dtype=torch.uint8)
+    first, second = bucket.pack_into(data).entries()
+    second = msgspec.structs.replace(second, **change)
+    itemsize = 4 if second.dtype == "float32" else 2
+    # As many bytes as the claimed shape and dtype take.
+    second = msgspec.structs.replace(
+        second, nbytes=patches.patch_nbytes(2, math.prod(second.shape), itemsize)
+    )
+    guard = torch.zeros(numel + 1000, dtype=torch.bfloat16)  # the tensor, then a fence
+    header = BucketHeader(1, 0, 0, data.numel(), Layout.of([first, second]), base=5)
+    unpacker = Unpacker()
+    unpacker.begin(1)
+    with pytest.raises(WireFormatError, match="piece 1 of the patch of tensor 't'"):
+        unpacker.feed(header, data, target=lambda n, d, s: guard[:numel])
+    assert not guard.view(torch.int16).any()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import streamsync as ss
 from streamsync import _copies as copies
 from streamsync._dtypes import CASTABLE
+from streamsync.testing.buckets import pack_bucket
 from streamsync.wire.bucket import BucketBuilder, Unpacker
 from streamsync.wire.frames import BucketHeader, Layout
 
@@ -158,7 +159,7 @@ _NO_OPENMP_WORKERS = textwrap.dedent(
         sink = ss.ModuleSink(module)
         sink.prepare()
         for seq, bucket in enumerate(buckets):
-            packed = bucket.pack()
+            packed = pack_bucket(bucket)
             header = BucketHeader(0, seq, 0, bucket.nbytes, Layout.of(packed.entries))
             sink.load(unpacker.feed(header, packed.data, target=sink.target))
     after = threads()
@@ -264,7 +265,7 @@ def test_pack_and_unpack_across_pieces_chunks_and_tiny_tensors(
     unpacker.begin(0)
     got: dict[str, torch.Tensor] = {}
     for seq, bucket in enumerate(buckets):
-        packed = bucket.pack()
+        packed = pack_bucket(bucket)
         header = BucketHeader(0, seq, 0, bucket.nbytes, Layout.of(packed.entries))
         got.update((n, t.clone()) for n, t in unpacker.feed(header, packed.data))
     for name, tensor in weights.items():

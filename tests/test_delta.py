@@ -29,6 +29,7 @@ from hypothesis import given, settings
 
 import streamsync as ss
 from streamsync.adapters import cast
+from streamsync.testing.buckets import pack_bucket
 from streamsync.wire import patch as patches
 from streamsync.wire.bucket import BucketBuilder, Unpacker
 from streamsync.wire.frames import BucketHeader, Layout
@@ -297,7 +298,7 @@ def _patch_bucket(name: str, numel: int, positions: list[int]) -> tuple[BucketHe
     assert not list(builder.add_patch(name, torch.bfloat16, (numel,), [(len(positions), buf)]))
     bucket = builder.flush()
     assert bucket is not None
-    packed = bucket.pack()
+    packed = pack_bucket(bucket)
     return BucketHeader(
         1, 0, 0, packed.data.numel(), Layout.of(packed.entries), base=5
     ), packed.data

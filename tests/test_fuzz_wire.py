@@ -8,6 +8,9 @@ What may escape, and nothing else:
 - :meth:`Unpacker.feed` / :meth:`Unpacker.finish`: :class:`~streamsync.WireFormatError` (its
   subclass :class:`~streamsync.ChecksumError` included) and
   :class:`~streamsync.DuplicateTensorError`.
+- The pure checks the unpacker is made of (``check_bucket``, ``check_entry``,
+  ``check_layout``, ``check_fits``): :class:`~streamsync.WireFormatError`, and what they
+  pass is what the bucket format allows.
 
 And the unpacker never allocates from a size it was told rather than given: one bucket never
 makes it allocate more than the slot holds, and a run of buckets never more than twice the
@@ -17,8 +20,7 @@ bytes they delivered.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import math
 from typing import Any
 
 import msgspec
@@ -27,7 +29,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import streamsync.wire.bucket as bucket_module
 from streamsync._dtypes import DTYPES
 from streamsync.errors import (
     AuthenticationError,
@@ -35,7 +36,16 @@ from streamsync.errors import (
     StreamsyncError,
     WireFormatError,
 )
-from streamsync.wire.bucket import ALIGN, BucketBuilder, Unpacker
+from streamsync.wire.bucket import (
+    ALIGN,
+    BucketBuilder,
+    Unpacker,
+    allocate_slot,
+    check_bucket,
+    check_entry,
+    check_fits,
+    check_layout,
+)
 from streamsync.wire.frames import (
     PROTOCOL_VERSION,
     Abort,
@@ -218,46 +228,43 @@ def test_a_frame_without_the_mac_is_not_authenticated() -> None:
 
 
 # -- the unpacker ------------------------------------------------------------------------
-@contextmanager
-def _allocations() -> Iterator[list[int]]:
-    """Record the size of every buffer the unpacker allocates (delegating to the real
-    allocator), so a test can bound them."""
-    sizes: list[int] = []
-    real: Callable[[int], torch.Tensor] = bucket_module.allocate_slot
+class _Allocations:
+    """An unpacker's allocator that records the size of every buffer it makes, so a test
+    can bound them."""
 
-    def recording(nbytes: int) -> torch.Tensor:
-        sizes.append(nbytes)
-        return real(nbytes)
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bucket_module, "allocate_slot", recording)
-        yield sizes
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        self.sizes.append(nbytes)
+        return allocate_slot(nbytes)
 
 
 def _feed_all(seq_headers: list[BucketHeader], slot: torch.Tensor) -> list[int]:
     """Feed ``seq_headers`` into a fresh unpacker until one is refused; checks what escapes
     and what was allocated."""
-    unpacker = Unpacker(max_tensor_bytes=1 << 30)
+    allocations = _Allocations()
+    sizes = allocations.sizes
+    unpacker = Unpacker(max_tensor_bytes=1 << 30, allocate=allocations)
     unpacker.begin(1)
     delivered = 0
-    with _allocations() as sizes:
-        for header in seq_headers:
-            before = len(sizes)
-            try:
-                out = unpacker.feed(header, slot)
-            except UNPACK_ERRORS:
-                break
-            except StreamsyncError as exc:  # pragma: no cover - the failure message
-                raise AssertionError(f"undocumented {type(exc).__name__}: {exc}") from exc
-            delivered += header.nbytes
-            for size in sizes[before:]:
-                assert size <= 2 * delivered, f"allocated {size} after {delivered} bytes arrived"
-            for name, tensor in out:
-                assert isinstance(name, str) and tensor.numel() * tensor.element_size() <= (
-                    max(delivered, 1) * 2
-                )
-        if sizes:
-            assert sizes[0] <= SLOT_BYTES, f"one bucket allocated {sizes[0]} bytes"
+    for header in seq_headers:
+        before = len(sizes)
+        try:
+            out = unpacker.feed(header, slot)
+        except UNPACK_ERRORS:
+            break
+        except StreamsyncError as exc:  # pragma: no cover - the failure message
+            raise AssertionError(f"undocumented {type(exc).__name__}: {exc}") from exc
+        delivered += header.nbytes
+        for size in sizes[before:]:
+            assert size <= 2 * delivered, f"allocated {size} after {delivered} bytes arrived"
+        for name, tensor in out:
+            assert isinstance(name, str) and tensor.numel() * tensor.element_size() <= (
+                max(delivered, 1) * 2
+            )
+    if sizes:
+        assert sizes[0] <= SLOT_BYTES, f"one bucket allocated {sizes[0]} bytes"
     return sizes
 
 
@@ -334,18 +341,19 @@ def test_unpacking_mutated_real_buckets_raises_only_wire_errors(
         seq_headers[which % len(seq_headers)] = BucketHeader(
             1, header.seq, header.slot, header.nbytes, Layout.of(items)
         )
-    unpacker = Unpacker(max_tensor_bytes=1 << 30)
+    allocations = _Allocations()
+    allocated = allocations.sizes
+    unpacker = Unpacker(max_tensor_bytes=1 << 30, allocate=allocations)
     unpacker.begin(1)
     delivered = 0
-    with _allocations() as allocated:
-        try:
-            for header in seq_headers:
-                unpacker.feed(header, slots[header.seq])
-                delivered += header.nbytes
-                assert all(size <= 2 * delivered for size in allocated), (allocated, delivered)
-            unpacker.finish(End(1, len(valid), len(sizes), sum(h.nbytes for h in valid)))
-        except UNPACK_ERRORS:
-            return
+    try:
+        for header in seq_headers:
+            unpacker.feed(header, slots[header.seq])
+            delivered += header.nbytes
+            assert all(size <= 2 * delivered for size in allocated), (allocated, delivered)
+        unpacker.finish(End(1, len(valid), len(sizes), sum(h.nbytes for h in valid)))
+    except UNPACK_ERRORS:
+        return
 
 
 @settings(max_examples=50, deadline=None)
@@ -378,9 +386,11 @@ def test_real_buckets_through_the_codec_unpack_intact(sizes: list[int]) -> None:
 )
 def test_absurd_claims_allocate_at_most_what_arrived(entry: Entry) -> None:
     slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
-    unpacker = Unpacker(max_tensor_bytes=1 << 30)
+    allocations = _Allocations()
+    unpacker = Unpacker(max_tensor_bytes=1 << 30, allocate=allocations)
     unpacker.begin(1)
-    with _allocations() as sizes, contextlib.suppress(*UNPACK_ERRORS):
+    sizes = allocations.sizes
+    with contextlib.suppress(*UNPACK_ERRORS):
         unpacker.feed(BucketHeader(1, 0, 0, SLOT_BYTES, Layout.of([entry])), slot)
     assert all(size <= entry.nbytes for size in sizes), sizes
 
@@ -391,18 +401,77 @@ def test_staging_grows_with_the_chunks_and_is_kept_across_syncs() -> None:
     planned = list(builder.add("big", big))
     last = builder.flush()
     planned += [last] if last is not None else []
-    unpacker = Unpacker()
+    allocations = _Allocations()
+    unpacker = Unpacker(allocate=allocations)
     for sync_id in (1, 2):
         unpacker.begin(sync_id)
         slot = torch.zeros(1024, dtype=torch.uint8)
-        with _allocations() as sizes:
-            delivered, got = 0, []
-            for seq, bucket in enumerate(planned):
-                layout = bucket.pack_into(slot)
-                header = BucketHeader(sync_id, seq, 0, bucket.nbytes, layout)
-                got += unpacker.feed(header, slot)
-                delivered += bucket.nbytes
-                assert sum(sizes) <= 4 * delivered
+        sizes = allocations.sizes = []
+        delivered, got = 0, []
+        for seq, bucket in enumerate(planned):
+            layout = bucket.pack_into(slot)
+            header = BucketHeader(sync_id, seq, 0, bucket.nbytes, layout)
+            got += unpacker.feed(header, slot)
+            delivered += bucket.nbytes
+            assert sum(sizes) <= 4 * delivered
         assert torch.equal(got[0][1], big)
         if sync_id == 2:
             assert sizes == []  # the buffer from the first sync is big enough
+
+
+# -- the pure checks -------------------------------------------------------------------
+@FUZZ
+@given(entry=entries, limit=st.sampled_from([0, 64, 1 << 30, 1 << 40]))
+def test_check_entry_raises_only_wire_errors_and_passes_only_what_fits(
+    entry: Entry, limit: int
+) -> None:
+    try:
+        dtype, itemsize, strides = check_entry(entry, limit)
+    except WireFormatError:
+        return
+    total = math.prod(entry.shape) * itemsize
+    assert dtype.itemsize == itemsize and total <= limit
+    assert entry.offset >= 0 and entry.offset % ALIGN == 0
+    assert entry.nbytes >= 0 and entry.nbytes % itemsize == 0
+    assert 0 <= entry.chunk < entry.chunks
+    if entry.patch:
+        assert 0 < entry.patch <= math.prod(entry.shape) and strides == ()
+    else:
+        assert entry.tensor_offset >= 0 and entry.tensor_offset + entry.nbytes <= total
+        assert entry.chunks > 1 or entry.nbytes == total
+        assert strides == torch.empty(entry.shape, device="meta").stride()
+
+
+@FUZZ
+@given(layout=layouts, nbytes=st.one_of(st.sampled_from([0, 64, SLOT_BYTES]), edgy_ints))
+def test_check_layout_and_check_fits_raise_only_wire_errors(layout: Layout, nbytes: int) -> None:
+    if layout.extras:
+        return  # only layouts of whole, plain tensors are checked as a whole
+    try:
+        checked = check_layout(layout, 1 << 30)
+    except WireFormatError:
+        return
+    items = layout.entries()
+    assert checked == check_layout(Layout(*msgspec.structs.astuple(layout)), 1 << 30)
+    assert list(checked.names) == [e.name for e in items]
+    assert list(checked.shapes()) == [e.shape for e in items]
+    assert all(
+        check_entry(e, 1 << 30).dtype == d for e, d in zip(items, checked.dtypes, strict=True)
+    )
+    fits = all(e.offset + e.nbytes <= nbytes for e in items)
+    try:
+        assert check_fits(checked, nbytes) is checked and fits
+    except WireFormatError:
+        assert not fits
+
+
+@FUZZ
+@given(header=headers, slot=edgy_ints, sync_id=st.one_of(st.none(), edgy_ints), seq=edgy_ints)
+def test_check_bucket_passes_only_this_syncs_next_bucket_within_its_slot(
+    header: BucketHeader, slot: int, sync_id: int | None, seq: int
+) -> None:
+    try:
+        check_bucket(header, slot, sync_id, seq)
+    except WireFormatError:
+        return
+    assert header.sync_id == sync_id and header.seq == seq and 0 <= header.nbytes <= slot

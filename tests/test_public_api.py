@@ -75,7 +75,6 @@ PUBLIC: dict[str, list[str]] = {
         "rename",
         "select",
         "split_buffers",
-        "unbucket",
     ],
     # For a transport of your own (docs/transports.md, docs/ARCHITECTURE.md).
     "streamsync.transports": ["Endpoint", "Option", "Transport"],

@@ -7,8 +7,8 @@ import torch
 from conftest import run_both
 
 import streamsync as ss
-import streamsync.wire.bucket as bucket_module
 from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
+from streamsync.wire.bucket import Unpacker, allocate_slot
 
 
 class Tiny(torch.nn.Module):
@@ -150,19 +150,17 @@ async def test_chunks_go_straight_into_the_module_tensor() -> None:
     sender_side = ss.open_sender("memory://direct", slot_bytes=4096)
     receiving = ss.open_receiver("memory://direct")
     allocated: list[int] = []
-    real = bucket_module.allocate_slot
 
     def recording(nbytes: int) -> torch.Tensor:
         allocated.append(nbytes)
-        return real(nbytes)
+        return allocate_slot(nbytes)
 
     async with sender_side as tx, receiving as rx:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(bucket_module, "allocate_slot", recording)
-            out = await run_both(
-                rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
-                tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
-            )
+        rx.state.unpacker = Unpacker(allocate=recording)
+        out = await run_both(
+            rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
+            tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
+        )
         assert out["rx"].complete and out["rx"].missing == ()
         assert torch.equal(receiver.big, trainer["big"])
         assert torch.equal(receiver.small, trainer["small"])

@@ -14,11 +14,10 @@ async-generator function made pipeable by :func:`streamsync.adapter` (see
 ``quantize_fp8(block, skip)``       block-FP8 weights plus ``float32`` ``*_scale_inv``,
                                     quantized once, at the sender
 ``bucket(nbytes)``                  group into buckets (the last stage of a sending chain)
-``unbucket()``                      packed buckets back into named tensors
 ==================================  ============================================================
 """
 
-from streamsync.adapters.bucket import bucket, unbucket
+from streamsync.adapters.bucket import bucket
 from streamsync.adapters.cast import cast
 from streamsync.adapters.expand_moe import expand_moe
 from streamsync.adapters.quantize_fp8 import quantize_fp8
@@ -35,5 +34,4 @@ __all__ = [
     "rename",
     "select",
     "split_buffers",
-    "unbucket",
 ]

@@ -1,9 +1,8 @@
-"""``bucket(bucket_bytes)``: the last adapter of a sending chain; ``unbucket()`` its inverse.
+"""``bucket(bucket_bytes)``: the last adapter of a sending chain.
 
 The bucketer turns named tensors into :class:`~streamsync.wire.bucket.Bucket` plans that a
 transport packs straight into its slots; it holds at most one bucket's worth of tensors plus
-the one being split. ``unbucket()`` turns packed buckets back into named tensors, reassembling
-chunks (receivers do the same through :class:`~streamsync.wire.bucket.Unpacker`).
+the one being split.
 """
 
 from __future__ import annotations
@@ -18,17 +17,14 @@ import torch
 from streamsync._delta import DeltaRun
 from streamsync._replay import BucketPlans, PlanRun
 from streamsync.errors import ConfigError
-from streamsync.pipeline import Adapter, NamedTensor, adapter, reading
+from streamsync.pipeline import Adapter, reading
 from streamsync.sources import PlainStream
 from streamsync.wire.bucket import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
     BucketBuilder,
     CastRule,
-    PackedBucket,
-    Unpacker,
 )
-from streamsync.wire.frames import BucketHeader
 
 
 class Bucketer(Adapter):
@@ -212,17 +208,3 @@ def bucket(bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, cast: CastRule | None = 
     most ``bucket_bytes`` (≥ 1 KiB); buckets already made upstream pass through. ``cast``
     (what a preceding ``cast(...)`` fuses into) converts while packing."""
     return Bucketer(bucket_bytes, cast=cast)
-
-
-@adapter
-async def unbucket(source: AsyncIterable[PackedBucket]) -> AsyncIterator[NamedTensor]:
-    """``unbucket()``: the inverse of :func:`bucket` for packed buckets; yields copies (the
-    results outlive the buffer)."""
-    unpacker = Unpacker()
-    unpacker.begin(0)
-    seq = 0
-    async for packed in source:
-        header = BucketHeader(0, seq, 0, packed.data.numel(), packed.layout)
-        seq += 1
-        for name, view in unpacker.feed(header, packed.data):
-            yield name, view.clone()

@@ -12,7 +12,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 import numpy as np
@@ -40,12 +40,10 @@ MIN_BUCKET_BYTES: Final = 1024
 DEFAULT_BUCKET_BYTES: Final = 64 << 20
 #: Default limit on one reassembled tensor, checked before allocating its staging buffer.
 DEFAULT_MAX_TENSOR_BYTES: Final = 1 << 40
-#: Checked entries an :class:`Unpacker` remembers (then it starts over): more than a model
-#: has tensors, few enough that a sender sending ever new entries cannot exhaust memory.
-_CHECKED_MAX: Final = 1 << 18
-#: Layouts an :class:`Unpacker` remembers (then it starts over): more than a sync has
-#: buckets; and their entries, all together, at most ``_CHECKED_MAX``.
-_PLANS_MAX: Final = 1 << 12
+#: Checked entries an :class:`Unpacker` remembers by default: more than a model has tensors.
+_REMEMBER: Final = 1 << 18
+#: Checked layouts an :class:`Unpacker` remembers: more than a sync has buckets.
+_LAYOUTS_MAX: Final = 1 << 12
 
 NamedTensor = tuple[str, torch.Tensor]
 #: A fused cast: ``(name, dtype) -> dtype to send, or None to send as is``; it decides on
@@ -252,26 +250,6 @@ class Bucket:
             ]
         )
 
-    def pack(self, *, checksum: bool = False) -> PackedBucket:
-        """Pack into a fresh buffer (tests and in-process use; transports pack into slots)."""
-        buf = allocate_slot(self.nbytes)
-        layout = self.pack_into(buf, checksum=checksum)
-        return PackedBucket(layout=layout, data=buf, tensors=self.tensors)
-
-
-@dataclass(slots=True, frozen=True)
-class PackedBucket:
-    """A packed bucket: its layout plus the byte buffer it points into."""
-
-    layout: Layout
-    data: torch.Tensor
-    tensors: int = 0
-
-    @property
-    def entries(self) -> list[Entry]:
-        """The layout's entries as structs."""
-        return self.layout.entries()
-
 
 def _is_move(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether ``tensor``'s bytes are, as they are, those of an entry of ``dtype``."""
@@ -415,8 +393,251 @@ class BucketBuilder:
         return self._flush_current() if self._current.names else None
 
 
+# -- receiving: pure checks of untrusted headers ----------------------------------------------
+class CheckedEntry(NamedTuple):
+    """What :func:`check_entry` found of one entry."""
+
+    dtype: torch.dtype
+    itemsize: int
+    #: A whole tensor's contiguous strides (``()`` for a patch piece).
+    strides: tuple[int, ...]
+
+
+def _outside(name: str, offset: int, nbytes: int, bucket_nbytes: int) -> WireFormatError:
+    return WireFormatError(
+        f"tensor {name!r} claims bytes [{offset}, {offset + nbytes}) "
+        f"outside its bucket of {bucket_nbytes} bytes"
+    )
+
+
+def check_bucket(header: BucketHeader, slot_bytes: int, sync_id: int | None, seq: int) -> None:
+    """Refuse a bucket of another sync than ``sync_id``, other than bucket ``seq``, or
+    larger than its slot of ``slot_bytes``."""
+    if header.sync_id != sync_id:
+        raise WireFormatError(f"bucket of sync {header.sync_id} arrived during sync {sync_id}")
+    if header.seq != seq:
+        raise WireFormatError(
+            f"bucket {header.seq} of sync {header.sync_id} arrived; expected bucket {seq}"
+        )
+    if header.nbytes < 0 or header.nbytes > slot_bytes:
+        raise WireFormatError(
+            f"bucket {header.seq} claims {header.nbytes} bytes; the slot holds {slot_bytes}"
+        )
+
+
+def check_entry(entry: Entry, max_tensor_bytes: int) -> CheckedEntry:
+    """Check what one entry says of itself (not where it lies in its bucket, nor how it
+    follows the entries before it); raises :class:`WireFormatError` naming the tensor."""
+    dtype = dtype_from_name(entry.dtype)
+    itemsize = dtype.itemsize
+    name = entry.name
+    if any(d < 0 for d in entry.shape):
+        raise WireFormatError(f"tensor {name!r} has a negative dimension: {list(entry.shape)}")
+    if any(d > max_tensor_bytes for d in entry.shape):
+        # Even an empty tensor (a 0 elsewhere) cannot have it: torch sizes are int64.
+        raise WireFormatError(
+            f"tensor {name!r} has a dimension above the limit of {max_tensor_bytes}: "
+            f"{list(entry.shape)}"
+        )
+    total = math.prod(entry.shape) * itemsize
+    if total > max_tensor_bytes:
+        raise WireFormatError(
+            f"tensor {name!r} claims {total} bytes (shape {list(entry.shape)}, {entry.dtype}); "
+            f"the limit is {max_tensor_bytes}"
+        )
+    if entry.offset < 0 or entry.nbytes < 0:
+        raise WireFormatError(
+            f"tensor {name!r} claims bytes [{entry.offset}, {entry.offset + entry.nbytes}) "
+            "outside its bucket"
+        )
+    if entry.offset % ALIGN:
+        raise WireFormatError(f"tensor {name!r} starts at unaligned offset {entry.offset}")
+    if entry.nbytes % itemsize:
+        raise WireFormatError(
+            f"tensor {name!r}: {entry.nbytes} bytes is not a whole number of {entry.dtype}"
+        )
+    if not 0 <= entry.chunk < entry.chunks:
+        raise WireFormatError(f"tensor {name!r}: chunk {entry.chunk} of {entry.chunks}")
+    if entry.patch:
+        numel = math.prod(entry.shape)
+        if entry.patch < 0 or entry.patch > numel:
+            raise WireFormatError(
+                f"tensor {name!r}: a patch of {entry.patch} elements of a tensor of {numel}"
+            )
+        if entry.nbytes != patches.patch_nbytes(entry.patch, numel, itemsize):
+            raise WireFormatError(
+                f"the patch of tensor {name!r} has {entry.nbytes} bytes; {entry.patch} "
+                f"elements of {entry.dtype} need "
+                f"{patches.patch_nbytes(entry.patch, numel, itemsize)}"
+            )
+        if entry.tensor_offset:
+            raise WireFormatError(f"the patch of tensor {name!r} has a tensor offset")
+        return CheckedEntry(dtype, itemsize, ())
+    if entry.chunks == 1 and (entry.nbytes != total or entry.tensor_offset != 0):
+        raise WireFormatError(
+            f"tensor {name!r} has {entry.nbytes} bytes; shape {list(entry.shape)} of "
+            f"{entry.dtype} needs {total}"
+        )
+    if entry.tensor_offset < 0 or entry.tensor_offset + entry.nbytes > total:
+        raise WireFormatError(
+            f"chunk {entry.chunk} of tensor {name!r} claims bytes beyond its {total}"
+        )
+    return CheckedEntry(dtype, itemsize, _strides(entry.shape))
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides: list[int] = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+class CheckedLayout:
+    """A layout of whole, plain tensors (no chunks, patches or checksums) whose every entry
+    passed :func:`check_entry`: per entry its name, dtype, offset and size, read off the
+    layout's columns. Equal to, and hashed as, the layout it was checked from, so a cache
+    keyed on it (the unpacker's, a sink's copy plans) finds it by value."""
+
+    __slots__ = (
+        "_hash",
+        "_views",
+        "dtypes",
+        "end",
+        "layout",
+        "names",
+        "offsets",
+        "sizes",
+        "unique",
+    )
+
+    def __init__(self, layout: Layout, dtypes: Sequence[torch.dtype]) -> None:
+        self.layout = layout
+        self.names: tuple[str, ...] = layout.names
+        self.dtypes: tuple[torch.dtype, ...] = tuple(dtypes)
+        _, _, offsets, sizes = layout.columns()
+        self.offsets: np.ndarray = offsets
+        self.sizes: np.ndarray = sizes
+        #: Where the last byte of any entry lies: the bucket must hold this many. In
+        #: Python's integers: a hostile offset near 2**63 must not wrap around.
+        self.end = max(map(int.__add__, offsets.tolist(), sizes.tolist()), default=0)
+        #: No name comes twice.
+        self.unique = len(set(self.names)) == len(self.names)
+        self._hash = hash(layout)
+        self._views: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, CheckedLayout) and self.layout == other.layout)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def shapes(self) -> Iterator[tuple[int, ...]]:
+        """Each entry's shape (made from the layout's columns, not kept)."""
+        return (e.shape for e in self.layout.entries())
+
+    def views(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each entry's shape and contiguous strides, kept once asked for."""
+        if self._views is None:
+            self._views = [(shape, _strides(shape)) for shape in self.shapes()]
+        return self._views
+
+
+def check_layout(layout: Layout, max_tensor_bytes: int) -> CheckedLayout:
+    """Check a layout without extras: its columns agree, and every entry passes
+    :func:`check_entry`. Its names are interned: one string per name with the sink's
+    (``ModuleSink`` interns its own), however many layouts hold it."""
+    if layout.extras:
+        raise ValueError("check_layout takes a layout of whole tensors; check its entries")
+    layout = msgspec.structs.replace(layout, names=tuple(map(sys.intern, layout.names)))
+    return CheckedLayout(layout, [check_entry(e, max_tensor_bytes).dtype for e in layout.entries()])
+
+
+def check_fits(checked: CheckedLayout, bucket_nbytes: int) -> CheckedLayout:
+    """``checked``, if every entry lies inside a bucket of ``bucket_nbytes``."""
+    if checked.end > bucket_nbytes:
+        for name, offset, nbytes in zip(
+            checked.names, checked.offsets.tolist(), checked.sizes.tolist(), strict=True
+        ):
+            if offset + nbytes > bucket_nbytes:
+                raise _outside(name, offset, nbytes, bucket_nbytes)
+    return checked
+
+
+# -- receiving: what a sink gets ------------------------------------------------------------
+class BucketTensors(Sequence[NamedTensor]):
+    """One bucket's complete, checked tensors, as a sink's ``load`` receives them:
+    ``(name, tensor)`` pairs whose tensors may be views of the slot, valid until ``load``
+    returns.
+
+    A bucket of whole, plain tensors also has its :class:`CheckedLayout` (``layout``) and
+    its bytes (``data``, uint8): a sink may copy from ``data`` at the layout's offsets and
+    key a copy plan on ``layout``; the views are then built only if asked for."""
+
+    __slots__ = ("_nbytes", "_tensors", "data", "layout", "names")
+
+    def __init__(
+        self,
+        tensors: list[NamedTensor] | None,
+        *,
+        layout: CheckedLayout | None = None,
+        data: torch.Tensor | None = None,
+        nbytes: int = 0,
+    ) -> None:
+        self._tensors = tensors
+        self.layout = layout
+        self.data = data
+        self._nbytes = nbytes
+        self.names: Sequence[str] = (
+            layout.names if layout is not None else [name for name, _ in tensors or ()]
+        )
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def _all(self) -> list[NamedTensor]:
+        if self._tensors is None:
+            assert self.layout is not None and self.data is not None
+            self._tensors = _views(self.layout, self.data, self._nbytes)
+        return self._tensors
+
+    def __iter__(self) -> Iterator[NamedTensor]:
+        return iter(self._all())
+
+    def __getitem__(self, index: int) -> NamedTensor:  # type: ignore[override]
+        return self._all()[index]
+
+
+def _views(checked: CheckedLayout, data: torch.Tensor, nbytes: int) -> list[NamedTensor]:
+    """Each entry of a checked bucket of ``nbytes`` as a view of ``data``."""
+    # ``data`` as each dtype, made once, with its offset in its storage (in elements): an
+    # entry's view is then one ``as_strided`` of it.
+    typed: dict[torch.dtype, tuple[torch.Tensor, int, int]] = {}
+    out: list[NamedTensor] = []
+    for name, dtype, (shape, strides), offset in zip(
+        checked.names, checked.dtypes, checked.views(), checked.offsets.tolist(), strict=True
+    ):
+        typed_view = typed.get(dtype)
+        if typed_view is None:
+            itemsize = dtype.itemsize
+            view = data[: nbytes - nbytes % itemsize].view(dtype)
+            typed_view = typed[dtype] = (view, int(view.storage_offset()), itemsize)
+        view, base, itemsize = typed_view
+        # One call (a slice and a view are two): the entry lies inside the bucket.
+        out.append((name, torch.as_strided(view, shape, strides, base + offset // itemsize)))
+    return out
+
+
+# -- receiving: the unpacker ---------------------------------------------------------------
 @dataclass(slots=True)
 class _Pending:
+    """A chunked tensor whose chunks are still coming."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -442,120 +663,56 @@ class _Patching:
     owner: torch.Tensor
 
 
-class LayoutPlan:
-    """What an :class:`Unpacker` checked of one layout of whole, plain tensors (no chunks,
-    patches or checksums), kept while the sender repeats it: per entry its name, dtype and
-    place in the bucket, read off the layout's columns (shapes and strides are made only
-    for a sink that asks for views). Hashed by identity, so a sink can keep its own plan for
-    it (:class:`~streamsync.sink.ModuleSink` resolves the names once)."""
+class _Claims:
+    """The names of one sync, each claimed once. A sync that repeats, in order, the layouts
+    of the last sync whose every name came in a layout (``known``: disjoint, checked then)
+    is checked by their identity, with no set of its names (a trainer's every step)."""
 
-    __slots__ = (
-        "__weakref__",
-        "_shapes",
-        "dtypes",
-        "end",
-        "layout",
-        "names",
-        "nbytes",
-        "offsets",
-        "unique",
-    )
+    __slots__ = ("known", "layouts", "names", "sync_id")
 
-    def __init__(self, layout: Layout, dtypes: Sequence[torch.dtype]) -> None:
-        self.layout = layout
-        self.names: tuple[str, ...] = layout.names
-        self.dtypes: tuple[torch.dtype, ...] = tuple(dtypes)
-        _, _, offsets, nbytes = layout.columns()
-        self.offsets: np.ndarray = offsets
-        self.nbytes: np.ndarray = nbytes
-        #: Where the last byte of any entry lies: the bucket must hold this many.
-        # In Python's integers: a hostile offset near 2**63 must not wrap around.
-        self.end = max(map(int.__add__, offsets.tolist(), nbytes.tolist()), default=0)
-        #: No name comes twice.
-        self.unique = len(set(self.names)) == len(self.names)
-        self._shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+    def __init__(self, sync_id: int | None, known: tuple[CheckedLayout, ...]) -> None:
+        self.sync_id = sync_id
+        self.known = known
+        #: The layouts claimed, in order; ``None`` once a name was claimed alone.
+        self.layouts: list[CheckedLayout] | None = []
+        #: The names claimed; ``None`` while the layouts follow ``known``.
+        self.names: set[str] | None = None
 
-    def __len__(self) -> int:
-        return len(self.names)
+    def layout(self, checked: CheckedLayout) -> None:
+        layouts, known = self.layouts, self.known
+        if (
+            layouts is not None
+            and self.names is None
+            and len(layouts) < len(known)
+            and known[len(layouts)] is checked
+        ):
+            layouts.append(checked)
+            return
+        claimed = self._names()
+        if layouts is not None:
+            layouts.append(checked)
+        if checked.unique and claimed.isdisjoint(checked.names):
+            claimed.update(checked.names)
+            return
+        for name in checked.names:  # one came twice: raise for the first, as one by one
+            self.name(name)
 
-    def shapes(self) -> Iterator[tuple[int, ...]]:
-        """Each entry's shape (made from the layout's columns, not kept)."""
-        return (e.shape for e in self.layout.entries())
+    def _names(self) -> set[str]:
+        if self.names is None:
+            self.names = {name for checked in self.layouts or () for name in checked.names}
+        return self.names
 
-    def views(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Each entry's shape and contiguous strides, kept from the first sink that asks
-        for views of this layout on."""
-        if self._shapes is None:
-            self._shapes = [(shape, _strides(shape)) for shape in self.shapes()]
-        return self._shapes
+    def name(self, name: str) -> None:
+        claimed = self._names()
+        self.layouts = None
+        if name in claimed:
+            raise DuplicateTensorError(f"tensor {name!r} arrived twice in sync {self.sync_id}")
+        claimed.add(name)
 
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides: list[int] = []
-    step = 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
-
-
-class LaidOut(Sequence[NamedTensor]):
-    """The checked tensors of a bucket of whole, plain entries, as views into its bytes
-    built when first asked for; a sink that understands it (``ModuleSink``) copies from
-    :attr:`data` by the names, dtypes, shapes and offsets without building them."""
-
-    def __init__(self, plan: LayoutPlan, data: torch.Tensor, nbytes: int) -> None:
-        self.plan = plan
-        #: The layout as it came (checked), each tensor's name, dtype, offset and bytes.
-        self.layout, self.names, self.dtypes = plan.layout, plan.names, plan.dtypes
-        self.offsets, self.sizes = plan.offsets, plan.nbytes
-        #: The bucket's bytes (uint8), of which the first ``nbytes`` are the bucket.
-        self.data = data
-        self.nbytes = nbytes
-        self._views: list[NamedTensor] | None = None
-
-    def shapes(self) -> Iterator[tuple[int, ...]]:
-        """Each tensor's shape."""
-        return self.plan.shapes()
-
-    def __len__(self) -> int:
-        return len(self.plan.names)
-
-    def _all(self) -> list[NamedTensor]:
-        if self._views is None:
-            plan, data, nbytes = self.plan, self.data, self.nbytes
-            # ``data`` as each dtype, made once, with its offset in its storage (in
-            # elements): an entry's view is then one ``as_strided`` of it.
-            typed: dict[torch.dtype, tuple[torch.Tensor, int, int]] = {}
-            out: list[NamedTensor] = []
-            for name, dtype, (shape, strides), offset in zip(
-                plan.names, plan.dtypes, plan.views(), plan.offsets.tolist(), strict=True
-            ):
-                typed_view = typed.get(dtype)
-                if typed_view is None:
-                    itemsize = dtype.itemsize
-                    view = data[: nbytes - nbytes % itemsize].view(dtype)
-                    typed_view = typed[dtype] = (view, int(view.storage_offset()), itemsize)
-                view, base, itemsize = typed_view
-                # One call (a slice and a view are two): the entry's bytes were checked to
-                # lie inside the bucket, as a whole tensor of its shape.
-                out.append(
-                    (name, torch.as_strided(view, shape, strides, base + offset // itemsize))
-                )
-            self._views = out
-        return self._views
-
-    def __iter__(self) -> Iterator[NamedTensor]:
-        return iter(self._all())
-
-    def __getitem__(self, index: int) -> NamedTensor:  # type: ignore[override]
-        return self._all()[index]
-
-
-def names_of(batch: Sequence[NamedTensor]) -> Sequence[str]:
-    """The names of a batch :meth:`Unpacker.feed` returned, without building its views."""
-    return batch.names if isinstance(batch, LaidOut) else [name for name, _ in batch]
+    def disjoint(self) -> tuple[CheckedLayout, ...] | None:
+        """At the end of a sync whose every name came in a layout, and was checked by the
+        set: those layouts, known to be disjoint."""
+        return tuple(self.layouts) if self.layouts and self.names is not None else None
 
 
 #: A sink's ``target(name, dtype, shape)``: the tensor it will keep this tensor in, so the
@@ -564,43 +721,53 @@ TargetFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
 
 
 class Unpacker:
-    """Receiver side of the bucket format: validates untrusted headers and yields views.
+    """Receiver side of the bucket format: checks untrusted headers (the pure ``check_*``
+    functions, then the order of chunks, patch pieces and names) and returns views.
 
-    One instance serves one channel across syncs and keeps one staging buffer (grown, as
-    chunks arrive, to the largest chunked tensor seen) for reassembly, unless the sink
-    offers its own tensor (``target``): then the chunks are copied straight into it, saving
-    a copy and the staging memory. Views it returns are valid until the next call to
-    :meth:`feed` (the slot is reused once the sink returns).
+    One instance serves one channel across syncs. It keeps one staging buffer for
+    reassembly, grown as chunks arrive to the largest chunked tensor seen, unless the sink
+    offers its own tensor (``target``): the chunks are then copied straight into it. It
+    remembers up to ``remember`` checked entries (a trainer repeats them every step), few
+    enough that a sender sending ever new ones cannot exhaust memory. ``allocate(nbytes)``
+    makes a host staging buffer.
     """
 
-    def __init__(self, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+        remember: int = _REMEMBER,
+        allocate: Callable[[int], torch.Tensor] = allocate_slot,
+    ) -> None:
         self.max_tensor_bytes = max_tensor_bytes
-        #: Entries that passed :meth:`_check_entry`, under the limit ``_checked_limit``, with
-        #: their dtype, item size and (whole tensors) contiguous strides.
-        self._checked: dict[Entry, tuple[torch.dtype, int, tuple[int, ...]]] = {}
-        #: Layouts of plain entries already checked (under the same limit).
-        self._plans: dict[Layout, LayoutPlan] = {}
-        self._planned = 0  # entries in those layouts
+        self._remember = remember
+        self._allocate = allocate
+        self._checked: dict[Entry, CheckedEntry] = {}
+        #: Checked layouts, by value, and their entries all together.
+        self._plans: dict[Layout, CheckedLayout] = {}
+        self._planned = 0
         self._checked_limit = max_tensor_bytes
+        #: The layouts of the last sync whose every name came in a layout, in order.
+        self._disjoint: tuple[CheckedLayout, ...] = ()
         self._staging: torch.Tensor | None = None
-        self._completed_here = False
-        #: The plans of the last sync whose every name was claimed through a plan, in the
-        #: order they came: each has no name twice and no name of another (checked then).
-        #: A sync that repeats them, or a prefix of them, needs no set of its names.
-        self._disjoint: tuple[LayoutPlan, ...] = ()
         self.begin(None)
+
+    def _forget(self) -> None:
+        self._checked = {}
+        self._plans, self._planned = {}, 0
+        self._disjoint = ()
 
     def begin(self, sync_id: int | None) -> None:
         """Start a new sync: forget what the previous one received."""
+        if self._checked_limit != self.max_tensor_bytes:
+            self._forget()  # what was checked under another limit is checked again
+            self._checked_limit = self.max_tensor_bytes
         #: Names whose bytes went straight into a sink's tensor during this sync.
         self.touched: list[str] = []
         self._pending: _Pending | None = None
         self._patching: _Patching | None = None
-        #: The names claimed this sync; ``None`` while every claim was a plan that follows
-        #: ``_disjoint`` (the names are then those of ``_claimed``).
-        self._names: set[str] | None = None
-        #: The plans claimed this sync, in order; ``None`` once a name was claimed alone.
-        self._claimed: list[LayoutPlan] | None = []
+        self._claims = _Claims(sync_id, self._disjoint)
+        self._completed_here = False
         self._sync_id = sync_id
         self._seq = 0
         self._tensors = 0
@@ -608,106 +775,63 @@ class Unpacker:
 
     def feed(
         self, header: BucketHeader, data: torch.Tensor, *, target: TargetFn | None = None
-    ) -> Sequence[NamedTensor]:
-        """Validate ``header`` against the bucket bytes ``data`` (uint8) and return the
-        complete tensors of this bucket, as views into ``data``, into the staging buffer, or
-        (for a chunked tensor whose destination ``target`` gave) the sink's own tensor.
+    ) -> BucketTensors:
+        """Check ``header`` against the bucket bytes ``data`` (uint8) and return the
+        complete tensors of this bucket: views into ``data``, into the staging buffer, or
+        (a chunked tensor whose destination ``target`` gave) the sink's own tensor.
 
-        A bucket of whole, plain tensors whose layout was checked before (a trainer repeats
-        its layouts every step) is checked by its layout and returned as a :class:`LaidOut`,
-        whose views are built only if asked for."""
-        self._check_header(header, data)
+        Raises :class:`WireFormatError` (:class:`ChecksumError` for bytes that do not match
+        their checksum), :class:`DuplicateTensorError` or, for a patch the sink cannot
+        take, :class:`DeltaBaseError`."""
+        check_bucket(header, data.numel(), self._sync_id, self._seq)
+        if len(self._checked) > self._remember:
+            self._forget()
         self._completed_here = False
         if not header.layout.extras and self._pending is None and self._patching is None:
-            plan = self._plan(header.layout)
-            if plan.end > header.nbytes:
-                self._outside(plan, header)
-            self._claim_all(plan)
+            checked = check_fits(self._checked_layout(header.layout), header.nbytes)
+            self._claims.layout(checked)
             self._seq += 1
             self._nbytes += header.nbytes
-            self._tensors += len(plan)
-            return LaidOut(plan, data, header.nbytes)
+            self._tensors += len(checked)
+            return BucketTensors(None, layout=checked, data=data, nbytes=header.nbytes)
         self._seq += 1
         self._nbytes += header.nbytes
-        return self._feed_entries(header, data, target)
+        return BucketTensors(self._feed_entries(header, data, target))
 
-    def _check_header(self, header: BucketHeader, data: torch.Tensor) -> None:
-        """Refuse a bucket of another sync, out of order, or larger than its slot."""
-        if header.sync_id != self._sync_id:
-            raise WireFormatError(
-                f"bucket of sync {header.sync_id} arrived during sync {self._sync_id}"
-            )
-        if header.seq != self._seq:
-            raise WireFormatError(
-                f"bucket {header.seq} of sync {header.sync_id} arrived; expected bucket {self._seq}"
-            )
-        if header.nbytes < 0 or header.nbytes > data.numel():
-            raise WireFormatError(
-                f"bucket {header.seq} claims {header.nbytes} bytes; the slot holds {data.numel()}"
-            )
-        if self._checked_limit != self.max_tensor_bytes or len(self._checked) > _CHECKED_MAX:
-            # What was checked under another limit is checked again.
-            self._checked = {}
-            self._plans, self._planned = {}, 0
-            self._checked_limit = self.max_tensor_bytes
-            self._disjoint = ()
-
-    def _plan(self, layout: Layout) -> LayoutPlan:
-        """The checked plan of a layout of whole, plain tensors: checked entry by entry the
-        first time it comes, recognised by its value after that."""
-        plan = self._plans.get(layout)
-        if plan is None:
-            # The entries themselves are not kept. The names kept are interned: one string
-            # per name with the sink's (ModuleSink interns its own), not a decoded copy of
-            # each held for as long as the plan.
-            layout = msgspec.structs.replace(layout, names=tuple(map(sys.intern, layout.names)))
-            plan = LayoutPlan(layout, [self._check_entry(e)[0] for e in layout.entries()])
-            if len(self._plans) >= _PLANS_MAX or self._planned + len(plan) > _CHECKED_MAX:
+    def _checked_layout(self, layout: Layout) -> CheckedLayout:
+        """:func:`check_layout` of ``layout``, remembered by its value."""
+        checked = self._plans.get(layout)
+        if checked is None:
+            checked = check_layout(layout, self.max_tensor_bytes)
+            if len(self._plans) >= _LAYOUTS_MAX or self._planned + len(checked) > self._remember:
                 self._plans, self._planned = {}, 0
                 self._disjoint = ()
-            self._plans[layout] = plan
-            self._planned += len(plan)
-        return plan
+            self._plans[checked.layout] = checked
+            self._planned += len(checked)
+        return checked
+
+    def _check_entry(self, entry: Entry) -> CheckedEntry:
+        checked = self._checked.get(entry)
+        if checked is None:
+            checked = self._checked[entry] = check_entry(entry, self.max_tensor_bytes)
+        return checked
 
     def _feed_entries(
         self, header: BucketHeader, data: torch.Tensor, target: TargetFn | None
     ) -> list[NamedTensor]:
-        """:meth:`feed` for a bucket checked entry by entry (chunks, patches, checksums,
-        or a layout not seen before)."""
+        """:meth:`feed` for a bucket checked entry by entry (chunks, patches, checksums, or
+        after a chunked or patched tensor)."""
         out: list[NamedTensor] = []
-        checked = self._checked
-        # ``data`` as each dtype, made once per bucket, with its offset in its storage (in
-        # elements): an entry's view is then one ``as_strided`` of it.
-        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
         bucket_nbytes = header.nbytes
         # Patches are applied once the whole bucket is checked: a bad one applies nothing.
         patching: list[tuple[torch.Tensor, patches.Patch, int, str | None]] = []
         for entry in header.layout.entries():
-            kind = checked.get(entry)
-            if kind is None:
-                kind = checked[entry] = self._check_entry(entry)
-            dtype, itemsize, strides = kind
+            dtype, itemsize, _ = self._check_entry(entry)
             offset, nbytes = entry.offset, entry.nbytes
             if offset + nbytes > bucket_nbytes:
-                raise WireFormatError(
-                    f"tensor {entry.name!r} claims bytes [{offset}, {offset + nbytes}) "
-                    f"outside its bucket of {bucket_nbytes} bytes"
-                )
+                raise _outside(entry.name, offset, nbytes, bucket_nbytes)
             if entry.patch or self._patching is not None:
                 patching.append(self._check_patch(header, entry, dtype, itemsize, data, target))
-                continue
-            if entry.checksum is None and entry.chunks == 1:
-                self._whole(entry)
-                typed_view = typed.get(dtype)
-                if typed_view is None:
-                    usable = bucket_nbytes - bucket_nbytes % itemsize
-                    view = data[:usable].view(dtype)
-                    typed_view = typed[dtype] = (view, int(view.storage_offset()))
-                view, base = typed_view
-                # One call (a slice and a view are two): the entry's bytes were checked to
-                # lie inside the bucket, as a whole tensor of its shape.
-                tensor = torch.as_strided(view, entry.shape, strides, base + offset // itemsize)
-                out.append((entry.name, tensor))
                 continue
             region = data[offset : offset + nbytes]
             if entry.checksum is not None and _digest(region) != entry.checksum:
@@ -736,7 +860,7 @@ class Unpacker:
                 f"tensor {entry.name!r} arrived before chunked tensor "
                 f"{self._pending.name!r} was complete"
             )
-        self._claim(entry.name)
+        self._claims.name(entry.name)
         self._tensors += 1
 
     def _check_patch(
@@ -768,7 +892,7 @@ class Unpacker:
                 raise WireFormatError(
                     f"tensor {name!r} started before patched tensor {current.name!r} was complete"
                 )
-            self._claim(name)
+            self._claims.name(name)
             owner = target(name, dtype, entry.shape) if target is not None else None
             if owner is None or tuple(owner.shape) != entry.shape or owner.dtype != dtype:
                 raise DeltaBaseError(
@@ -784,6 +908,12 @@ class Unpacker:
             raise WireFormatError(
                 f"piece {entry.chunk} of the patch of tensor {name!r} says {entry.chunks} "
                 f"pieces, the first said {current.pieces}"
+            )
+        if entry.shape != tuple(current.owner.shape) or dtype != current.owner.dtype:
+            raise WireFormatError(
+                f"piece {entry.chunk} of the patch of tensor {name!r} says shape "
+                f"{list(entry.shape)} of {entry.dtype}; the first said "
+                f"{list(current.owner.shape)} of {dtype_name(current.owner.dtype)}"
             )
         numel = math.prod(entry.shape)
         region = data[entry.offset : entry.offset + entry.nbytes]
@@ -801,111 +931,6 @@ class Unpacker:
         self._tensors += 1
         self.touched.append(name)
         return current.owner, patch, itemsize, name
-
-    def _check_entry(self, entry: Entry) -> tuple[torch.dtype, int, tuple[int, ...]]:
-        """What can be checked of ``entry`` without its bucket (cached per entry: a model's
-        entries repeat from sync to sync); its dtype, item size and contiguous strides."""
-        dtype = dtype_from_name(entry.dtype)
-        itemsize = dtype.itemsize
-        name = entry.name
-        if any(d < 0 for d in entry.shape):
-            raise WireFormatError(f"tensor {name!r} has a negative dimension: {list(entry.shape)}")
-        if any(d > self.max_tensor_bytes for d in entry.shape):
-            # Even an empty tensor (a 0 elsewhere) cannot have it: torch sizes are int64.
-            raise WireFormatError(
-                f"tensor {name!r} has a dimension above the limit of {self.max_tensor_bytes}: "
-                f"{list(entry.shape)}"
-            )
-        total = math.prod(entry.shape) * itemsize
-        if total > self.max_tensor_bytes:
-            raise WireFormatError(
-                f"tensor {name!r} claims {total} bytes (shape {list(entry.shape)}, {entry.dtype}); "
-                f"the limit is {self.max_tensor_bytes}"
-            )
-        if entry.offset < 0 or entry.nbytes < 0:
-            raise WireFormatError(
-                f"tensor {name!r} claims bytes [{entry.offset}, {entry.offset + entry.nbytes}) "
-                "outside its bucket"
-            )
-        if entry.offset % ALIGN:
-            raise WireFormatError(f"tensor {name!r} starts at unaligned offset {entry.offset}")
-        if entry.nbytes % itemsize:
-            raise WireFormatError(
-                f"tensor {name!r}: {entry.nbytes} bytes is not a whole number of {entry.dtype}"
-            )
-        if not 0 <= entry.chunk < entry.chunks:
-            raise WireFormatError(f"tensor {name!r}: chunk {entry.chunk} of {entry.chunks}")
-        if entry.patch:
-            numel = math.prod(entry.shape)
-            if entry.patch < 0 or entry.patch > numel:
-                raise WireFormatError(
-                    f"tensor {name!r}: a patch of {entry.patch} elements of a tensor of {numel}"
-                )
-            if entry.nbytes != patches.patch_nbytes(entry.patch, numel, itemsize):
-                raise WireFormatError(
-                    f"the patch of tensor {name!r} has {entry.nbytes} bytes; {entry.patch} "
-                    f"elements of {entry.dtype} need "
-                    f"{patches.patch_nbytes(entry.patch, numel, itemsize)}"
-                )
-            if entry.tensor_offset:
-                raise WireFormatError(f"the patch of tensor {name!r} has a tensor offset")
-            return dtype, itemsize, ()
-        if entry.chunks == 1 and (entry.nbytes != total or entry.tensor_offset != 0):
-            raise WireFormatError(
-                f"tensor {name!r} has {entry.nbytes} bytes; shape {list(entry.shape)} of "
-                f"{entry.dtype} needs {total}"
-            )
-        if entry.tensor_offset < 0 or entry.tensor_offset + entry.nbytes > total:
-            raise WireFormatError(
-                f"chunk {entry.chunk} of tensor {name!r} claims bytes beyond its {total}"
-            )
-        return dtype, itemsize, _strides(entry.shape)
-
-    @staticmethod
-    def _outside(plan: LayoutPlan, header: BucketHeader) -> None:
-        for name, offset, nbytes in zip(
-            plan.names, plan.offsets.tolist(), plan.nbytes.tolist(), strict=True
-        ):
-            if offset + nbytes > header.nbytes:
-                raise WireFormatError(
-                    f"tensor {name!r} claims bytes [{offset}, {offset + nbytes}) "
-                    f"outside its bucket of {header.nbytes} bytes"
-                )
-
-    def _claim_all(self, plan: LayoutPlan) -> None:
-        """Claim every name of a bucket at once: with no work per name when this sync's
-        plans so far are the last checked sync's, in its order (a trainer's every step)."""
-        plans = self._claimed
-        known = self._disjoint
-        if (
-            plans is not None
-            and self._names is None
-            and len(plans) < len(known)
-            and known[len(plans)] is plan
-        ):
-            plans.append(plan)
-            return
-        claimed = self._claimed_names()  # off the known sequence: a set of names from here
-        if plans is not None:
-            plans.append(plan)
-        if plan.unique and claimed.isdisjoint(plan.names):
-            claimed.update(plan.names)
-            return
-        for name in plan.names:  # one came twice: raise for the first, as claims one by one
-            self._claim(name)
-
-    def _claimed_names(self) -> set[str]:
-        """The set of the names claimed this sync, made from its plans on first need."""
-        if self._names is None:
-            self._names = {name for plan in self._claimed or () for name in plan.names}
-        return self._names
-
-    def _claim(self, name: str) -> None:
-        claimed = self._claimed_names()
-        self._claimed = None  # not every name of this sync is in a plan
-        if name in claimed:
-            raise DuplicateTensorError(f"tensor {name!r} arrived twice in sync {self._sync_id}")
-        claimed.add(name)
 
     def _feed_chunk(
         self,
@@ -927,7 +952,7 @@ class Unpacker:
                 raise WireFormatError(
                     f"tensor {entry.name!r} started before tensor {pending.name!r} was complete"
                 )
-            self._claim(entry.name)
+            self._claims.name(entry.name)
             total = math.prod(entry.shape) * itemsize
             pending = self._pending = _Pending(
                 entry.name, dtype, entry.shape, total, entry.chunks, 0, 0
@@ -1001,7 +1026,7 @@ class Unpacker:
         if not kept:
             self._staging = staging = None  # free the old one before allocating the new one
         grown = (
-            allocate_slot(size)
+            self._allocate(size)
             if device.type == "cpu"
             else torch.empty(size, dtype=torch.uint8, device=device)
         )
@@ -1029,7 +1054,6 @@ class Unpacker:
                 f"sync {end.sync_id}: sender sent {end.buckets} buckets, {end.tensors} tensors, "
                 f"{end.nbytes} bytes; received {self._seq}, {self._tensors}, {self._nbytes}"
             )
-        if self._claimed and self._names is not None:
-            # Every name came in a plan, and the set found no name twice: the next sync
-            # that repeats these plans is known to be free of duplicates.
-            self._disjoint = tuple(self._claimed)
+        disjoint = self._claims.disjoint()
+        if disjoint is not None:
+            self._disjoint = disjoint
