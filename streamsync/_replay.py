@@ -80,8 +80,8 @@ class BucketPlans:
 
     def __init__(self) -> None:
         self._plans: dict[_Key, _Plan] = {}
-        #: The names the sender's last sync sent with a ``Done.carried`` answer, per bucket,
-        #: and them sorted, each once: a sync that sends the same lists again reuses them.
+        #: The names the sender's last sync sent, per bucket, and them sorted, each once: a
+        #: sync that sends the same lists again reuses them.
         self.sent: tuple[list[Sequence[str]], tuple[str, ...]] | None = None
 
     def __len__(self) -> int:

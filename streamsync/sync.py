@@ -291,7 +291,7 @@ class _Sending:
     nbytes: int = 0
     source_s: float = 0.0
     send_s: float = 0.0
-    #: Each bucket's names: what a ``Done.carried`` stands for.
+    #: Each bucket's names: what a ``Done`` is the difference from.
     sent: list[Sequence[str]] = field(default_factory=list)
 
 
@@ -330,7 +330,7 @@ async def _send(
             phases["publish"] = after.publish_seconds - before.publish_seconds
         t2 = time.perf_counter()
         end = End(sync_id, sync.buckets, sync.tensors, sync.nbytes, base, unchanged())
-        dones = _filled(await sender.end(end, timeout=timeout), sync.sent, sender.state.plans)
+        dones = await sender.end(end, timeout=timeout)
     except BaseException as exc:
         # Complete the partial report a receiver's failure carries with what this side sent.
         report = getattr(exc, "report", None)
@@ -408,6 +408,8 @@ def _send_report(
         seconds=round(phases["end"], 6),
     )
     missing = sorted(set.intersection(*(set(d.missing) for d in dones))) if dones else []
+    carried = _carried(sync.sent, sender.state.plans)
+    loaded = {d.receiver: _loaded(d, carried) for d in dones}
     return _done(
         SyncReport(
             sync_id=sync.sync_id,
@@ -418,10 +420,10 @@ def _send_report(
             buckets=sync.buckets,
             seconds=time.perf_counter() - sync.start,
             phases=phases,
-            loaded=_union(d.loaded for d in dones),
+            loaded=_union(loaded.values()),
             missing=tuple(missing),
             instances={
-                f"receiver{d.receiver}": LoadResult(loaded=d.loaded, missing=d.missing)
+                f"receiver{d.receiver}": LoadResult(loaded=loaded[d.receiver], missing=d.missing)
                 for d in dones
             },
             receivers=len(dones),
@@ -431,20 +433,23 @@ def _send_report(
     )
 
 
-def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans) -> list[Done]:
-    """``dones`` with the names of each that says it loaded what the sync carried: ``sent``
-    sorted, each once (kept with the sender's plans for the next sync that sends the same
-    lists, as a trainer's replayed plans do)."""
-    if not any(d.carried for d in dones):
-        return dones
+def _carried(sent: list[Sequence[str]], kept: BucketPlans) -> tuple[str, ...]:
+    """The names the sync carried (``sent``, per bucket), sorted, each once; kept with the
+    sender's plans for the next sync that sends the same lists, as replayed plans do."""
     if kept.sent is not None and kept.sent[0] == sent:  # a pointer per bucket, when kept
-        carried = kept.sent[1]
-    else:
-        carried = _sorted_once(itertools.chain.from_iterable(sent))
-        kept.sent = (sent, carried)
-    return [
-        msgspec.structs.replace(d, loaded=carried, carried=False) if d.carried else d for d in dones
-    ]
+        return kept.sent[1]
+    carried = _sorted_once(itertools.chain.from_iterable(sent))
+    kept.sent = (sent, carried)
+    return carried
+
+
+def _loaded(done: Done, carried: tuple[str, ...]) -> tuple[str, ...]:
+    """The names ``done``'s sink loaded, sorted: those carried less ``skipped``, plus
+    ``added``."""
+    if not done.skipped and not done.added:
+        return carried
+    skipped = set(done.skipped)
+    return tuple(sorted({n for n in carried if n not in skipped}.union(done.added)))
 
 
 def _union(names: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
@@ -615,36 +620,43 @@ async def _receive(
         raise
     loaded = result if isinstance(result, LoadResult) else LoadResult(loaded=tuple(sync.applied))
     report = _receive_report(sync, loaded, True)
-    carried = _loaded_is_carried(state, sync.applied, loaded.loaded)
+    skipped, added = _against_carried(state, sync.applied, loaded.loaded)
     await receiver.reply(
         Done(
             sync.sync_id,
             receiver.index,
             report.tensors,
             sync.nbytes,
-            () if carried else loaded.loaded,
+            skipped,
+            added,
             loaded.missing,
             versioned.version if versioned is not None else None,
-            carried=carried,
         )
     )
     state.last_sync_id = sync.sync_id
     return _done(report)
 
 
-def _loaded_is_carried(state: ReceiverState, applied: list[str], loaded: tuple[str, ...]) -> bool:
-    """Whether ``loaded`` is the names this sync carried (``applied``), sorted, each once:
-    ``Done`` then leaves them to the sender. Sorted once for a sync that carried the last
-    one's names, in its order, and got the same answer from the sink (a trainer's every
-    step): comparing the lists costs a pointer per name where they are the same strings."""
+def _against_carried(
+    state: ReceiverState, applied: list[str], loaded: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(skipped, added)``: ``loaded`` against the names this sync carried (``applied``).
+    Worked out again only when the names carried or the sink's answer changed; a trainer's
+    every step repeats both, as the same strings, which compare by pointer."""
     memo = state.carried
     if memo is not None:
-        known_applied, known_loaded, verdict = memo
+        known_applied, known_loaded, skipped, added = memo
         if (known_loaded is loaded or known_loaded == loaded) and known_applied == applied:
-            return verdict
-    verdict = _sorted_once(applied) == loaded
-    state.carried = (applied, loaded, verdict)
-    return verdict
+            return skipped, added
+    carried = _sorted_once(applied)
+    if carried == loaded:
+        skipped, added = (), ()
+    else:
+        have, sent = set(loaded), set(carried)
+        skipped = tuple(n for n in carried if n not in have)
+        added = tuple(sorted(have - sent))
+    state.carried = (applied, loaded, skipped, added)
+    return skipped, added
 
 
 def _sorted_once(names: Iterable[str]) -> tuple[str, ...]:
