@@ -33,6 +33,9 @@ _Held = bool | tuple[torch.device, bool]
 _Key = tuple[int, "CastRule | None", "str | None"]
 
 
+_Tensor: Final = torch.Tensor
+
+
 def _held(tensor: torch.Tensor) -> _Held:
     contiguous = tensor.is_contiguous()
     return True if tensor.is_cpu and contiguous else (tensor.device, contiguous)
@@ -61,10 +64,8 @@ class _Planned:
 
 @dataclass(slots=True)
 class _Plan:
-    names: list[str]
-    dtypes: list[torch.dtype]
-    shapes: list[torch.Size]
-    held: list[_Held]
+    #: Per tensor: its name, dtype, shape and how it was held.
+    tensors: list[tuple[str, torch.dtype, torch.Size, _Held]]
     buckets: list[_Planned]
 
 
@@ -116,57 +117,67 @@ class PlanRun:
         self._index = 0
         self._filled: tuple[_Planned, list[torch.Tensor]] | None = None
         self._flat: torch.Tensor | None = None
+        self._bucket = Bucket()
+        self._wanted: list[tuple[str, torch.dtype, torch.Size, _Held]] = []
         # How much of the plan this sync matched: tensors, and buckets handed on.
         self._matched = 0
         self._base_buckets = 0
         # What the builder placed past the matched part.
-        self._new = _Plan([], [], [], [], [])
+        self._new = _Plan([], [])
         self._tensors = 0  # tensors starting in the buckets recorded so far
         self._complete = False  # the whole plan was replayed, and the source ended with it
         self._first: str | None = None
         self._shapes: dict[torch.Size, torch.Size] = {}
 
-    def offer(self, name: str, tensor: torch.Tensor) -> list[Bucket] | None:
+    def offer(self, name: str, tensor: torch.Tensor) -> Sequence[Bucket] | None:
         """The buckets ``tensor`` completes (usually none) if it is the plan's next tensor;
         else ``None``: the replay ends, and the builder holds what was checked of the
         current bucket, ready to place ``tensor``."""
-        plan = self._plan
-        if plan is None:
-            self._first = name
-            plan = self._plan = self._plans._get(self._key())
-            if plan is None:
-                self.replaying = False
-                return None
         i = self._index
-        if (
-            self._k == len(plan.buckets)
-            or not isinstance(tensor, torch.Tensor)
-            or name != plan.names[i]
-            or tensor.dtype is not plan.dtypes[i]
-            or tensor.shape != plan.shapes[i]
-            or not (
-                (tensor.is_cpu and tensor.is_contiguous())
-                if plan.held[i] is True
-                else _held(tensor) == plan.held[i]
-            )
-        ):
-            self.stop()
-            return None
-        out: list[Bucket] = []
+        wanted = self._wanted
+        if i < len(wanted):
+            want, dtype, shape, held = wanted[i]
+            if (
+                name == want
+                and (type(tensor) is _Tensor or isinstance(tensor, _Tensor))
+                and tensor.dtype is dtype
+                and tensor.shape == shape
+                and (
+                    (tensor.is_cpu and tensor.is_contiguous())
+                    if held is True
+                    else _held(tensor) == held
+                )
+            ):
+                self._index = i + 1
+                return self._fill(tensor)
+        elif self._first is None:
+            self._first = name
+            plan = self._plans._get(self._key())
+            if plan is not None and plan.buckets:
+                self._plan, self._wanted = plan, plan.tensors
+                self._bucket = plan.buckets[0].bucket
+                return self.offer(name, tensor)
+        self.stop()
+        return None
+
+    def _fill(self, tensor: torch.Tensor) -> Sequence[Bucket]:
+        """Place a tensor that matched at the next entry."""
+        out: Sequence[Bucket] = ()
         if self._filled is not None:
-            out.append(self._hand_on(*self._filled))
+            out = [self._hand_on(*self._filled)]
             self._filled = None
-        self._index = i + 1
-        bucket = plan.buckets[self._k].bucket
-        extra = bucket.extras.get(self._entry) if bucket.extras else None
+        bucket, entry = self._bucket, self._entry
+        extra = bucket.extras.get(entry) if bucket.extras else None
         if extra is None:
             self._sources.append(tensor)
         else:
             self._flat = tensor.detach().reshape(-1)
-            self._chunk(bucket, self._entry, extra)
-        self._entry += 1
-        if self._entry == len(bucket.names):
-            self._advance(plan, out)
+            self._chunk(bucket, entry, extra)
+        self._entry = entry = entry + 1
+        if entry == len(bucket.names):
+            out = list(out)
+            assert self._plan is not None
+            self._advance(self._plan, out)
         return out
 
     def _chunk(self, bucket: Bucket, entry: int, extra: tuple[int, int, int, int]) -> None:
@@ -189,7 +200,7 @@ class PlanRun:
             if self._k == len(plan.buckets):
                 self._filled = done
                 return
-            bucket = plan.buckets[self._k].bucket
+            bucket = self._bucket = plan.buckets[self._k].bucket
             extra = bucket.extras.get(0) if bucket.extras else None
             if extra is None or extra[0] == 0:
                 self._filled = done
@@ -231,10 +242,10 @@ class PlanRun:
         """Note a tensor the builder is about to place."""
         new = self._new
         shape = tensor.shape
-        new.names.append(name)
-        new.dtypes.append(tensor.dtype)
-        new.shapes.append(self._shapes.setdefault(shape, shape))  # one object per shape
-        new.held.append(_held(tensor))
+        # One object per shape.
+        new.tensors.append(
+            (name, tensor.dtype, self._shapes.setdefault(shape, shape), _held(tensor))
+        )
 
     def recorded(self, bucket: Bucket) -> None:
         """Note a bucket the builder made (before it is packed)."""
@@ -250,20 +261,14 @@ class PlanRun:
     def commit(self) -> None:
         """Keep what this sync made as the plan for the next sync of this source."""
         base, new = self._plan, self._new
-        self._plans.replayed, self._plans.placed = self._matched, len(new.names)
+        self._plans.replayed, self._plans.placed = self._matched, len(new.tensors)
         if not self.keep:
             return
         if base is not None and self._complete:
             plan = base
         elif base is not None:
             hi, k = self._matched, self._base_buckets
-            plan = _Plan(
-                base.names[:hi] + new.names,
-                base.dtypes[:hi] + new.dtypes,
-                base.shapes[:hi] + new.shapes,
-                base.held[:hi] + new.held,
-                base.buckets[:k] + new.buckets,
-            )
+            plan = _Plan(base.tensors[:hi] + new.tensors, base.buckets[:k] + new.buckets)
         else:
             plan = new
         self._plans._put(self._key(), plan)
