@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import operator
 import time
-from collections.abc import AsyncIterable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -163,8 +163,7 @@ def _stream(weights: Any) -> AsyncIterable[Any]:
 def _buckets(
     weights: Any, pipeline: AdapterLike | None, bucketer: Bucketer
 ) -> AsyncIterable[Bucket]:
-    """``weights`` through ``pipeline`` and ``bucketer`` (a trailing ``cast`` fused into
-    it)."""
+    """``weights`` through ``pipeline`` and ``bucketer`` (a trailing ``cast`` fused in)."""
     chain = Chain(pipeline, bucketer) if pipeline is not None else Chain(bucketer)
     return chain(_stream(weights))
 
@@ -204,13 +203,9 @@ async def _send_delta(
     """A delta-tracked sync: diffed against the sender's baseline when every member holds
     its version, else full (and recorded as the next baseline)."""
     baseline = sender.state.baseline
-    try:
+    async with _aborting(sender, sync_id):
         await sender.wait_ready(timeout=timeout)
         held = await sender.begin(sync_id, timeout=timeout)
-    except BaseException as exc:  # cancelled too: see _send
-        with anyio.CancelScope(shield=True):
-            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
-        raise
     if full:
         baseline.declined, baseline.judged = None, False  # asked for: measure again
     if baseline.declined is not None:
@@ -280,6 +275,20 @@ def _delta_done(run: DeltaRun, report: SyncReport, why: str | None) -> SyncRepor
     )
 
 
+@contextlib.asynccontextmanager
+async def _aborting(sender: Sender, sync_id: int) -> AsyncIterator[None]:
+    """Abort the sync on its receivers if the block fails, cancelled too (an engine channel
+    cancels the send when an engine fails). Unheard, a receive still waiting for the sync
+    would take the next sync's buckets for its own; one whose receive() was cancelled with
+    ours skips the abort (``ReceiverState.abandoned``)."""
+    try:
+        yield
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
 @dataclass
 class _Sending:
     """How far one sync got on the sending side."""
@@ -307,16 +316,9 @@ async def _send(
     begun: bool = False,
 ) -> SyncReport:
     # The clock starts once every receiver is there: joining is not part of the sync.
-    try:
-        if not begun:
+    if not begun:
+        async with _aborting(sender, sync_id):
             await sender.wait_ready(timeout=timeout)
-    except BaseException as exc:
-        # The receivers that did come wait for this sync: they hear it is off, cancelled
-        # too (as below). Unheard, a receive still waiting for it would take the next
-        # sync's buckets for its own, and the next receive would find none.
-        with anyio.CancelScope(shield=True):
-            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
-        raise
     before = sender.statistics()
     sync = _Sending(sync_id)
     try:
@@ -356,33 +358,24 @@ async def _send_buckets(
     checksum: bool,
 ) -> None:
     """Send every bucket of the sync; abort it on the receivers if that fails."""
-    async with reading(buckets) as items:
-        try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    bucket = await anext(items)
-                except StopAsyncIteration:
-                    break
-                t1 = time.perf_counter()
-                await sender.send(
-                    sync.sync_id, sync.buckets, bucket, timeout=timeout, checksum=checksum
-                )
-                sync.source_s += t1 - t0
-                sync.send_s += time.perf_counter() - t1
-                sync.buckets += 1
-                sync.tensors += bucket.tensors
-                sync.nbytes += bucket.nbytes
-                sync.sent.append(bucket.names)
-                del bucket  # packed: its source tensors may go before the next one fills
-        except BaseException as exc:
-            # Cancelled too (WeightSync cancels the send when an engine fails): the
-            # receivers already waiting for this sync, in other threads and processes,
-            # hear it is off and are free for the next one. One whose receive() was
-            # cancelled with ours skips this abort at its next receive() (``abandoned``).
-            with anyio.CancelScope(shield=True):
-                await sender.abort(Abort(sync.sync_id, f"{type(exc).__name__}: {exc}"))
-            raise
+    async with reading(buckets) as items, _aborting(sender, sync.sync_id):
+        while True:
+            t0 = time.perf_counter()
+            try:
+                bucket = await anext(items)
+            except StopAsyncIteration:
+                break
+            t1 = time.perf_counter()
+            await sender.send(
+                sync.sync_id, sync.buckets, bucket, timeout=timeout, checksum=checksum
+            )
+            sync.source_s += t1 - t0
+            sync.send_s += time.perf_counter() - t1
+            sync.buckets += 1
+            sync.tensors += bucket.tensors
+            sync.nbytes += bucket.nbytes
+            sync.sent.append(bucket.names)
+            del bucket  # packed: its source tensors may go before the next one fills
     log(
         "sync.send",
         sync_id=sync.sync_id,
@@ -453,8 +446,8 @@ def _loaded(done: Done, carried: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _union(names: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
-    """The sorted union of sorted name lists (each receiver's ``Done.loaded``); usually
-    they are all the same list, which is then the answer as it is."""
+    """The sorted union of sorted name lists; usually all the same list, returned as it
+    is."""
     lists = list(names)
     if not lists:
         return ()
@@ -660,8 +653,7 @@ def _against_carried(
 
 
 def _sorted_once(names: Iterable[str]) -> tuple[str, ...]:
-    """``names`` sorted, each once (a chunked tensor's name comes with each of its chunks).
-    A sync's names come in runs already in order, which the sort merges."""
+    """``names`` sorted, each once (a chunked tensor's name comes with each chunk)."""
     ordered = sorted(names)
     if all(map(operator.ne, ordered, itertools.islice(ordered, 1, None))):
         return tuple(ordered)
