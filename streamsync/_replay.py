@@ -7,7 +7,7 @@ dtype, shape, and whether it is a contiguous host tensor) and, while all agree, 
 planned buckets: a check per tensor instead of a placement, and each bucket's layout made
 once. At the first tensor that differs, the checked part of its bucket becomes the builder's
 current bucket and the builder goes on as a fresh build would; what that sync makes is the
-plan for the next. A plan holds no tensor: about 125 bytes per tensor.
+plan for the next. A plan holds no tensor: each one's name, dtype, shape and place.
 """
 
 from __future__ import annotations

@@ -324,6 +324,35 @@ def test_plans_are_kept_per_source_and_the_oldest_goes_first() -> None:
     assert len(plans) == PLANS_PER_SENDER
 
 
+def test_buckets_made_upstream_pass_and_leave_no_plan() -> None:
+    # A plan holds the buckets its own stage makes: a stream that also carries buckets
+    # made upstream is bucketed as it comes, and the replay there stops for good.
+    plans = BucketPlans()
+    tensors = {f"w{i}": torch.randn(64) for i in range(6)}
+    _bucketed(tensors, 1024, None, plans)
+    upstream = Bucket()
+    upstream.append("up", "float32", (4,), 0, 16, torch.ones(4), True)
+    upstream.tensors = 1
+
+    async def run() -> list[Bucket]:
+        async def items() -> Any:
+            for i, pair in enumerate(tensors.items()):
+                if i == 3:
+                    yield upstream
+                yield pair
+
+        return [b async for b in Bucketer(1024, plans=plans)(items())]
+
+    buckets = anyio.run(run)
+    assert upstream in buckets
+    assert (plans.replayed, plans.placed) == (3, 3)
+    _same(
+        _unpacked(buckets, 1024),
+        {**dict(list(tensors.items())[:3]), "up": torch.ones(4), **dict(list(tensors.items())[3:])},
+    )
+    assert len(plans) == 1  # the first sync's plan, not replaced
+
+
 def test_a_plan_holds_no_tensor() -> None:
     plans = BucketPlans()
     tensors = {f"w{i}": torch.ones(100) for i in range(10)}

@@ -186,23 +186,12 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
             shape = tuple(dims[at : at + ndim])
             at += ndim
             extra = extras.get(i)
-            if extra is None:
-                out.append(Entry(name, self.dtypes[kind], shape, offset, size))
-            else:
-                out.append(
-                    Entry(
-                        name,
-                        self.dtypes[kind],
-                        shape,
-                        offset,
-                        size,
-                        extra.chunk,
-                        extra.chunks,
-                        extra.tensor_offset,
-                        extra.checksum,
-                        extra.patch,
-                    )
-                )
+            rest = (
+                ()
+                if extra is None
+                else (extra.chunk, extra.chunks, extra.tensor_offset, extra.checksum, extra.patch)
+            )
+            out.append(Entry(name, self.dtypes[kind], shape, offset, size, *rest))
         return out
 
 
