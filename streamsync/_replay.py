@@ -137,7 +137,7 @@ class PlanRun:
         wanted = self._wanted
         if i < len(wanted):
             want, dtype, shape, held = wanted[i]
-            if (
+            if not (
                 name == want
                 and (type(tensor) is _Tensor or isinstance(tensor, _Tensor))
                 and tensor.dtype is dtype
@@ -148,20 +148,21 @@ class PlanRun:
                     else _held(tensor) == held
                 )
             ):
-                self._index = i + 1
-                return self._fill(tensor)
+                self.stop()
+                return None
         elif self._first is None:
             self._first = name
             plan = self._plans._get(self._key())
-            if plan is not None and plan.buckets:
-                self._plan, self._wanted = plan, plan.tensors
-                self._bucket = plan.buckets[0].bucket
-                return self.offer(name, tensor)
-        self.stop()
-        return None
-
-    def _fill(self, tensor: torch.Tensor) -> Sequence[Bucket]:
-        """Place a tensor that matched at the next entry."""
+            if plan is None or not plan.buckets:
+                self.stop()
+                return None
+            self._plan, self._wanted = plan, plan.tensors
+            self._bucket = plan.buckets[0].bucket
+            return self.offer(name, tensor)
+        else:
+            self.stop()
+            return None
+        self._index = i + 1
         out: Sequence[Bucket] = ()
         if self._filled is not None:
             out = [self._hand_on(*self._filled)]

@@ -27,7 +27,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-def _from_module(module: torch.nn.Module) -> Iterator[NamedTensor]:
+async def _from_module(module: torch.nn.Module) -> AsyncIterator[NamedTensor]:
     # state_dict(keep_vars=True) only collects references: parameters and persistent
     # buffers by their state-dict names, nothing is copied until a tensor is consumed.
     for name, tensor in module.state_dict(keep_vars=True).items():
@@ -70,7 +70,7 @@ def _from_peft(model: Any, merged: bool) -> Iterator[NamedTensor]:
         yield name, tensor
 
 
-def _from_iterable(pairs: Iterator[Any]) -> Iterator[NamedTensor]:
+async def _from_iterable(pairs: Iterator[Any]) -> AsyncIterator[NamedTensor]:
     tensor_type = torch.Tensor
     try:
         for item in pairs:
@@ -163,14 +163,14 @@ def named_tensors(
         return _on_rank(named_tensors(obj, merged=merged), rank)
     if isinstance(obj, AsyncIterable) and not merged:
         return _from_async(obj)
-    return _stepped(_pairs(obj, merged=merged))
+    return _pairs(obj, merged=merged)
 
 
-def _pairs(obj: Any, *, merged: bool) -> Iterator[NamedTensor]:
+def _pairs(obj: Any, *, merged: bool) -> AsyncIterator[NamedTensor]:
     from streamsync.lora import is_peft_model
 
     if is_peft_model(obj):
-        return _from_peft(obj, merged)
+        return _stepped(_from_peft(obj, merged))
     if merged:
         raise ConfigError(
             f"named_tensors(merged=True) merges a peft model's adapter; "

@@ -132,10 +132,8 @@ class _Replay(_Plain):
         offer, record, add = run.offer, run.record, builder.add
 
         def place(name: str, tensor: torch.Tensor) -> Sequence[Bucket]:
-            if run.replaying:
-                done = offer(name, tensor)
-                if done is not None:
-                    return done
+            if run.replaying and (done := offer(name, tensor)) is not None:
+                return done
             record(name, tensor)
             return add(name, tensor)
 
