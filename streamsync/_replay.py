@@ -1,33 +1,26 @@
-"""Bucket plans a sender keeps between syncs, the bucket builder's replay strategy.
+"""Bucket plans a sender keeps between syncs: the bucket builder's replay strategy.
 
-A trainer sends the same tensors in the same order every step, each with the same name,
-dtype and shape, so the buckets it makes are the same every step too: which entries, at
-which offsets, in which bucket. :class:`BucketPlans` (one per open sender) keeps the buckets
-of the last sync of a source, without its tensors. The next sync of that source checks each
-tensor against what was recorded (its name, dtype, shape, and whether it is a contiguous
-host tensor) and, while all agree, fills the recorded buckets with the new tensors instead
-of building them again: a check per tensor instead of the builder's placement, and each
-bucket's layout made once.
-
-The first tensor that differs ends the replay: the part of its bucket already checked
-becomes the builder's current bucket, that tensor and the rest are placed as usual, and what
-that sync makes is recorded as the plan for the next one. A plan keeps, per tensor, its name,
-dtype and shape, and per bucket its columns and layout (about 125 bytes per tensor: 8 MiB
-for 65,536 tensors); never a tensor.
+A trainer sends the same tensors in the same order every step, so its buckets are the same
+every step too. :class:`BucketPlans` (one per open sender) keeps the buckets of the last sync
+of a source, without its tensors. The next sync checks each tensor against the plan (name,
+dtype, shape, and whether it is a contiguous host tensor) and, while all agree, refills the
+planned buckets: a check per tensor instead of a placement, and each bucket's layout made
+once. At the first tensor that differs, the checked part of its bucket becomes the builder's
+current bucket and the builder goes on as a fresh build would; what that sync makes is the
+plan for the next. A plan holds no tensor: each one's name, dtype, shape and place.
 """
 
 from __future__ import annotations
 
 import array
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import torch
 
 from streamsync._dtypes import dtype_from_name
-from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, NamedTensor
+from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule
 from streamsync.wire.frames import Layout
 
 #: Plans one sender keeps (its model, a LoRA adapter beside it, ...): the oldest goes first.
@@ -38,6 +31,9 @@ PLANS_PER_SENDER: Final = 4
 _Held = bool | tuple[torch.device, bool]
 
 _Key = tuple[int, "CastRule | None", "str | None"]
+
+
+_Tensor: Final = torch.Tensor
 
 
 def _held(tensor: torch.Tensor) -> _Held:
@@ -68,10 +64,8 @@ class _Planned:
 
 @dataclass(slots=True)
 class _Plan:
-    names: list[str]
-    dtypes: list[torch.dtype]
-    shapes: list[torch.Size]
-    held: list[_Held]
+    #: Per tensor: its name, dtype, shape and how it was held.
+    tensors: list[tuple[str, torch.dtype, torch.Size, _Held]]
     buckets: list[_Planned]
 
 
@@ -80,9 +74,13 @@ class BucketPlans:
 
     def __init__(self) -> None:
         self._plans: dict[_Key, _Plan] = {}
-        #: The names the sender's last sync sent with a ``Done.carried`` answer, per bucket,
-        #: and them sorted, each once: a sync that sends the same lists again reuses them.
+        #: The names the sender's last sync sent, per bucket, and them sorted, each once: a
+        #: sync that sends the same lists again reuses them.
         self.sent: tuple[list[Sequence[str]], tuple[str, ...]] | None = None
+        #: Of the last sync that used these plans: tensors refilled from a plan, and
+        #: tensors the builder placed anew.
+        self.replayed = 0
+        self.placed = 0
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -97,58 +95,158 @@ class BucketPlans:
             del self._plans[next(iter(self._plans))]
 
 
-def _plain(item: Any) -> bool:
-    """Whether an item not yet checked is a pair of a name and a plain tensor that needs no
-    detaching (what a checked source would pass on as it is)."""
-    return (
-        type(item) is tuple
-        and len(item) == 2
-        and type(item[0]) is str
-        and type(item[1]) is torch.Tensor
-        and not item[1].requires_grad
-    )
-
-
-class _Miss(Exception):
-    """The source no longer matches the plan (internal)."""
-
-
 class PlanRun:
-    """One sync's use of a sender's plans: :meth:`replay` yields the buckets of the plan
-    while the source matches it, then leaves the builder where a fresh build would continue;
-    :meth:`record` and :meth:`recorded` note what the builder makes after that, and
-    :meth:`commit` keeps the whole as the plan for the next sync.
-    """
+    """One sync's use of a sender's plans: :meth:`offer` refills the plan's buckets while
+    the tensors match it; :meth:`record` and :meth:`recorded` note what the builder makes
+    after that, and :meth:`commit` keeps the whole as the plan for the next sync."""
 
-    def __init__(self, plans: BucketPlans, builder: BucketBuilder, *, checked: bool = True) -> None:
+    def __init__(self, plans: BucketPlans, builder: BucketBuilder) -> None:
         self._plans = plans
         self._builder = builder
-        #: Whether the pairs given to :meth:`replay` are checked named tensors; if not, only
-        #: a tuple of a name and a plain tensor not requiring grad can match (the caller
-        #: checks the pair the replay stopped at, and the rest).
-        self._checked = checked
-        #: The plan replayed, and how many of its tensors this sync matched.
-        self._base: _Plan | None = None
+        #: Tensors go to :meth:`offer` (until one does not match the plan).
+        self.replaying = True
+        #: What this sync makes is kept as the plan (not when buckets came from upstream).
+        self.keep = True
+        self._plan: _Plan | None = None
+        # Where the replay is: the planned bucket being filled, its next entry and the
+        # sources of those before, the plan's next tensor, and a filled bucket not yet
+        # handed on (the next tensor, matching, closes it).
+        self._k = 0
+        self._entry = 0
+        self._sources: list[torch.Tensor] = []
+        self._index = 0
+        self._filled: tuple[_Planned, list[torch.Tensor]] | None = None
+        self._flat: torch.Tensor | None = None
+        self._bucket = Bucket()
+        self._wanted: list[tuple[str, torch.dtype, torch.Size, _Held]] = []
+        # How much of the plan this sync matched: tensors, and buckets handed on.
         self._matched = 0
         self._base_buckets = 0
-        # What this sync placed past the matched part.
-        self._new = _Plan([], [], [], [], [])
+        # What the builder placed past the matched part.
+        self._new = _Plan([], [])
         self._tensors = 0  # tensors starting in the buckets recorded so far
         self._complete = False  # the whole plan was replayed, and the source ended with it
         self._first: str | None = None
-        self._flat: torch.Tensor | None = None
         self._shapes: dict[torch.Size, torch.Size] = {}
-        #: The pair the replay stopped at (for the builder to place first), if any.
-        self.pending: NamedTensor | None = None
+
+    def offer(self, name: str, tensor: torch.Tensor) -> Sequence[Bucket] | None:
+        """The buckets ``tensor`` completes (usually none) if it is the plan's next tensor;
+        else ``None``: the replay ends, and the builder holds what was checked of the
+        current bucket, ready to place ``tensor``."""
+        i = self._index
+        wanted = self._wanted
+        if i < len(wanted):
+            want, dtype, shape, held = wanted[i]
+            if not (
+                name == want
+                and (type(tensor) is _Tensor or isinstance(tensor, _Tensor))
+                and tensor.dtype is dtype
+                and tensor.shape == shape
+                and (
+                    (tensor.is_cpu and tensor.is_contiguous())
+                    if held is True
+                    else _held(tensor) == held
+                )
+            ):
+                self.stop()
+                return None
+        elif self._first is None:
+            self._first = name
+            plan = self._plans._get(self._key())
+            if plan is None or not plan.buckets:
+                self.stop()
+                return None
+            self._plan, self._wanted = plan, plan.tensors
+            self._bucket = plan.buckets[0].bucket
+            return self.offer(name, tensor)
+        else:
+            self.stop()
+            return None
+        self._index = i + 1
+        out: Sequence[Bucket] = ()
+        if self._filled is not None:
+            out = [self._hand_on(*self._filled)]
+            self._filled = None
+        bucket, entry = self._bucket, self._entry
+        extra = bucket.extras.get(entry) if bucket.extras else None
+        if extra is None:
+            self._sources.append(tensor)
+        else:
+            self._flat = tensor.detach().reshape(-1)
+            self._chunk(bucket, entry, extra)
+        self._entry = entry = entry + 1
+        if entry == len(bucket.names):
+            out = list(out)
+            assert self._plan is not None
+            self._advance(self._plan, out)
+        return out
+
+    def _chunk(self, bucket: Bucket, entry: int, extra: tuple[int, int, int, int]) -> None:
+        """The entry's source: a chunk of the flattened tensor, counted in the wire dtype's
+        size."""
+        assert self._flat is not None
+        itemsize = dtype_from_name(tuple(bucket.dtypes)[bucket.kinds[entry]]).itemsize
+        lo = extra[2] // itemsize
+        self._sources.append(self._flat[lo : lo + bucket.sizes[entry] // itemsize])
+        if extra[0] == extra[1] - 1:
+            self._flat = None
+
+    def _advance(self, plan: _Plan, out: list[Bucket]) -> None:
+        """Past a bucket's last entry. It waits for the next tensor to close it, as in a
+        build, unless the next bucket goes on with a chunked tensor: that fills it now."""
+        while True:
+            done = (plan.buckets[self._k], self._sources)
+            self._k += 1
+            self._entry, self._sources = 0, []
+            if self._k == len(plan.buckets):
+                self._filled = done
+                return
+            bucket = self._bucket = plan.buckets[self._k].bucket
+            extra = bucket.extras.get(0) if bucket.extras else None
+            if extra is None or extra[0] == 0:
+                self._filled = done
+                return
+            out.append(self._hand_on(*done))
+            self._chunk(bucket, 0, extra)
+            self._entry = 1
+            if len(bucket.names) > 1:
+                return
+
+    def stop(self) -> None:
+        """End the replay: the builder goes on from where it stopped."""
+        if not self.replaying:
+            return
+        self.replaying = False
+        if self._filled is not None:
+            self._resume(*self._filled)
+            self._filled = None
+        elif self._plan is not None and self._k < len(self._plan.buckets):
+            self._resume(self._plan.buckets[self._k], self._sources)
+
+    def finish(self) -> list[Bucket]:
+        """The source ended: the plan's last bucket, if the replay reached it."""
+        plan = self._plan
+        if self.replaying and plan is not None and self._k == len(plan.buckets):
+            self.replaying = False
+            self._complete = True
+            done, self._filled = self._filled, None
+            return [] if done is None else [self._hand_on(*done)]
+        self.stop()
+        return []
+
+    def _hand_on(self, planned: _Planned, sources: list[torch.Tensor]) -> Bucket:
+        self._matched = self._tensors = planned.first + planned.count
+        self._base_buckets += 1
+        return planned.filled(sources)
 
     def record(self, name: str, tensor: torch.Tensor) -> None:
         """Note a tensor the builder is about to place."""
         new = self._new
         shape = tensor.shape
-        new.names.append(name)
-        new.dtypes.append(tensor.dtype)
-        new.shapes.append(self._shapes.setdefault(shape, shape))  # one object per shape
-        new.held.append(_held(tensor))
+        # One object per shape.
+        new.tensors.append(
+            (name, tensor.dtype, self._shapes.setdefault(shape, shape), _held(tensor))
+        )
 
     def recorded(self, bucket: Bucket) -> None:
         """Note a bucket the builder made (before it is packed)."""
@@ -163,18 +261,15 @@ class PlanRun:
 
     def commit(self) -> None:
         """Keep what this sync made as the plan for the next sync of this source."""
-        base, new = self._base, self._new
+        base, new = self._plan, self._new
+        self._plans.replayed, self._plans.placed = self._matched, len(new.tensors)
+        if not self.keep:
+            return
         if base is not None and self._complete:
             plan = base
         elif base is not None:
             hi, k = self._matched, self._base_buckets
-            plan = _Plan(
-                base.names[:hi] + new.names,
-                base.dtypes[:hi] + new.dtypes,
-                base.shapes[:hi] + new.shapes,
-                base.held[:hi] + new.held,
-                base.buckets[:k] + new.buckets,
-            )
+            plan = _Plan(base.tensors[:hi] + new.tensors, base.buckets[:k] + new.buckets)
         else:
             plan = new
         self._plans._put(self._key(), plan)
@@ -183,166 +278,7 @@ class PlanRun:
         builder = self._builder
         return (builder.bucket_bytes, builder.cast_rule, self._first)
 
-    def replay(self, pairs: Iterator[Any]) -> Iterator[Bucket]:
-        """The plan's buckets, filled from ``pairs``, while they match it. At the first
-        mismatch (or a source longer or shorter than the plan) :attr:`pending` holds the
-        pair not yet placed and the builder's current bucket what was checked of its
-        bucket; the caller goes on with the builder, which then makes what a build from
-        scratch would have made. As in a build, a bucket is handed on once the first
-        tensor of the next one is known to match (that tensor is what closed it)."""
-        head = next(pairs, None)
-        if head is None:
-            return
-        if not self._checked and not _plain(head):
-            self.pending = head  # the caller's check says what is wrong with it
-            return
-        self._first = head[0]
-        plan = self._plans._get(self._key())
-        if plan is None:
-            self.pending = head
-            return
-        self._base = plan
-        source = itertools.chain((head,), pairs)
-        held: tuple[_Planned, list[torch.Tensor]] | None = None  # checked, not handed on
-        for planned in plan.buckets:
-            sources: list[torch.Tensor] = []
-            extras = planned.bucket.extras
-            closes = not (extras and 0 in extras and extras[0][0] > 0)
-            try:
-                if closes:
-                    # Its first tensor is what closed the bucket before it.
-                    at = self._fill(plan, planned, source, sources, 0, 1, planned.first)
-                else:
-                    at = planned.first  # it goes on with a chunked tensor: nothing to check
-            except _Miss:
-                if held is not None:
-                    self._resume(plan, *held)
-                else:
-                    self._resume(plan, planned, sources)
-                return
-            if held is not None:
-                yield self._hand_on(*held)
-                held = None
-            try:
-                self._fill(plan, planned, source, sources, len(sources), None, at)
-            except _Miss:
-                self._resume(plan, planned, sources)
-                return
-            held = (planned, sources)
-            del sources
-        if held is not None:
-            extra = next(source, None)
-            if extra is not None:
-                self.pending = extra
-                self._resume(plan, *held)
-                return
-            self._complete = True
-            yield self._hand_on(*held)
-
-    def _hand_on(self, planned: _Planned, sources: list[torch.Tensor]) -> Bucket:
-        self._matched = self._tensors = planned.first + planned.count
-        self._base_buckets += 1
-        return planned.filled(sources)
-
-    def _fill(
-        self,
-        plan: _Plan,
-        planned: _Planned,
-        pairs: Iterator[NamedTensor],
-        sources: list[torch.Tensor],
-        start: int,
-        stop: int | None,
-        index: int,
-    ) -> int:
-        """Check the tensors that start in entries ``start`` to ``stop`` (the end if None)
-        of ``planned``, the first of them the plan's ``index``th, and put each entry's
-        source in ``sources``; returns the index of the next tensor. Raises :class:`_Miss`
-        at the first that does not match, with :attr:`pending` the pair that did not
-        (``None`` where the source ended)."""
-        bucket = planned.bucket
-        end = len(bucket.names) if stop is None else stop
-        if bucket.extras:
-            return self._fill_chunked(plan, bucket, pairs, sources, start, end, index)
-        hi = index + (end - start)
-        add = sources.append
-        unchecked = not self._checked
-        plain = torch.Tensor
-        # ``pairs`` last: zip stops at the plan's end without reading a pair past it.
-        for cn, dt, sh, held, pair in zip(
-            plan.names[index:hi],
-            plan.dtypes[index:hi],
-            plan.shapes[index:hi],
-            plan.held[index:hi],
-            pairs,
-            strict=False,
-        ):
-            try:
-                name, tensor = pair
-            except (TypeError, ValueError):
-                self.pending = pair
-                raise _Miss from None
-            if (
-                name != cn
-                or (unchecked and (type(tensor) is not plain or tensor.requires_grad))
-                or tensor.dtype is not dt
-                or tensor.shape != sh
-                or not (
-                    (tensor.is_cpu and tensor.is_contiguous())
-                    if held is True
-                    else _held(tensor) == held
-                )
-            ):
-                self.pending = pair
-                raise _Miss
-            add(tensor)
-        if len(sources) < end:
-            raise _Miss  # the source ended early
-        return hi
-
-    def _fill_chunked(
-        self,
-        plan: _Plan,
-        bucket: Bucket,
-        pairs: Iterator[NamedTensor],
-        sources: list[torch.Tensor],
-        start: int,
-        end: int,
-        index: int,
-    ) -> int:
-        table = tuple(bucket.dtypes)
-        for entry in range(start, end):
-            extra = bucket.extras.get(entry)
-            if extra is None or extra[0] == 0:
-                pair = next(pairs, None)
-                if pair is None:
-                    raise _Miss
-                if not (self._checked or _plain(pair)):
-                    self.pending = pair
-                    raise _Miss
-                name, tensor = pair
-                if (
-                    name != plan.names[index]
-                    or tensor.dtype is not plan.dtypes[index]
-                    or tensor.shape != plan.shapes[index]
-                    or _held(tensor) != plan.held[index]
-                ):
-                    self.pending = pair
-                    raise _Miss
-                index += 1
-                if extra is None:
-                    sources.append(tensor)
-                    continue
-                self._flat = tensor.detach().reshape(-1)
-            # A chunk: elements of the flattened tensor, counted in the wire dtype's size.
-            assert self._flat is not None
-            itemsize = dtype_from_name(table[bucket.kinds[entry]]).itemsize
-            lo = extra[2] // itemsize
-            sources.append(self._flat[lo : lo + bucket.sizes[entry] // itemsize])
-            if extra[0] == extra[1] - 1:
-                self._flat = None
-        return index
-
-    def _resume(self, plan: _Plan, planned: _Planned, sources: list[torch.Tensor]) -> None:
+    def _resume(self, planned: _Planned, sources: list[torch.Tensor]) -> None:
         """Hand the builder the checked part of ``planned`` as its current bucket (the
         replay stops only where a tensor starts, so no chunked tensor is cut in it)."""
         bucket = planned.bucket

@@ -3,17 +3,13 @@ stream type, lazily, one tensor at a time."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, reading
-
-#: Turns items of a source into named tensors, checking each.
-Checker = Callable[[Iterator[Any]], Iterator[NamedTensor]]
-
 
 #: Tensor classes that are whole as they are (asking them for ``full_tensor`` costs a
 #: failed attribute lookup per tensor).
@@ -31,7 +27,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-def _from_module(module: torch.nn.Module) -> Iterator[NamedTensor]:
+async def _from_module(module: torch.nn.Module) -> AsyncIterator[NamedTensor]:
     # state_dict(keep_vars=True) only collects references: parameters and persistent
     # buffers by their state-dict names, nothing is copied until a tensor is consumed.
     for name, tensor in module.state_dict(keep_vars=True).items():
@@ -74,16 +70,21 @@ def _from_peft(model: Any, merged: bool) -> Iterator[NamedTensor]:
         yield name, tensor
 
 
-def _from_iterable(pairs: Iterable[Any]) -> Iterator[NamedTensor]:
+async def _from_iterable(pairs: Iterator[Any]) -> AsyncIterator[NamedTensor]:
     tensor_type = torch.Tensor
-    for item in pairs:
-        # The common case checked in line: a (str, plain tensor) pair with nothing to detach.
-        if type(item) is tuple and len(item) == 2:
-            name, tensor = item
-            if type(name) is str and type(tensor) is tensor_type and not tensor.requires_grad:
-                yield item
-                continue
-        yield _check(item)
+    try:
+        for item in pairs:
+            # The common case checked in line: a (str, plain tensor) pair, nothing to detach.
+            if type(item) is tuple and len(item) == 2:
+                name, tensor = item
+                if type(name) is str and type(tensor) is tensor_type and not tensor.requires_grad:
+                    yield item
+                    continue
+            yield _check(item)
+    finally:
+        close = getattr(pairs, "close", None)  # a generator's ``finally`` runs now
+        if close is not None:
+            close()
 
 
 async def _stepped(pairs: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
@@ -96,46 +97,6 @@ async def _stepped(pairs: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
         close = getattr(pairs, "close", None)
         if close is not None:
             close()
-
-
-class PlainStream(AsyncIterator[NamedTensor]):
-    """What :func:`named_tensors` returns for a model, a mapping or an iterable of pairs: an
-    async stream of them that keeps its source's items. The bucketer, handed it unread,
-    takes the items (:meth:`take`) and loops over them plainly: one async step per bucket,
-    not per tensor, and the sender's bucket plans."""
-
-    __slots__ = ("_check", "_items", "_stream")
-
-    def __init__(self, items: Iterator[Any], check: Checker | None) -> None:
-        self._items: Iterator[Any] | None = items
-        self._check = check
-        self._stream: AsyncIterator[NamedTensor] | None = None
-
-    def take(self) -> tuple[Iterator[Any], Checker | None] | None:
-        """The source's items and their check, if nothing was read from this stream (which
-        then yields nothing); else ``None``."""
-        if self._items is None:  # read from already, or taken
-            return None
-        items, self._items = self._items, None
-        self._stream = _stepped(iter(()))
-        return items, self._check
-
-    def _started(self) -> AsyncIterator[NamedTensor]:
-        if self._stream is None:
-            items, self._items = self._items, None
-            assert items is not None
-            self._stream = _stepped(self._check(items) if self._check is not None else items)
-        return self._stream
-
-    async def __anext__(self) -> NamedTensor:
-        return await self._started().__anext__()
-
-    async def aclose(self) -> None:
-        """Close the source's iterator (a generator's ``finally`` runs)."""
-        stream = self._started()
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 async def _from_async(pairs: AsyncIterable[Any]) -> AsyncIterator[NamedTensor]:
@@ -202,29 +163,25 @@ def named_tensors(
         return _on_rank(named_tensors(obj, merged=merged), rank)
     if isinstance(obj, AsyncIterable) and not merged:
         return _from_async(obj)
-    return PlainStream(*unchecked_pairs(obj, merged=merged))
+    return _pairs(obj, merged=merged)
 
 
-def unchecked_pairs(obj: Any, *, merged: bool = False) -> tuple[Iterator[Any], Checker | None]:
-    """What :func:`named_tensors` yields from ``obj`` in two parts: its items, and the
-    function that turns them into named tensors (``None`` where the items already are). A
-    mapping's or an iterable's items are checked there; a bucket plan's replay checks a
-    plain pair itself, without a generator step per tensor."""
+def _pairs(obj: Any, *, merged: bool) -> AsyncIterator[NamedTensor]:
     from streamsync.lora import is_peft_model
 
     if is_peft_model(obj):
-        return _from_peft(obj, merged), None
+        return _stepped(_from_peft(obj, merged))
     if merged:
         raise ConfigError(
             f"named_tensors(merged=True) merges a peft model's adapter; "
             f"{type(obj).__name__} is not a peft model"
         )
     if isinstance(obj, torch.nn.Module):
-        return _from_module(obj), None
+        return _from_module(obj)
     if isinstance(obj, Mapping):
-        return iter(obj.items()), _from_iterable
+        return _from_iterable(iter(obj.items()))
     if isinstance(obj, Iterable) and not isinstance(obj, str | bytes | torch.Tensor):
-        return iter(obj), _from_iterable
+        return _from_iterable(iter(obj))
     raise TypeError(
         f"named_tensors() takes an nn.Module, a mapping of tensors or an iterable of "
         f"(name, tensor) pairs, not {type(obj).__name__}"

@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import operator
 import time
-from collections.abc import AsyncIterable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -163,8 +163,7 @@ def _stream(weights: Any) -> AsyncIterable[Any]:
 def _buckets(
     weights: Any, pipeline: AdapterLike | None, bucketer: Bucketer
 ) -> AsyncIterable[Bucket]:
-    """``weights`` through ``pipeline`` and ``bucketer`` (a trailing ``cast`` fused into
-    it)."""
+    """``weights`` through ``pipeline`` and ``bucketer`` (a trailing ``cast`` fused in)."""
     chain = Chain(pipeline, bucketer) if pipeline is not None else Chain(bucketer)
     return chain(_stream(weights))
 
@@ -204,13 +203,9 @@ async def _send_delta(
     """A delta-tracked sync: diffed against the sender's baseline when every member holds
     its version, else full (and recorded as the next baseline)."""
     baseline = sender.state.baseline
-    try:
+    async with _aborting(sender, sync_id):
         await sender.wait_ready(timeout=timeout)
         held = await sender.begin(sync_id, timeout=timeout)
-    except BaseException as exc:  # cancelled too: see _send
-        with anyio.CancelScope(shield=True):
-            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
-        raise
     if full:
         baseline.declined, baseline.judged = None, False  # asked for: measure again
     if baseline.declined is not None:
@@ -280,6 +275,20 @@ def _delta_done(run: DeltaRun, report: SyncReport, why: str | None) -> SyncRepor
     )
 
 
+@contextlib.asynccontextmanager
+async def _aborting(sender: Sender, sync_id: int) -> AsyncIterator[None]:
+    """Abort the sync on its receivers if the block fails, cancelled too (an engine channel
+    cancels the send when an engine fails). Unheard, a receive still waiting for the sync
+    would take the next sync's buckets for its own; one whose receive() was cancelled with
+    ours skips the abort (``ReceiverState.abandoned``)."""
+    try:
+        yield
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
 @dataclass
 class _Sending:
     """How far one sync got on the sending side."""
@@ -291,7 +300,7 @@ class _Sending:
     nbytes: int = 0
     source_s: float = 0.0
     send_s: float = 0.0
-    #: Each bucket's names: what a ``Done.carried`` stands for.
+    #: Each bucket's names: what a ``Done`` is the difference from.
     sent: list[Sequence[str]] = field(default_factory=list)
 
 
@@ -307,16 +316,9 @@ async def _send(
     begun: bool = False,
 ) -> SyncReport:
     # The clock starts once every receiver is there: joining is not part of the sync.
-    try:
-        if not begun:
+    if not begun:
+        async with _aborting(sender, sync_id):
             await sender.wait_ready(timeout=timeout)
-    except BaseException as exc:
-        # The receivers that did come wait for this sync: they hear it is off, cancelled
-        # too (as below). Unheard, a receive still waiting for it would take the next
-        # sync's buckets for its own, and the next receive would find none.
-        with anyio.CancelScope(shield=True):
-            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
-        raise
     before = sender.statistics()
     sync = _Sending(sync_id)
     try:
@@ -330,7 +332,7 @@ async def _send(
             phases["publish"] = after.publish_seconds - before.publish_seconds
         t2 = time.perf_counter()
         end = End(sync_id, sync.buckets, sync.tensors, sync.nbytes, base, unchanged())
-        dones = _filled(await sender.end(end, timeout=timeout), sync.sent, sender.state.plans)
+        dones = await sender.end(end, timeout=timeout)
     except BaseException as exc:
         # Complete the partial report a receiver's failure carries with what this side sent.
         report = getattr(exc, "report", None)
@@ -356,33 +358,24 @@ async def _send_buckets(
     checksum: bool,
 ) -> None:
     """Send every bucket of the sync; abort it on the receivers if that fails."""
-    async with reading(buckets) as items:
-        try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    bucket = await anext(items)
-                except StopAsyncIteration:
-                    break
-                t1 = time.perf_counter()
-                await sender.send(
-                    sync.sync_id, sync.buckets, bucket, timeout=timeout, checksum=checksum
-                )
-                sync.source_s += t1 - t0
-                sync.send_s += time.perf_counter() - t1
-                sync.buckets += 1
-                sync.tensors += bucket.tensors
-                sync.nbytes += bucket.nbytes
-                sync.sent.append(bucket.names)
-                del bucket  # packed: its source tensors may go before the next one fills
-        except BaseException as exc:
-            # Cancelled too (WeightSync cancels the send when an engine fails): the
-            # receivers already waiting for this sync, in other threads and processes,
-            # hear it is off and are free for the next one. One whose receive() was
-            # cancelled with ours skips this abort at its next receive() (``abandoned``).
-            with anyio.CancelScope(shield=True):
-                await sender.abort(Abort(sync.sync_id, f"{type(exc).__name__}: {exc}"))
-            raise
+    async with reading(buckets) as items, _aborting(sender, sync.sync_id):
+        while True:
+            t0 = time.perf_counter()
+            try:
+                bucket = await anext(items)
+            except StopAsyncIteration:
+                break
+            t1 = time.perf_counter()
+            await sender.send(
+                sync.sync_id, sync.buckets, bucket, timeout=timeout, checksum=checksum
+            )
+            sync.source_s += t1 - t0
+            sync.send_s += time.perf_counter() - t1
+            sync.buckets += 1
+            sync.tensors += bucket.tensors
+            sync.nbytes += bucket.nbytes
+            sync.sent.append(bucket.names)
+            del bucket  # packed: its source tensors may go before the next one fills
     log(
         "sync.send",
         sync_id=sync.sync_id,
@@ -408,6 +401,8 @@ def _send_report(
         seconds=round(phases["end"], 6),
     )
     missing = sorted(set.intersection(*(set(d.missing) for d in dones))) if dones else []
+    carried = _carried(sync.sent, sender.state.plans)
+    loaded = {d.receiver: _loaded(d, carried) for d in dones}
     return _done(
         SyncReport(
             sync_id=sync.sync_id,
@@ -418,10 +413,10 @@ def _send_report(
             buckets=sync.buckets,
             seconds=time.perf_counter() - sync.start,
             phases=phases,
-            loaded=_union(d.loaded for d in dones),
+            loaded=_union(loaded.values()),
             missing=tuple(missing),
             instances={
-                f"receiver{d.receiver}": LoadResult(loaded=d.loaded, missing=d.missing)
+                f"receiver{d.receiver}": LoadResult(loaded=loaded[d.receiver], missing=d.missing)
                 for d in dones
             },
             receivers=len(dones),
@@ -431,25 +426,28 @@ def _send_report(
     )
 
 
-def _filled(dones: list[Done], sent: list[Sequence[str]], kept: BucketPlans) -> list[Done]:
-    """``dones`` with the names of each that says it loaded what the sync carried: ``sent``
-    sorted, each once (kept with the sender's plans for the next sync that sends the same
-    lists, as a trainer's replayed plans do)."""
-    if not any(d.carried for d in dones):
-        return dones
+def _carried(sent: list[Sequence[str]], kept: BucketPlans) -> tuple[str, ...]:
+    """The names the sync carried (``sent``, per bucket), sorted, each once; kept with the
+    sender's plans for the next sync that sends the same lists, as replayed plans do."""
     if kept.sent is not None and kept.sent[0] == sent:  # a pointer per bucket, when kept
-        carried = kept.sent[1]
-    else:
-        carried = _sorted_once(itertools.chain.from_iterable(sent))
-        kept.sent = (sent, carried)
-    return [
-        msgspec.structs.replace(d, loaded=carried, carried=False) if d.carried else d for d in dones
-    ]
+        return kept.sent[1]
+    carried = _sorted_once(itertools.chain.from_iterable(sent))
+    kept.sent = (sent, carried)
+    return carried
+
+
+def _loaded(done: Done, carried: tuple[str, ...]) -> tuple[str, ...]:
+    """The names ``done``'s sink loaded, sorted: those carried less ``skipped``, plus
+    ``added``."""
+    if not done.skipped and not done.added:
+        return carried
+    skipped = set(done.skipped)
+    return tuple(sorted({n for n in carried if n not in skipped}.union(done.added)))
 
 
 def _union(names: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
-    """The sorted union of sorted name lists (each receiver's ``Done.loaded``); usually
-    they are all the same list, which is then the answer as it is."""
+    """The sorted union of sorted name lists; usually all the same list, returned as it
+    is."""
     lists = list(names)
     if not lists:
         return ()
@@ -615,41 +613,47 @@ async def _receive(
         raise
     loaded = result if isinstance(result, LoadResult) else LoadResult(loaded=tuple(sync.applied))
     report = _receive_report(sync, loaded, True)
-    carried = _loaded_is_carried(state, sync.applied, loaded.loaded)
+    skipped, added = _against_carried(state, sync.applied, loaded.loaded)
     await receiver.reply(
         Done(
             sync.sync_id,
             receiver.index,
             report.tensors,
             sync.nbytes,
-            () if carried else loaded.loaded,
+            skipped,
+            added,
             loaded.missing,
             versioned.version if versioned is not None else None,
-            carried=carried,
         )
     )
     state.last_sync_id = sync.sync_id
     return _done(report)
 
 
-def _loaded_is_carried(state: ReceiverState, applied: list[str], loaded: tuple[str, ...]) -> bool:
-    """Whether ``loaded`` is the names this sync carried (``applied``), sorted, each once:
-    ``Done`` then leaves them to the sender. Sorted once for a sync that carried the last
-    one's names, in its order, and got the same answer from the sink (a trainer's every
-    step): comparing the lists costs a pointer per name where they are the same strings."""
+def _against_carried(
+    state: ReceiverState, applied: list[str], loaded: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(skipped, added)``: ``loaded`` against the names this sync carried (``applied``).
+    Worked out again only when the names carried or the sink's answer changed; a trainer's
+    every step repeats both, as the same strings, which compare by pointer."""
     memo = state.carried
     if memo is not None:
-        known_applied, known_loaded, verdict = memo
+        known_applied, known_loaded, skipped, added = memo
         if (known_loaded is loaded or known_loaded == loaded) and known_applied == applied:
-            return verdict
-    verdict = _sorted_once(applied) == loaded
-    state.carried = (applied, loaded, verdict)
-    return verdict
+            return skipped, added
+    carried = _sorted_once(applied)
+    if carried == loaded:
+        skipped, added = (), ()
+    else:
+        have, sent = set(loaded), set(carried)
+        skipped = tuple(n for n in carried if n not in have)
+        added = tuple(sorted(have - sent))
+    state.carried = (applied, loaded, skipped, added)
+    return skipped, added
 
 
 def _sorted_once(names: Iterable[str]) -> tuple[str, ...]:
-    """``names`` sorted, each once (a chunked tensor's name comes with each of its chunks).
-    A sync's names come in runs already in order, which the sort merges."""
+    """``names`` sorted, each once (a chunked tensor's name comes with each chunk)."""
     ordered = sorted(names)
     if all(map(operator.ne, ordered, itertools.islice(ordered, 1, None))):
         return tuple(ordered)

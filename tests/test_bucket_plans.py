@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import weakref
 from typing import Any
-from unittest import mock
 
 import anyio
 import pytest
@@ -20,8 +19,7 @@ from streamsync._replay import PLANS_PER_SENDER, BucketPlans
 from streamsync.adapters import cast
 from streamsync.adapters.bucket import Bucketer
 from streamsync.pipeline import Chain
-from streamsync.sources import PlainStream, unchecked_pairs
-from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule, Unpacker
+from streamsync.wire.bucket import Bucket, CastRule, Unpacker
 from streamsync.wire.frames import BucketHeader
 
 Spec = tuple[str, torch.dtype, tuple[int, ...], bool]
@@ -40,16 +38,9 @@ def _bucketed(
     bucket_bytes: int,
     rule: CastRule | None,
     plans: BucketPlans | None,
-    checked: bool = True,
 ) -> list[Bucket]:
-    # checked: the pairs a model yields (named tensors already); else a mapping's items as
-    # send() gives them, checked by the replay or by the source's check.
     async def run() -> list[Bucket]:
-        if checked:
-            pairs, check = iter(tensors.items()), None
-        else:
-            pairs, check = unchecked_pairs(tensors)
-        buckets = Bucketer(bucket_bytes, cast=rule, plans=plans)(PlainStream(pairs, check))
+        buckets = Bucketer(bucket_bytes, cast=rule, plans=plans)(ss.named_tensors(tensors))
         return [b async for b in buckets]
 
     return anyio.run(run)
@@ -140,7 +131,6 @@ def _mutate(base: list[Spec], change: str, at: int, dtype: torch.dtype) -> list[
     to_bf16=st.booleans(),
     at=st.integers(0, 20),
     dtype=st.sampled_from(WIRE_DTYPES),
-    checked=st.booleans(),
 )
 def test_every_sync_delivers_its_source_whatever_changed_since_the_plan(
     change: str,
@@ -150,7 +140,6 @@ def test_every_sync_delivers_its_source_whatever_changed_since_the_plan(
     to_bf16: bool,
     at: int,
     dtype: torch.dtype,
-    checked: bool,
 ) -> None:
     # Three syncs on one sender's plans: the first records, the second replays or departs
     # from the plan at the changed tensor, the third replays what the second recorded. A
@@ -169,48 +158,35 @@ def test_every_sync_delivers_its_source_whatever_changed_since_the_plan(
     else:
         second = _mutate(first, change, at, dtype)
     plans = BucketPlans()
-    added: list[str] = []
-    original = BucketBuilder.add
-
-    def add(self: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
-        added.append(name)
-        return original(self, name, tensor)
-
     for seed, spec in enumerate([first, second, second]):
         tensors = _tensors(spec, seed)
-        del added[:]
-        with mock.patch.object(BucketBuilder, "add", add):
-            buckets = _bucketed(tensors, bucket_bytes, rule, plans, checked)
+        buckets = _bucketed(tensors, bucket_bytes, rule, plans)
         _same(_unpacked(buckets, bucket_bytes), _expected(tensors, rule))
+        assert plans.replayed + plans.placed == len(tensors)
         if seed == 2 or (seed == 1 and change == "none"):
             # The same layout again: nothing placed anew, and the very buckets a fresh
             # build makes.
-            assert added == []
+            assert (plans.replayed, plans.placed) == (len(tensors), 0)
             assert _packed(buckets) == _packed(_bucketed(tensors, bucket_bytes, rule, None))
         elif seed == 0:
-            assert added == list(tensors)
+            assert (plans.replayed, plans.placed) == (0, len(tensors))
 
 
-def test_items_not_yet_checked_replay_only_while_plain_and_bad_ones_are_named(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # send() hands a mapping's items to the replay unchecked: a tensor that needs detaching
-    # (a parameter, one that requires grad) ends the replay there and is sent detached; an
-    # item that is no (str, tensor) pair is the source's clear error, whatever the plan.
-    added = _counting_adds(monkeypatch)
+def test_a_replay_sends_what_the_source_checked_and_bad_items_are_named() -> None:
+    # A tensor that needs detaching (a parameter, one that requires grad) is sent detached,
+    # the replay going on; an item that is no (str, tensor) pair is the source's clear
+    # error, whatever the plan.
     plans = BucketPlans()
     tensors = {f"w{i}": torch.randn(128) for i in range(6)}
-    names = list(tensors)
-    _bucketed(tensors, 1024, None, plans, checked=False)
-    assert added == names
+    _bucketed(tensors, 1024, None, plans)
+    assert (plans.replayed, plans.placed) == (0, 6)
     for swapped in (
         torch.nn.Parameter(tensors["w3"] + 1),
         (tensors["w3"] + 2).requires_grad_(),
     ):
-        del added[:]
         source = {**tensors, "w3": swapped}
-        got = _unpacked(_bucketed(source, 1024, None, plans, checked=False), 1024)
-        assert added == names[3:]  # the replay stops at w3: from there on, placed anew
+        got = _unpacked(_bucketed(source, 1024, None, plans), 1024)
+        assert (plans.replayed, plans.placed) == (6, 0)
         _same(got, {n: t.detach() for n, t in source.items()})
     bad: list[tuple[Any, str]] = [
         ({**tensors, "w4": [1.0, 2.0]}, "tensor 'w4' is a list"),
@@ -218,11 +194,10 @@ def test_items_not_yet_checked_replay_only_while_plain_and_bad_ones_are_named(
     ]
     for source, message in bad:
         with pytest.raises(TypeError, match=message):
-            _bucketed(source, 1024, None, plans, checked=False)
+            _bucketed(source, 1024, None, plans)
 
     async def run(items: list[Any]) -> list[Bucket]:
-        pairs, check = unchecked_pairs(items)
-        return [b async for b in Bucketer(1024, plans=plans)(PlainStream(pairs, check))]
+        return [b async for b in Bucketer(1024, plans=plans)(ss.named_tensors(items))]
 
     with pytest.raises(TypeError, match="expected \\(name, tensor\\) pairs, got tuple"):
         anyio.run(run, [*tensors.items(), ("w6",)])
@@ -243,25 +218,12 @@ class _Collect:
         pass
 
 
-def _counting_adds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    added: list[str] = []
-    original = BucketBuilder.add
-
-    def add(self: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
-        added.append(name)
-        return original(self, name, tensor)
-
-    monkeypatch.setattr(BucketBuilder, "add", add)
-    return added
-
-
-# The README's form, send(named_tensors(model), ...), unread, takes the plain loop and the
-# sender's plans as send(model, ...) does; so does named_tensors of a mapping.
-@pytest.mark.parametrize("form", ["model", "named_tensors(model)", "named_tensors(mapping)"])
-async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(
-    monkeypatch: pytest.MonkeyPatch, form: str
-) -> None:
-    added = _counting_adds(monkeypatch)
+# The README's form, send(named_tensors(model), ...), uses the sender's plans as
+# send(model, ...) does; so do named_tensors of a mapping and a pipeline's output.
+@pytest.mark.parametrize(
+    "form", ["model", "named_tensors(model)", "named_tensors(mapping)", "pipeline"]
+)
+async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(form: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
     targets = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
     sink = ss.ModuleSink(targets)
@@ -270,38 +232,38 @@ async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(
         "model": lambda: model,
         "named_tensors(model)": lambda: ss.named_tensors(model),
         "named_tensors(mapping)": lambda: ss.named_tensors(dict(model.state_dict())),
+        "pipeline": lambda: model,
     }
+    pipeline = ss.adapters.select(lambda name: True) if form == "pipeline" else None
 
-    async def sync(tx: Any, rx: Any) -> None:
+    async def sync(tx: Any, rx: Any) -> tuple[int, int]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(ss.receive, rx, sink)
-            await ss.send(sources[form](), tx, bucket_bytes=4096)
+            await ss.send(sources[form](), tx, bucket_bytes=4096, pipeline=pipeline)
+        return tx.state.plans.replayed, tx.state.plans.placed
 
     async with ss.open_sender("memory://plans") as tx, ss.open_receiver("memory://plans") as rx:
-        await sync(tx, rx)
-        assert added == names  # the first sync builds its buckets
-        del added[:]
+        # The first sync builds its buckets.
+        assert await sync(tx, rx) == (0, len(names))
         with torch.no_grad():
             model[0].weight.add_(1.0)
-        await sync(tx, rx)
-        assert added == []  # the second fills the same buckets: nothing placed again
+        # The second fills the same buckets: nothing placed again.
+        assert await sync(tx, rx) == (len(names), 0)
         assert torch.equal(targets[0].weight, model[0].weight)
         # A parameter whose data is replaced by a transposed copy (same shape, not
         # contiguous): the plan no longer holds from there on.
         with torch.no_grad():
             model[1].weight.data = model[1].weight.data.t().contiguous().t() + 1
         assert not model[1].weight.is_contiguous()
-        await sync(tx, rx)
-        assert added == names[2:]
+        assert await sync(tx, rx) == (2, len(names) - 2)
         for name, want in model.state_dict().items():
             assert torch.equal(targets.state_dict()[name], want), name
-        del added[:]
-        await sync(tx, rx)
-        assert added == []  # and the new shape is the plan from then on
+        # And the new shape is the plan from then on.
+        assert await sync(tx, rx) == (len(names), 0)
         assert len(tx.state.plans) == 1
 
 
-async def test_named_tensors_partly_read_sends_the_rest_and_taken_yields_nothing() -> None:
+async def test_named_tensors_partly_read_sends_the_rest_and_spent_yields_nothing() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     names = list(model.state_dict())
     stream = ss.named_tensors(model)
@@ -330,10 +292,7 @@ async def test_named_tensors_partly_read_sends_the_rest_and_taken_yields_nothing
     assert [pair async for pair in spent] == []
 
 
-async def test_a_cast_given_afresh_each_sync_is_the_same_cast(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    added = _counting_adds(monkeypatch)
+async def test_a_cast_given_afresh_each_sync_is_the_same_cast() -> None:
     weights = {f"w{i}": torch.randn(300) for i in range(20)}
     sink = _Collect()
     got = sink.got
@@ -345,10 +304,10 @@ async def test_a_cast_given_afresh_each_sync_is_the_same_cast(
 
     async with ss.open_sender("memory://cast") as tx, ss.open_receiver("memory://cast") as rx:
         await sync(tx, rx)
-        assert len(added) == 20
+        assert (tx.state.plans.replayed, tx.state.plans.placed) == (0, 20)
         weights = {k: v * 2 for k, v in weights.items()}  # new tensors, same names
         await sync(tx, rx)
-        assert len(added) == 20  # replayed
+        assert (tx.state.plans.replayed, tx.state.plans.placed) == (20, 0)
         for k, v in weights.items():
             assert torch.equal(got[k], v.bfloat16())
     assert cast(torch.bfloat16).rule == cast(torch.bfloat16).rule  # type: ignore[attr-defined]
@@ -363,6 +322,35 @@ def test_plans_are_kept_per_source_and_the_oldest_goes_first() -> None:
     # A bucket size of its own is a plan of its own.
     _bucketed({f"source{PLANS_PER_SENDER + 1}.w": torch.ones(4)}, 2048, None, plans)
     assert len(plans) == PLANS_PER_SENDER
+
+
+def test_buckets_made_upstream_pass_and_leave_no_plan() -> None:
+    # A plan holds the buckets its own stage makes: a stream that also carries buckets
+    # made upstream is bucketed as it comes, and the replay there stops for good.
+    plans = BucketPlans()
+    tensors = {f"w{i}": torch.randn(64) for i in range(6)}
+    _bucketed(tensors, 1024, None, plans)
+    upstream = Bucket()
+    upstream.append("up", "float32", (4,), 0, 16, torch.ones(4), True)
+    upstream.tensors = 1
+
+    async def run() -> list[Bucket]:
+        async def items() -> Any:
+            for i, pair in enumerate(tensors.items()):
+                if i == 3:
+                    yield upstream
+                yield pair
+
+        return [b async for b in Bucketer(1024, plans=plans)(items())]
+
+    buckets = anyio.run(run)
+    assert upstream in buckets
+    assert (plans.replayed, plans.placed) == (3, 3)
+    _same(
+        _unpacked(buckets, 1024),
+        {**dict(list(tensors.items())[:3]), "up": torch.ones(4), **dict(list(tensors.items())[3:])},
+    )
+    assert len(plans) == 1  # the first sync's plan, not replaced
 
 
 def test_a_plan_holds_no_tensor() -> None:

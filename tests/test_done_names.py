@@ -1,6 +1,6 @@
-"""A receiver's ``Done`` leaves out the names it loaded when they are the names its sync
-carried (``Done.carried``): the sender fills them in from what it sent, and every report
-says what it said before: the same names, per receiver and together."""
+"""A receiver's ``Done`` tells what its sink loaded as the difference from the names its
+sync carried (``skipped``, ``added``): the sender works the names out from what it sent,
+and every report says the same names, per receiver and together."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ async def test_a_receiver_that_loaded_every_name_sent_leaves_them_to_the_sender(
     syncs = await _syncs(url, steps, [ss.ModuleSink(module)])
     for step, (sent, (got,), (done,), _) in zip(steps, syncs, strict=True):
         names = tuple(sorted(step))
-        assert done.carried and done.loaded == (), done
+        assert done.skipped == done.added == (), done
         assert got.loaded == names
         assert sent.loaded == names  # filled in by the sender, each name once
         missing = tuple(sorted(set(module.state_dict()) - set(step)))
@@ -156,11 +156,13 @@ async def test_a_change_of_names_or_of_the_sinks_answer_is_worked_out_again() ->
     sink = Answers(module, strict=False)
     syncs = await _syncs("memory://done-change", [full, full, fewer], [sink])
     (s1, (r1,), (d1,), _), (s2, (r2,), (d2,), _), (s3, (r3,), (d3,), _) = syncs
-    assert d1.carried and s1.loaded == r1.loaded == tuple(sorted(full))
-    # Same plans as the first sync, but the sink answered otherwise: its names travel.
-    assert not d2.carried and d2.loaded == r2.loaded == tuple(sorted(full))[1:]
-    assert s2.loaded == r2.loaded
-    assert not d3.carried and s3.loaded == r3.loaded == tuple(sorted(fewer))[1:]
+    assert d1.skipped == d1.added == () and s1.loaded == r1.loaded == tuple(sorted(full))
+    # Same plans as the first sync, but the sink answered otherwise: the name it left out
+    # travels, and the sender's report says what the sink did.
+    assert d2.skipped == tuple(sorted(full))[:1] and d2.added == ()
+    assert s2.loaded == r2.loaded == tuple(sorted(full))[1:]
+    assert d3.skipped == tuple(sorted(fewer))[:1] and d3.added == ()
+    assert s3.loaded == r3.loaded == tuple(sorted(fewer))[1:]
 
 
 async def test_a_sink_with_more_names_or_other_names_than_the_wire() -> None:
@@ -175,16 +177,19 @@ async def test_a_sink_with_more_names_or_other_names_than_the_wire() -> None:
     [(sent, (got,), (done,), _)] = await _syncs(
         "memory://done-more", [renamed], [ss.ModuleSink(module, strict=False)]
     )
-    assert done.carried and done.loaded == () and done.missing == ("unsent",)
+    assert done.skipped == done.added == () and done.missing == ("unsent",)
     assert sent.loaded == got.loaded == tuple(sorted(renamed))
     assert sent.missing == got.missing == ("unsent",)
-    # A sink whose names are not the wire's (vLLM's stacked parameters) sends them.
+    # A sink whose names are not the wire's (vLLM's stacked parameters) sends its own.
     vllm = FakeVllmModel(cfg)
     [(sent, (got,), (done,), _)] = await _syncs(
         "memory://done-vllm", [weights], [LoadWeightsSink(vllm)]
     )
-    assert not done.carried and done.loaded == got.loaded != ()
-    assert "model.layers.0.self_attn.qkv_proj.weight" in done.loaded
+    assert got.loaded != ()
+    assert done.added == tuple(sorted(set(got.loaded) - set(weights)))
+    assert done.skipped == tuple(sorted(set(weights) - set(got.loaded)))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in done.added
+    assert "model.layers.0.self_attn.q_proj.weight" in done.skipped
     assert sent.loaded == got.loaded
 
 
@@ -197,9 +202,10 @@ async def test_two_receivers_one_that_leaves_names_out_and_one_that_sends_them()
             fewer.register_buffer(name, torch.zeros_like(t))
     sinks = [ss.ModuleSink(module), ss.ModuleSink(fewer, strict=False)]
     [(sent, got, dones, _)] = await _syncs("memory://done-two", [weights], sinks)
-    assert dones[0].carried and not dones[1].carried
+    assert dones[0].skipped == dones[1].added == dones[0].added == ()
+    assert dones[1].skipped == ("layer3_weight",)
     assert got[0].loaded == tuple(sorted(weights))
-    assert dones[1].loaded == got[1].loaded == tuple(sorted(set(weights) - {"layer3_weight"}))
+    assert got[1].loaded == tuple(sorted(set(weights) - {"layer3_weight"}))
     assert sent.instances == {
         "receiver0": LoadResult(loaded=got[0].loaded),
         "receiver1": LoadResult(loaded=got[1].loaded),

@@ -17,7 +17,6 @@ from streamsync.adapters import bucket, cast
 from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import ConfigError
 from streamsync.pipeline import Chain
-from streamsync.sources import PlainStream
 from streamsync.wire.bucket import Bucket
 
 
@@ -96,15 +95,14 @@ shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
     big=st.integers(0, 2000),
     to_bf16=st.booleans(),
 )
-def test_the_plain_loop_makes_the_buckets_the_bucket_adapter_makes(
+def test_a_mapping_and_a_stream_of_its_pairs_make_the_same_buckets(
     specs: list[tuple[torch.dtype, tuple[int, ...], bool]],
     bucket_bytes: int,
     big: int,
     to_bf16: bool,
 ) -> None:
-    # The bucketer reads a model, mapping or iterable not yet read in a plain loop; any
-    # other source one tensor at a time. Both must give the same bytes in the same
-    # layouts: chunks, casts and non-contiguous tensors included.
+    # What named_tensors makes of a mapping and any other stream of the same pairs give the
+    # same bytes in the same layouts: chunks, casts and non-contiguous tensors included.
     tensors = {}
     for i, (dtype, shape, transpose) in enumerate(specs):
         t = random_tensor(shape, dtype, i)
@@ -134,7 +132,7 @@ def test_the_plain_loop_makes_the_buckets_the_bucket_adapter_makes(
         assert torch.equal(a, b)
 
 
-async def test_the_plain_loop_closes_its_source_when_stopped_early() -> None:
+async def test_the_bucketer_closes_its_source_when_stopped_early() -> None:
     closed = []
 
     def gen():  # type: ignore[no-untyped-def]
@@ -145,14 +143,14 @@ async def test_the_plain_loop_closes_its_source_when_stopped_early() -> None:
             closed.append(True)
 
     pairs = gen()  # held here, so only the loop's own close can end it
-    buckets = Bucketer(1024)(PlainStream(pairs, None))
+    buckets = Bucketer(1024)(named_tensors(pairs))
     first = await anext(buckets)
     assert first.names == ["t0"]
     await buckets.aclose()
     assert closed == [True]
 
 
-async def test_the_plain_loop_hands_on_each_bucket_as_it_fills() -> None:
+async def test_the_bucketer_hands_on_each_bucket_as_it_fills() -> None:
     made = []
 
     def gen():  # type: ignore[no-untyped-def]
@@ -160,7 +158,7 @@ async def test_the_plain_loop_hands_on_each_bucket_as_it_fills() -> None:
             made.append(i)
             yield f"t{i}", torch.ones(256)  # 1 KiB: one to a 1 KiB bucket
 
-    buckets = Bucketer(1024)(PlainStream(gen(), None))
+    buckets = Bucketer(1024)(named_tensors(gen()))
     await anext(buckets)
     assert made == [0, 1]  # the second tensor closed the first bucket
     await buckets.aclose()

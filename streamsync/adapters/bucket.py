@@ -8,9 +8,8 @@ the one being split.
 from __future__ import annotations
 
 import functools
-import itertools
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, Final
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -18,7 +17,6 @@ from streamsync._delta import DeltaRun
 from streamsync._replay import BucketPlans, PlanRun
 from streamsync.errors import ConfigError
 from streamsync.pipeline import Adapter, reading
-from streamsync.sources import PlainStream
 from streamsync.wire.bucket import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -34,10 +32,7 @@ class Bucketer(Adapter):
     How a tensor is placed is the builder's strategy: as it is (converted by ``cast`` while
     packing); against a sender's delta baseline (``delta``: each tensor whole, as a patch,
     or not at all); or, with a sender's ``plans``, filling the buckets of the last sync of
-    the same source again while its tensors match them (:mod:`streamsync._replay`). A
-    plain source not yet read (what :func:`~streamsync.named_tensors` makes of a model, a
-    mapping or an iterable) is read in a plain loop: one async step per bucket, not per
-    tensor.
+    the same source again while its tensors match them (:mod:`streamsync._replay`).
     """
 
     def __init__(
@@ -66,65 +61,39 @@ class Bucketer(Adapter):
     def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Bucket]:
         return self._buckets(source)
 
-    def _strategy(self, builder: BucketBuilder, taken: tuple[Any, Any] | None) -> _Plain:
+    def _strategy(self, builder: BucketBuilder) -> _Plain:
         if self.delta is not None:
             self.delta.cast = self.cast  # applied while comparing (fused where it can be)
             return _Delta(builder, self.delta)
-        if taken is not None and self.plans is not None:
-            return _Replay(builder, self.plans, checked=taken[1] is None)
+        if self.plans is not None:
+            return _Replay(builder, self.plans)
         return _Plain(builder)
 
     async def _buckets(self, source: AsyncIterable[Any]) -> AsyncIterator[Bucket]:
-        """The one bucketing loop, whichever the strategy and the source."""
-        taken = source.take() if isinstance(source, PlainStream) else None
+        """The one bucketing loop, whichever the strategy."""
         cast = self.cast if self.delta is None else None
         builder = BucketBuilder(self.bucket_bytes, cast=cast)
-        strategy = self._strategy(builder, taken)
+        strategy = self._strategy(builder)
         place, made = strategy.place, strategy.made
-        end = _END
         async with reading(source) as items:
-            pairs: Iterator[Any] | None = None
-            rest: Iterator[Any] = iter(())
-            try:
-                if taken is not None:
-                    pairs = taken[0]
-                    for done in strategy.replay(pairs):
+            async for item in items:
+                if type(item) is not tuple and isinstance(item, Bucket):
+                    for done in strategy.upstream(item):
+                        yield done
+                        del done
+                    continue
+                name, tensor = item
+                del item
+                full = place(name, tensor)
+                del tensor  # held by the bucket alone from here
+                if full:
+                    for done in full:
+                        made(done)
                         yield done
                         del done  # a finished bucket goes before the next one fills
-                    rest = strategy.rest(pairs)
-                    if taken[1] is not None:
-                        rest = taken[1](rest)
-                plain = pairs is not None
-                while True:
-                    item: Any = next(rest, end) if plain else await anext(items, end)
-                    if type(item) is not tuple:
-                        if item is end:
-                            break
-                        if isinstance(item, Bucket):
-                            for done in strategy.upstream(item):
-                                yield done
-                                del done
-                            continue
-                    name, tensor = item
-                    del item
-                    full = place(name, tensor)
-                    del tensor  # held by the bucket alone from here
-                    if full:
-                        for done in full:
-                            made(done)
-                            yield done
-                            del done
-                    del full
-            finally:
-                close = getattr(pairs, "close", None)
-                if close is not None:
-                    close()
+                del full
         for done in strategy.finish():
             yield done
-
-
-#: Marks the end of a source in the bucketer's loop.
-_END: Final = object()
 
 
 class _Plain:
@@ -136,12 +105,6 @@ class _Plain:
 
     def made(self, bucket: Bucket) -> None:
         """A bucket the builder made, before it is handed on."""
-
-    def replay(self, pairs: Iterator[Any]) -> Iterator[Bucket]:
-        return iter(())
-
-    def rest(self, pairs: Iterator[Any]) -> Iterator[Any]:
-        return pairs
 
     def upstream(self, bucket: Bucket) -> list[Bucket]:
         pending = self.builder.flush()
@@ -156,30 +119,33 @@ class _Plain:
 
 
 class _Replay(_Plain):
-    """The plain strategy with a sender's bucket plans: the last sync's buckets replayed
+    """The plain strategy with a sender's bucket plans: the last sync's buckets refilled
     while the source matches them, and what this sync makes kept for the next."""
 
-    def __init__(self, builder: BucketBuilder, plans: BucketPlans, *, checked: bool = True):
+    def __init__(self, builder: BucketBuilder, plans: BucketPlans) -> None:
         super().__init__(builder)
-        self.run = PlanRun(plans, builder, checked=checked)
-        self.made = self.run.recorded  # type: ignore[method-assign]
-        record, add = self.run.record, builder.add
+        self.run = run = PlanRun(plans, builder)
+        offer, record, add = run.offer, run.record, builder.add
 
         def place(name: str, tensor: torch.Tensor) -> Sequence[Bucket]:
+            if run.replaying and (done := offer(name, tensor)) is not None:
+                return done
             record(name, tensor)
             return add(name, tensor)
 
         self.place = place
 
-    def replay(self, pairs: Iterator[Any]) -> Iterator[Bucket]:
-        return self.run.replay(pairs)
+    def made(self, bucket: Bucket) -> None:
+        if not self.run.replaying:
+            self.run.recorded(bucket)
 
-    def rest(self, pairs: Iterator[Any]) -> Iterator[Any]:
-        pending, self.run.pending = self.run.pending, None
-        return pairs if pending is None else itertools.chain((pending,), pairs)
+    def upstream(self, bucket: Bucket) -> list[Bucket]:
+        self.run.stop()
+        self.run.keep = False  # a plan holds only the buckets this stage makes
+        return super().upstream(bucket)
 
     def finish(self) -> list[Bucket]:
-        last = super().finish()
+        last = self.run.finish() + super().finish()
         self.run.commit()
         return last
 

@@ -170,9 +170,9 @@ class ReceiverState:
     abandoned: bool = False
     #: A ``receive`` is waiting for its sync's first message.
     waiting: bool = False
-    #: What the last ``Done`` was worked out from: the names its sync carried, the sink's
-    #: loaded names, and whether those were the same, sorted (see ``Done.carried``).
-    carried: tuple[list[str], tuple[str, ...], bool] | None = None
+    #: What the last ``Done`` was worked out from, the names its sync carried and the
+    #: sink's loaded names, and what it said: ``skipped`` and ``added``.
+    carried: tuple[list[str], tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
     #: The model the last sync here completed into, held weakly, and the version (sync id)
     #: it holds since: a :class:`~streamsync.ModuleSink` made anew for that model each sync
     #: takes deltas on it; another model, or a new receiver, starts at no known version.

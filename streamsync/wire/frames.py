@@ -21,11 +21,8 @@ import numpy as np
 from streamsync.errors import AuthenticationError, ProtocolVersionError, WireFormatError
 
 #: Bumped whenever a message changes shape; peers with another version are refused.
-#: 2: the receiver confirms its ``Welcome`` with ``Joined``; refusals may say "busy".
-#: 3: delta syncs (``Entry.patch``, ``base`` on buckets and ``End``, ``Done.held``).
-#: 4: a bucket's entries travel as columns (``BucketHeader.layout``).
-#: 5: ``Done.carried``: a receiver that loaded the names its sync carried sends none.
-PROTOCOL_VERSION: Final = 5
+#: 6: ``Done`` tells what the sink loaded as its difference from what the sync carried.
+PROTOCOL_VERSION: Final = 6
 
 # Upper bounds applied to untrusted metadata before anything is allocated from it.
 MAX_NAME_LEN: Final = 4096
@@ -189,23 +186,12 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
             shape = tuple(dims[at : at + ndim])
             at += ndim
             extra = extras.get(i)
-            if extra is None:
-                out.append(Entry(name, self.dtypes[kind], shape, offset, size))
-            else:
-                out.append(
-                    Entry(
-                        name,
-                        self.dtypes[kind],
-                        shape,
-                        offset,
-                        size,
-                        extra.chunk,
-                        extra.chunks,
-                        extra.tensor_offset,
-                        extra.checksum,
-                        extra.patch,
-                    )
-                )
+            rest = (
+                ()
+                if extra is None
+                else (extra.chunk, extra.chunks, extra.tensor_offset, extra.checksum, extra.patch)
+            )
+            out.append(Entry(name, self.dtypes[kind], shape, offset, size, *rest))
         return out
 
 
@@ -290,21 +276,22 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):
-    """A receiver applied a whole sync and finalized its sink."""
+    """A receiver applied a whole sync and finalized its sink. What the sink loaded travels
+    as its difference from the names the sync carried, which the sender knows: a trainer's
+    tens of thousands of names would cost milliseconds and megabytes per receiver and sync."""
 
     sync_id: int
     receiver: int
     tensors: int
     nbytes: int
-    loaded: tuple[str, ...] = ()
+    #: Names the sync carried that the sink did not load.
+    skipped: tuple[str, ...] = ()
+    #: Names the sink loaded that the sync did not carry (a sink's own names, sorted).
+    added: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
     #: The version the receiver's sink now holds (this sync's id), or ``None`` when the sink
     #: cannot take a delta: the sender sends it full syncs.
     held: int | None = None
-    #: ``loaded`` is the names this sync carried, sorted, each once: it then travels empty and
-    #: the sender, which sent those names, fills it in (tens of thousands of names are
-    #: milliseconds to encode and decode, and megabytes held, per receiver and sync).
-    carried: bool = False
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):
