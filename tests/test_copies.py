@@ -150,6 +150,7 @@ _NO_OPENMP_WORKERS = textwrap.dedent(
     for _ in range(3):
         ss.ModuleSink(module)  # warm-up of its own imports
         rule = lambda name, dtype: torch.bfloat16 if dtype == torch.float32 else None
+        from streamsync.testing.buckets import pack_bucket
         from streamsync.wire.bucket import BucketBuilder, Unpacker
         from streamsync.wire.frames import BucketHeader, Layout
         builder = BucketBuilder(4 << 20, cast=rule)
