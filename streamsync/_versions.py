@@ -24,12 +24,17 @@ def installed_version(*distributions: str) -> Version | None:
             raw = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-        match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", raw)
-        if match is None:
-            return None
-        major, minor, patch = match.groups()
-        return int(major), int(minor), int(patch or 0)
+        return parse_version(raw)
     return None
+
+
+def parse_version(raw: str) -> Version | None:
+    """``raw``'s leading ``(major, minor, patch)``; ``None`` if it does not parse."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", raw)
+    if match is None:
+        return None
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
 
 
 @functools.cache

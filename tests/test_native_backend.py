@@ -192,7 +192,7 @@ def test_errors_are_named_and_the_next_update_works(worker: tuple[Any, FakeVllmM
 
 
 def test_wrong_secret_fails_at_init(worker: tuple[Any, FakeVllmModel]) -> None:
-    from streamsync.vllm.native.messages import TransferInit
+    from streamsync.vllm.native.worker import TransferInit
 
     engine, _ = worker
 

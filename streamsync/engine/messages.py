@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Self
 
 import msgspec
 
-from streamsync._versions import vllm_version
+from streamsync._versions import parse_version, vllm_version
 from streamsync.errors import (
     ConfigError,
     ProtocolVersionError,
@@ -87,11 +87,7 @@ class EngineFacts(Versioned, frozen=True, kw_only=True):
     @classmethod
     def of_vllm(cls, version: str) -> EngineFacts:
         """The facts of a vLLM engine that says it is ``version`` (its server's ``/version``)."""
-        match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-        if match is None:
-            return cls()
-        major, minor, patch = match.groups()
-        return cls(vllm_version=(int(major), int(minor), int(patch or 0)))
+        return cls(vllm_version=parse_version(version))
 
 
 #: The facts of the engines the running sync feeds (one per engine), set by the channel

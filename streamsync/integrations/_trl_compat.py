@@ -11,6 +11,7 @@ Importing this module checks the installed TRL against :data:`TESTED` and raises
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from streamsync._versions import check_tested
@@ -19,18 +20,11 @@ from streamsync._versions import installed_version as _installed_version
 #: The TRL versions this module was tested with: from the first, up to (not including) the
 #: second.
 TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((1, 16, 0), (1, 17, 0))
-
-
-def installed_version() -> tuple[int, int, int] | None:
-    """The installed TRL's ``(major, minor, patch)``, or ``None`` if it does not parse."""
-    return _installed_version("trl")
-
-
-def check_version(installed: tuple[int, int, int] | None) -> None:
-    """Raise :class:`~streamsync.errors.UnsupportedVersionError` unless ``installed`` is in
-    :data:`TESTED`."""
-    check_tested("TRL", installed, TESTED)
-
+#: The installed TRL's ``(major, minor, patch)``, or ``None``.
+installed_version = functools.partial(_installed_version, "trl")
+#: Raise :class:`~streamsync.errors.UnsupportedVersionError` unless a version is in
+#: :data:`TESTED`.
+check_version = functools.partial(check_tested, "TRL", tested=TESTED)
 
 check_version(installed_version())
 

@@ -25,24 +25,15 @@ from typing import Any
 import torch
 
 from streamsync._log import log
-from streamsync.errors import (
-    ConfigError,
-    PeerBrokenError,
-    ReceiverFailedError,
-    SyncTimeoutError,
-)
+from streamsync.errors import ConfigError, PeerBrokenError
 from streamsync.lora import check_lora_name, is_peft_model
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
+from streamsync.vllm.server import BACKEND, SERVER_FLAG, call
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["WeightTransfer"]
-
-#: The server flag that selects this backend (the ``vllm.general_plugins`` entry point of an
-#: installed streamsync registers it in the server's processes).
-SERVER_FLAG = """--weight-transfer-config '{"backend": "streamsync"}'"""
-_BACKEND = "streamsync"  # streamsync.vllm.native.BACKEND, without importing vLLM here
 
 
 class WeightTransfer:
@@ -154,7 +145,9 @@ class WeightTransfer:
     def pause(self) -> None:
         """Pause generation on the server (``/pause?mode=keep``: requests in flight wait;
         vLLM clears its prefix cache)."""
-        self._request("POST", "pause", params={"mode": "keep"}, timeout=self.control_timeout)
+        call(
+            self.server_url, "POST", "pause", params={"mode": "keep"}, timeout=self.control_timeout
+        )
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Stream ``iterator``'s ``(name, tensor)`` pairs through the pipeline into every
@@ -177,7 +170,7 @@ class WeightTransfer:
 
     def resume(self) -> None:
         """Resume generation on the server (``/resume``)."""
-        self._request("POST", "resume", timeout=self.control_timeout)
+        call(self.server_url, "POST", "resume", timeout=self.control_timeout)
 
     def destroy(self) -> None:
         """Close the transport and the workers' receivers. Called by the trainer at train
@@ -256,38 +249,6 @@ class WeightTransfer:
             )
         return self._engine
 
-    def _request(self, method: str, route: str, *, timeout: float, **kwargs: Any) -> Any:
-        """One call to the server, its failures as streamsync's errors that name the server
-        and what it would need."""
-        import requests
-
-        what = f"{method} /{route}"
-        try:
-            response = requests.request(
-                method, f"{self.server_url}/{route}", timeout=timeout, **kwargs
-            )
-        except requests.Timeout as exc:
-            raise SyncTimeoutError(
-                f"the vLLM server at {self.server_url} did not answer {what} within {timeout:g} s"
-            ) from exc
-        except requests.RequestException as exc:
-            raise PeerBrokenError(
-                f"the vLLM server at {self.server_url} cannot be reached ({what}: "
-                f"{type(exc).__name__}: {exc}); check that it runs and that this machine "
-                "reaches it"
-            ) from exc
-        if response.status_code == 404:
-            raise ConfigError(
-                f"the vLLM server at {self.server_url} has no {what} route: start it with "
-                f"VLLM_SERVER_DEV_MODE=1 (its RL routes need it) and {SERVER_FLAG}"
-            )
-        if not response.ok:
-            raise ReceiverFailedError(
-                f"the vLLM server at {self.server_url} failed {what} (HTTP "
-                f"{response.status_code}): {response.text.strip()[:1000]}"
-            )
-        return response
-
     def _wait_until_ready(self) -> None:
         """Poll ``/health`` until the server answers, as TRL's own client does."""
         import requests
@@ -311,8 +272,12 @@ class WeightTransfer:
     def _server_config(self) -> dict[str, Any]:
         """The server's resolved ``vllm_config`` (``/server_info``), checked to run the
         ``streamsync`` backend."""
-        response = self._request(
-            "GET", "server_info", params={"config_format": "json"}, timeout=self.control_timeout
+        response = call(
+            self.server_url,
+            "GET",
+            "server_info",
+            params={"config_format": "json"},
+            timeout=self.control_timeout,
         )
         try:
             config = response.json()["vllm_config"]
@@ -323,7 +288,7 @@ class WeightTransfer:
                 f"the vLLM server at {self.server_url} answered /server_info without a "
                 f"vllm_config ({exc!r}); is it a vLLM server?"
             ) from exc
-        if backend != _BACKEND:
+        if backend != BACKEND:
             running = "no weight-transfer backend" if not transfer else f"backend {backend!r}"
             raise ConfigError(
                 f"the vLLM server at {self.server_url} runs {running}, not 'streamsync': start "

@@ -25,13 +25,9 @@ from streamsync._versions import check_tested, vllm_version
 
 #: The vLLM versions this module was tested with: from the first, up to but not the second.
 TESTED: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 32, 0), (0, 33, 0))
-
-
-def check_version(installed: tuple[int, int, int] | None) -> None:
-    """Raise :class:`~streamsync.errors.UnsupportedVersionError` unless ``installed`` is in
-    :data:`TESTED`."""
-    check_tested("vLLM", installed, TESTED)
-
+#: Raise :class:`~streamsync.errors.UnsupportedVersionError` unless a version is in
+#: :data:`TESTED`.
+check_version = functools.partial(check_tested, "vLLM", tested=TESTED)
 
 check_version(vllm_version())
 

@@ -20,17 +20,17 @@ with the server started with ``--weight-transfer-config '{"backend": "streamsync
 Both sides register the backend when this module is imported, and in every vLLM process
 (the server's engine core and workers included) through the ``vllm.general_plugins`` entry
 point :func:`register`. Only JSON-native values cross the control plane. Modules:
-``messages`` (what crosses the control plane), ``worker``, ``trainer``, and ``source``
-(:func:`weight_source`: our adapters in front of vLLM's own backends).
+``worker``, ``trainer``, and ``source`` (:func:`weight_source`: our adapters in front of
+vLLM's own backends).
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from streamsync.vllm.native.messages import BACKEND
 from streamsync.vllm.native.source import weight_source
 from streamsync.vllm.native.trainer import AsyncLLMWeightSyncClient, StreamsyncInitInfo
+from streamsync.vllm.server import BACKEND
 
 __all__ = ["AsyncLLMWeightSyncClient", "StreamsyncInitInfo", "register", "weight_source"]
 

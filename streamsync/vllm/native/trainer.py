@@ -25,7 +25,6 @@ from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
     LoraError,
-    PeerBrokenError,
     ReceiverFailedError,
     StreamsyncError,
     SyncTimeoutError,
@@ -34,7 +33,8 @@ from streamsync.errors import (
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
-from streamsync.vllm.native.messages import BACKEND, TransferInit
+from streamsync.vllm.native.worker import TransferInit
+from streamsync.vllm.server import BACKEND, call
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 
@@ -137,23 +137,14 @@ def _rpc_error(call: str, exc: Exception) -> StreamsyncError:
 
 
 def _http(client: Any, method: str, route: str, **kwargs: Any) -> Any:
-    """``method /route`` on the server at ``client``'s ``base_url`` (``None`` where it has
-    none), bounded by the client's ``timeout``; an unreachable server is a
-    :class:`PeerBrokenError` that names it."""
+    """``method /route`` (:func:`~streamsync.vllm.server.call`) on the server at
+    ``client``'s ``base_url``, bounded by the client's ``timeout``; ``None`` where it has no
+    ``base_url``."""
     base_url = getattr(client, "base_url", None)
     if base_url is None:
         return None
-    import requests
-
-    url = f"{str(base_url).rstrip('/')}/{route}"
-    try:
-        timeout = getattr(client, "timeout", DEFAULT_TIMEOUT)
-        return requests.request(method, url, timeout=timeout, **kwargs)
-    except requests.RequestException as exc:
-        raise PeerBrokenError(
-            f"the vLLM server at {base_url} cannot be reached ({method} /{route}: "
-            f"{type(exc).__name__}: {exc})"
-        ) from exc
+    timeout = getattr(client, "timeout", DEFAULT_TIMEOUT)
+    return call(str(base_url).rstrip("/"), method, route, timeout=timeout, **kwargs)
 
 
 def _lora_route(client: Any, action: str, name: str, path: str | None) -> None:
@@ -167,22 +158,13 @@ def _lora_route(client: Any, action: str, name: str, path: str | None) -> None:
     body: dict[str, Any] = {"lora_name": name}
     if action == "load":
         body.update(lora_path=path, load_inplace=True)
-    response = _http(client, "POST", f"v1/{action}_lora_adapter", json=body)
-    where = f"the vLLM server at {getattr(client, 'base_url', None)}"
-    if response is None:
+    route = f"v1/{action}_lora_adapter"
+    needs = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (and --enable-lora)"
+    what = f"to {action} LoRA adapter {name!r} (POST /{route})"
+    if _http(client, "POST", route, json=body, needs=needs, error=LoraError, what=what) is None:
         raise ConfigError(
             f"{type(client).__name__} has no {action}_lora_adapter method (nor a base_url "
-            f"to post /v1/{action}_lora_adapter to): it cannot install LoRA adapters"
-        )
-    if response.status_code == 404:
-        raise LoraError(
-            f"{where} has no /v1/{action}_lora_adapter route: start it "
-            "with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (and --enable-lora)"
-        )
-    if not response.ok:
-        raise LoraError(
-            f"{where} refused to {action} LoRA adapter {name!r} "
-            f"(HTTP {response.status_code}): {response.text.strip()[:1000]}"
+            f"to post /{route} to): it cannot install LoRA adapters"
         )
 
 
@@ -192,71 +174,49 @@ def _start_draft(client: Any) -> None:
     method = getattr(client, "start_draft_weight_update", None)
     if method is not None:
         method()
-        return
-    response = _http(client, "POST", "start_draft_weight_update")
-    if response is None:
+    elif _http(client, "POST", "start_draft_weight_update") is None:
         raise ConfigError(
             f"{type(client).__name__} has no start_draft_weight_update method (nor a "
             "base_url to post /start_draft_weight_update to); draft=True needs one"
         )
-    response.raise_for_status()
 
 
-def engine_world_size(client: Any) -> int | None:
-    """How many workers the engine behind ``client`` has (tensor x pipeline x data
-    parallel): the client's ``get_world_size()``, else the server's ``/get_world_size``
-    where the client has a ``base_url``; ``None`` where neither can be asked."""
-    method = getattr(client, "get_world_size", None)
-    if callable(method):
-        return int(method())
-    response = _http(client, "GET", "get_world_size")
+def _ask(client: Any, method: str, route: str, key: str) -> str | None:
+    """The engine's answer: the client's ``method()``, else field ``key`` of the server's
+    ``GET /route`` where the client has a ``base_url``; ``None`` where neither can be
+    asked."""
+    ask = getattr(client, method, None)
+    if callable(ask):
+        return str(ask())
+    response = _http(client, "GET", route)
     if response is None:
         return None
-    import requests
-
-    base_url = client.base_url
     try:
-        response.raise_for_status()
-        return int(response.json()["world_size"])
-    except requests.RequestException as exc:
-        raise PeerBrokenError(
-            f"the vLLM server at {base_url} cannot be reached (GET /get_world_size: "
-            f"{type(exc).__name__}: {exc})"
-        ) from exc
+        return str(response.json()[key])
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(
-            f"the vLLM server at {base_url} answered /get_world_size without a world_size "
-            f"({exc!r}); pass StreamsyncInitInfo(receivers=N)"
+            f"the vLLM server at {client.base_url} answered GET /{route} without a {key} "
+            f"({exc!r}); is it a vLLM server?"
         ) from exc
 
 
 def engine_facts(client: Any) -> EngineFacts:
     """What the engine behind ``client`` is: the client's ``get_version()``, else the
-    server's ``/version`` where the client has a ``base_url``."""
-    method = getattr(client, "get_version", None)
-    if callable(method):
-        return EngineFacts.of_vllm(str(method()))
-    response = _http(client, "GET", "version")
-    if response is None:
+    server's ``/version``."""
+    version = _ask(client, "get_version", "version", "version")
+    if version is None:
         raise ConfigError(
             f"cannot ask {type(client).__name__} which vLLM the engine runs (no "
             "get_version(), no base_url); expand_moe(when='auto') decides from the vLLM here"
         )
-    import requests
-
-    try:
-        response.raise_for_status()
-        return EngineFacts.of_vllm(str(response.json()["version"]))
-    except (requests.RequestException, KeyError, TypeError, ValueError) as exc:
-        raise PeerBrokenError(
-            f"the vLLM server at {client.base_url} did not say its version (GET /version: "
-            f"{type(exc).__name__}: {exc})"
-        ) from exc
+    return EngineFacts.of_vllm(version)
 
 
 def _receivers(init_info: StreamsyncInitInfo, client: Any) -> int:
-    """The workers to wait for: the engine's count, checked against an explicit one."""
-    found = engine_world_size(client)
+    """The workers to wait for: the engine's count (tensor x pipeline x data parallel: the
+    client's ``get_world_size()``, else the server's ``/get_world_size``), checked against
+    an explicit one."""
+    found = _ask(client, "get_world_size", "get_world_size", "world_size")
     given = init_info.receivers
     if given is not None and (not isinstance(given, int) or given < 1):
         raise ConfigError(f"StreamsyncInitInfo(receivers={given!r}): use a count >= 1, or None")
@@ -268,14 +228,14 @@ def _receivers(init_info: StreamsyncInitInfo, client: Any) -> int:
                 "N = tensor x pipeline x data parallel size"
             )
         return given
-    if given is not None and given != found:
+    if given is not None and given != int(found):
         where = getattr(client, "base_url", None) or type(client).__name__
         raise ConfigError(
             f"StreamsyncInitInfo(receivers={given}) but the engine at {where} has {found} "
             "workers (tensor x pipeline x data parallel); leave receivers unset to use the "
             "engine's count"
         )
-    return found
+    return int(found)
 
 
 class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from streamsync._log import log, warn
-from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.messages import Versioned, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, StreamsyncError, describe
 from streamsync.sink import Sink
-from streamsync.vllm.native.messages import TransferInit
+from streamsync.sync import DEFAULT_TIMEOUT
+
+
+class TransferInit(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the trainer tells every worker at ``init_weight_transfer_engine`` (as builtins);
+    each sync's update info is a :class:`~streamsync.engine.messages.WorkerOptions`."""
+
+    what: ClassVar[str] = "streamsync init_info"
+    invalid: ClassVar[type[StreamsyncError]] = ConfigError
+
+    #: The transport URL the workers connect to (the trainer's sender is already bound).
+    endpoint: str
+    #: Keyword arguments of :func:`~streamsync.open_receiver` (``secret``, ``heartbeat``...).
+    transport: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: Seconds for the connect, and the default for each wait of a sync.
+    timeout: float = DEFAULT_TIMEOUT
 
 
 class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
