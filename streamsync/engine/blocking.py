@@ -23,14 +23,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def _in_event_loop() -> bool:
-    try:
-        anyio.lowlevel.current_token()
-    except RuntimeError:
-        return False
-    return True
-
-
 def run_blocking(
     clients: Sequence[EngineClient],
     form: str,
@@ -43,7 +35,11 @@ def run_blocking(
     ``await <form>``), where an event loop runs already, or where an engine is driven from
     the loop that created it."""
     instead = instead if instead is not None else f"await {form}"
-    if _in_event_loop():
+    try:
+        anyio.lowlevel.current_token()
+    except RuntimeError:
+        pass
+    else:
         raise ConfigError(
             f"{form} blocks, and an event loop is running in this thread; use '{instead}'"
         )

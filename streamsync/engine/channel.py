@@ -7,8 +7,9 @@ receive and concludes the sync (:mod:`.rounds`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, Literal, cast
 
 import anyio
 import anyio.to_thread
@@ -286,7 +287,7 @@ class EngineChannel:
         """
         if delta and not self.delta:
             raise ConfigError("update(delta=True) needs a channel opened with delta=True")
-        mode: bool | str = self.delta and ("full" if delta is False else True)
+        mode: bool | Literal["full"] = self.delta and ("full" if delta is False else True)
         return await self.sync_round(weights, self.worker_options, pipeline, mode)
 
     async def sync_round(
@@ -294,7 +295,7 @@ class EngineChannel:
         weights: Any,
         options: WorkerOptions,
         pipeline: AdapterLike | None,
-        mode: bool | str = False,
+        mode: bool | Literal["full"] = False,
         *,
         sync_id: int | None = None,
     ) -> SyncReport:
@@ -308,7 +309,7 @@ class EngineChannel:
             options, timeout=timeout, sync_id=sync_id, delta=self.delta
         )
         sync = SyncRound.of(len(self.clients))
-        await self._run(sync, sender, options, weights, pipeline, mode, sync_id)
+        await self._run(sync, sender, options, weights, pipeline, mode)
         if sync.report is None and sync.send_error is None and not await sender.settle():
             # Cancelled (an engine failed first), and a call still runs on the channel's
             # loop: the sender's state is unknown, so it goes.
@@ -357,63 +358,43 @@ class EngineChannel:
         options: WorkerOptions,
         weights: Any,
         pipeline: AdapterLike | None,
-        delta: bool | str = False,
-        sync_id: int | None = None,
+        delta: bool | Literal["full"],
     ) -> None:
         """The send beside every engine's receive; a failure that dooms the sync cancels
         the rest (see :meth:`_receive`). An adapter sync (``options.lora``) is sent aside
-        (:func:`~streamsync.sync.send_aside`)."""
+        (:func:`~streamsync.sync.send_aside`), through ``pipeline`` only."""
+        if options.lora is None:
+            pipeline = pipeline if pipeline is not None else self.pipeline
+            sends: Callable[..., Awaitable[SyncReport]] = partial(send, delta=delta)
+        else:
+            sends = send_aside
         told = sending_to.set(self.facts)  # what the pipeline's adapters decide from
         try:
-            await self._run_in(sync, sender, options, weights, pipeline, delta, sync_id)
-        finally:
-            sending_to.reset(told)
-
-    async def _run_in(
-        self,
-        sync: SyncRound,
-        sender: HostedSender,
-        options: WorkerOptions,
-        weights: Any,
-        pipeline: AdapterLike | None,
-        delta: bool | str,
-        sync_id: int | None,
-    ) -> None:
-        async with anyio.create_task_group() as tg:
-            for e, client in enumerate(self.clients):
-                tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope)
-            if not self.require_all:
-                receivers = [c.receivers for c in self.clients]
-                await sync.joined(sender, receivers, within=self.timeout / 2)
-            try:
-                if options.lora is not None:
-                    sync.report = await send_aside(
+            async with anyio.create_task_group() as tg:
+                for e, client in enumerate(self.clients):
+                    tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope)
+                if not self.require_all:
+                    receivers = [c.receivers for c in self.clients]
+                    await sync.joined(sender, receivers, within=self.timeout / 2)
+                try:
+                    sync.report = await sends(
                         weights,
                         sender,
                         pipeline=pipeline,
                         bucket_bytes=self.bucket_bytes,
                         timeout=self.timeout,
                         checksum=self.checksum,
-                        sync_id=sync_id,
+                        sync_id=options.sync_id,
                     )
-                else:
-                    sync.report = await send(
-                        weights,
-                        sender,
-                        pipeline=pipeline if pipeline is not None else self.pipeline,
-                        bucket_bytes=self.bucket_bytes,
-                        timeout=self.timeout,
-                        checksum=self.checksum,
-                        delta=cast("bool", delta),
-                        sync_id=sync_id,
-                    )
-            except StreamsyncError as exc:
-                sync.send_error = exc
-                if isinstance(exc, ClosedError):
-                    await self._close_sender()  # reopened by the next sync
-            absent = sync.report is not None and not self.require_all
-            if absent and await sync.absent_after(self.timeout, self._late):
-                tg.cancel_scope.cancel()
+                except StreamsyncError as exc:
+                    sync.send_error = exc
+                    if isinstance(exc, ClosedError):
+                        await self._close_sender()  # reopened by the next sync
+                absent = sync.report is not None and not self.require_all
+                if absent and await sync.absent_after(self.timeout, self._late):
+                    tg.cancel_scope.cancel()
+        finally:
+            sending_to.reset(told)
 
     def _late(self, e: int) -> StreamsyncError:
         where = "the engine" if not self.fanout else f"engine {e}"

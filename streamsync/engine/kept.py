@@ -53,11 +53,6 @@ class KeptChannels:
         kept = self._by_endpoint.get(endpoint)
         return kept.channel if kept is not None else None
 
-    def _forget(self, endpoint: str, kept: _Kept) -> None:
-        """Drop ``kept`` (an engine of it went), unless another entry replaced it."""
-        if self._by_endpoint.get(endpoint) is kept:
-            del self._by_endpoint[endpoint]
-
     async def channel(
         self,
         engines: tuple[Any, ...],
@@ -79,13 +74,13 @@ class KeptChannels:
             kept = None
         if kept is None:
             kept = _Kept(make(tuple(weakref.proxy(e) for e in engines)), (), wanted)
-            forget = weakref.WeakMethod(self._forget)
-            entry = weakref.ref(kept)
+            entry = weakref.ref(kept)  # the entry's engines must not keep it alive
 
             def gone(_: object) -> None:
-                method, alive = forget(), entry()
-                if method is not None and alive is not None:
-                    method(endpoint, alive)
+                # An engine of the entry went: drop it, unless another replaced it.
+                alive = entry()
+                if alive is not None and self._by_endpoint.get(endpoint) is alive:
+                    del self._by_endpoint[endpoint]
 
             kept.engines = tuple(weakref.ref(e, gone) for e in engines)
             self._by_endpoint[endpoint] = kept

@@ -55,12 +55,6 @@ def _instances(prefix: str, results: Sequence[WorkerResult]) -> dict[str, LoadRe
     return out
 
 
-def _root_cause(errors: Sequence[StreamsyncError | None]) -> StreamsyncError | None:
-    cause = root_cause(errors)
-    assert cause is None or isinstance(cause, StreamsyncError)
-    return cause
-
-
 @dataclass
 class SyncRound:
     """One sync's state: each engine's worker results (by rank) and failures, and the
@@ -121,7 +115,7 @@ class SyncRound:
     ) -> StreamsyncError | None:
         """The error to raise (the workers', then the engines', then the send's root
         cause), the ``absent`` engines left out; ``engine(e)``: the index named in it."""
-        return _root_cause(
+        cause = root_cause(
             [
                 *(err for e, err in self.engine_errors.items() if e not in absent),
                 *(
@@ -133,6 +127,8 @@ class SyncRound:
                 self.send_error,
             ]
         )
+        assert cause is None or isinstance(cause, StreamsyncError)
+        return cause
 
     def merged(self, fanout: bool, absent: Mapping[int, StreamsyncError]) -> SyncReport:
         """The sender's report with every worker's instances, and the ``absent`` engines

@@ -87,13 +87,16 @@ class WeightTransfer:
             )
         #: The vLLM server's base URL.
         self.server_url = server_url.rstrip("/")
-        self.endpoint = endpoint
-        self.pipeline = pipeline
-        self.secret = secret
-        self.delta = delta
-        self.bucket_bytes = bucket_bytes
-        self.timeout = timeout
-        self.worker_options = worker_options
+        #: What the workers are told at init (``StreamsyncInitInfo``'s fields).
+        self.init_info: dict[str, Any] = dict(
+            endpoint=endpoint,
+            pipeline=pipeline,
+            secret=secret,
+            delta=delta,
+            bucket_bytes=bucket_bytes,
+            timeout=timeout,
+            worker_options=worker_options,
+        )
         self.server_timeout = server_timeout
         self.control_timeout = control_timeout
         self.weight_sync_timeout = weight_sync_timeout
@@ -123,16 +126,7 @@ class WeightTransfer:
         from streamsync.vllm.native import StreamsyncInitInfo
         from streamsync.vllm.native.trainer import StreamsyncTrainerEngine
 
-        info = StreamsyncInitInfo(
-            endpoint=self.endpoint,
-            pipeline=self.pipeline,
-            bucket_bytes=self.bucket_bytes,
-            timeout=self.timeout,
-            secret=self.secret,
-            worker_options=self.worker_options,
-            delta=self.delta,
-            rank=0,
-        )
+        info = StreamsyncInitInfo(**self.init_info, rank=0)
         client = HTTPVLLMWeightSyncClient(self.server_url, timeout=self.weight_sync_timeout)
         self._engine = StreamsyncTrainerEngine.trainer_init(info, client=client)
         log(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, ClassVar
 
 import msgspec
@@ -12,7 +13,6 @@ from streamsync._log import log, warn
 from streamsync.engine.messages import Versioned, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, StreamsyncError, describe
-from streamsync.sink import Sink
 from streamsync.sync import DEFAULT_TIMEOUT
 
 
@@ -111,11 +111,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             self.vllm_config,
             self._state,
         )
-
-        def sink(opts: WorkerOptions) -> Sink:
-            return worker_sink(models, opts)
-
-        result = receivers.handle(init.endpoint, options, sink)
+        result = receivers.handle(init.endpoint, options, partial(worker_sink, models))
         self.last_result = result
         error = result.exception(self.rank)
         if error is not None:
