@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -806,9 +807,8 @@ def sync_into_worker(
             async def worker() -> None:
                 options = WorkerOptions(timeout=20)
                 sink = Seeing(target)
-                results.append(
-                    await anyio.to_thread.run_sync(workers.receive, endpoint, options, sink)
-                )
+                handle = partial(workers.handle, endpoint, options, lambda _: sink)
+                results.append(await anyio.to_thread.run_sync(handle))
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(worker)

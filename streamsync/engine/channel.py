@@ -9,7 +9,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import anyio
 import anyio.to_thread
@@ -37,6 +37,8 @@ from streamsync.transports.base import Sender
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["EngineChannel"]
+
+T = TypeVar("T")
 
 
 # The channel's own keywords, beside the transport's (``require_all`` is passed on).
@@ -196,22 +198,28 @@ class EngineChannel:
     async def _close_both(self) -> None:
         url = self.url  # what the workers connected to (a port 0 resolved)
         await self._close_sender()
+        # An engine that shut down first, or whose RPC fails, is warned of.
+        closed = await self._each_client(
+            "engine.close_receivers_failed", lambda client: client.close_receivers(url)
+        )
+        log("engine.close", endpoint=self.endpoint, receivers=closed)
 
-        async def close(e: int) -> None:
+    async def _each_client(
+        self, failed: str, call: Callable[[EngineClient], Awaitable[T]]
+    ) -> list[T | None]:
+        """``call(client)`` for every engine at once, each bounded by the channel's timeout;
+        an engine whose call fails gets ``None`` and a warning ``failed``."""
+        answers: list[T | None] = [None] * len(self.clients)
+
+        async def ask(e: int) -> None:
             try:
                 with anyio.fail_after(self.timeout):
-                    closed = await self.clients[e].close_receivers(url)
-            except Exception as exc:  # the engine shut down first, or its RPC failed
-                warn(
-                    "engine.close_receivers_failed",
-                    endpoint=self.endpoint,
-                    engine=e,
-                    error=repr(exc),
-                )
-            else:
-                log("engine.close", endpoint=self.endpoint, engine=e, receivers=closed)
+                    answers[e] = await call(self.clients[e])
+            except Exception as exc:
+                warn(failed, endpoint=self.endpoint, engine=e, error=repr(exc))
 
-        await each(len(self.clients), close)
+        await each(len(self.clients), ask)
+        return answers
 
     async def _close_sender(self) -> None:
         """Close the sender (the loop thread keeps running; the next sync reopens it)."""
@@ -246,19 +254,11 @@ class EngineChannel:
     async def _hello(self) -> tuple[EngineFacts, ...]:
         """Each engine's facts, asked once per opening; an engine whose hello fails (it may
         be down, and rejoin later) is left out, with a warning."""
-        told: list[EngineFacts | None] = [None] * len(self.clients)
 
-        async def ask(e: int) -> None:
-            client = self.clients[e]
-            if not isinstance(client, FactsClient):
-                return
-            try:
-                with anyio.fail_after(self.timeout):
-                    told[e] = await client.hello()
-            except Exception as exc:
-                warn("engine.hello_failed", endpoint=self.endpoint, engine=e, error=repr(exc))
+        async def hello(client: EngineClient) -> EngineFacts | None:
+            return await client.hello() if isinstance(client, FactsClient) else None
 
-        await each(len(self.clients), ask)
+        told = await self._each_client("engine.hello_failed", hello)
         return tuple(f for f in told if f is not None)
 
     async def wait_ready(self, timeout: float | None = None) -> None:

@@ -42,7 +42,7 @@ class WorkerReceivers:
     """One receiver per endpoint for one engine worker, all on one
     :class:`EventLoopThread`.
 
-    :meth:`receive` and :meth:`close` are plain (blocking) methods for the worker's RPC
+    :meth:`handle` and :meth:`close` are plain (blocking) methods for the worker's RPC
     handlers; :meth:`shutdown` closes everything and stops the loop. ``device``: the
     worker's device, made current on the loop's thread (by ``select``) before any sink
     runs there.
@@ -66,8 +66,9 @@ class WorkerReceivers:
     ) -> WorkerResult:
         """The worker side of one sync, as every engine's RPC handler runs it: ``options``
         from their wire form (a :class:`WorkerOptions` passes as it is), the sink
-        ``make_sink`` builds for them, then :meth:`receive`. A streamsync error in any step
-        is returned in the result, not raised."""
+        ``make_sink`` builds for them, then one receive from ``endpoint`` into it. A
+        streamsync error in any step is returned in the result (with its partial report),
+        not raised: the engine stays up."""
         try:
             opts = WorkerOptions.from_wire(options)
             sink = make_sink(opts)
@@ -78,38 +79,29 @@ class WorkerReceivers:
                 # is not the next sync's.
                 receiver.state.abandoned = True
             return WorkerResult.failed(exc)
-        return self.receive(endpoint, opts, sink)
-
-    def receive(self, endpoint: str, options: WorkerOptions, sink: Sink) -> WorkerResult:
-        """Receive one sync from ``endpoint`` into ``sink``. A streamsync error is returned in
-        the result (with its partial report), not raised: the engine stays up."""
-        timeout = options.timeout if options.timeout is not None else DEFAULT_TIMEOUT
+        timeout = opts.timeout if opts.timeout is not None else DEFAULT_TIMEOUT
 
         async def once() -> SyncReport:
-            receiver = await self._open(endpoint, options.transport)
-            return await receive(receiver, sink, timeout=timeout, sync_id=options.sync_id)
+            receiver = await self._open(endpoint, opts.transport)
+            return await receive(receiver, sink, timeout=timeout, sync_id=opts.sync_id)
 
         async def run() -> SyncReport:
             # One receive at a time per endpoint: the receive of a sync the trainer gave up
             # (its RPC abandoned) may still wait for that sync's abort, which comes first;
             # this one waits for it instead of failing with SyncInProgressError.
-            turn = self._turns.setdefault(endpoint, anyio.Lock())
-            async with turn:
-                return await attempt()
-
-        async def attempt() -> SyncReport:
-            try:
-                return await once()
-            except (EndOfStream, PeerBrokenError) as exc:
-                # The trainer reopened its side since our last sync: reconnect once, unless
-                # this sync had already started applying weights.
-                if exc.report is not None and exc.report.loaded:
-                    raise
-                old = self._receivers.pop(endpoint, None)
-                if old is not None:
-                    await old.aclose()
-                log("worker.reconnect", endpoint=endpoint, reason=type(exc).__name__)
-                return await once()
+            async with self._turns.setdefault(endpoint, anyio.Lock()):
+                try:
+                    return await once()
+                except (EndOfStream, PeerBrokenError) as exc:
+                    # The trainer reopened its side since our last sync: reconnect once,
+                    # unless this sync had already started applying weights.
+                    if exc.report is not None and exc.report.loaded:
+                        raise
+                    old = self._receivers.pop(endpoint, None)
+                    if old is not None:
+                        await old.aclose()
+                    log("worker.reconnect", endpoint=endpoint, reason=type(exc).__name__)
+                    return await once()
 
         try:
             report = self._loop.run(

@@ -155,7 +155,12 @@ class WeightTransfer:
                 reached the trainer (``UnknownTensorError``, ``ShapeMismatchError``, ...),
                 else the transport's or the server's.
         """
-        engine = self._require("send_weights")
+        engine = self._engine
+        if engine is None:
+            raise ConfigError(
+                "WeightTransfer.send_weights: not initialised (init_weight_transfer() first, "
+                "or after destroy())"
+            )
         if self._adapter is not None:
             self._adapter.send(engine, iterator)
         else:
@@ -234,14 +239,6 @@ class WeightTransfer:
         check_lora_name(f"{name}-v1")
         loop_kwargs["lora_name"] = name
         self._adapter = _AdapterOnly(trainer, model, name)
-
-    def _require(self, what: str) -> Any:
-        if self._engine is None:
-            raise ConfigError(
-                f"WeightTransfer.{what}: not initialised (init_weight_transfer() first, or "
-                "after destroy())"
-            )
-        return self._engine
 
     def _wait_until_ready(self) -> None:
         """Poll ``/health`` until the server answers, as TRL's own client does."""

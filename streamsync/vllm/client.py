@@ -49,16 +49,6 @@ def _in_flight(engine: Any, name: str) -> int | None:
     return sum(1 for state in states.values() if getattr(state, "lora_name", None) == name)
 
 
-def _check_lora_enabled(llm: Any) -> None:
-    engine = getattr(llm, "llm_engine", llm)
-    config = getattr(engine, "vllm_config", None)
-    if config is not None and getattr(config, "lora_config", None) is None:
-        raise LoraError(
-            "the engine was started without LoRA: start it with enable_lora=True "
-            "(the server: --enable-lora), with max_lora_rank at least the adapter's rank"
-        )
-
-
 #: What an engine's ``worker_extension_cls`` must name (or a subclass of it).
 EXTENSION = "streamsync.vllm.WorkerExtension"
 
@@ -207,8 +197,11 @@ class WeightSync(EngineChannel):
         config: Any = None,
         pipeline: AdapterLike | None = None,
     ) -> SyncReport:
-        for llm in self.llm if several(self.llm) else [self.llm]:
-            _check_lora_enabled(llm)
+        from streamsync.vllm.lora import NO_LORA
+
+        llms = self.llm if several(self.llm) else [self.llm]
+        if any(getattr(_vllm_config(llm), "lora_config", None) is None for llm in llms):
+            raise LoraError(NO_LORA)
         return await super().update_lora(name, adapter, config=config, pipeline=pipeline)
 
 

@@ -44,7 +44,7 @@ class _Version:
     loaded: bool = False
 
 
-_NO_LORA = (
+NO_LORA = (
     "the engine was started without LoRA: start it with enable_lora=True "
     "(the server: --enable-lora), with max_lora_rank at least the adapter's rank"
 )
@@ -67,7 +67,7 @@ class LoraEngine:
         adapters = getattr(model, "lora_manager", None)
         lora_config = getattr(vllm_config, "lora_config", None)
         if adapters is None or lora_config is None:
-            raise LoraError(_NO_LORA)
+            raise LoraError(NO_LORA)
         model_config = vllm_config.model_config
         text = model_config.hf_config.get_text_config()
         # What vLLM's worker passes its loader: an encoder-decoder's target positions.

@@ -28,7 +28,7 @@ class _PipelineSource(WeightSource):
         self._timeout = timeout
         self._meta: list[ParamMeta] | None = None
 
-    def _stream(self) -> AsyncIterator[Any]:
+    async def _open(self) -> Any:
         weights = self._weights
         if callable(weights) and not isinstance(weights, torch.nn.Module):
             weights = weights()
@@ -81,9 +81,6 @@ class _PipelineSource(WeightSource):
                 f"({len(meta)} vs {len(self._meta)} tensors); the stream must be the same "
                 "each round"
             )
-
-    async def _open(self) -> Any:
-        return self._stream()
 
 
 def _named_tensor(item: Any) -> tuple[str, torch.Tensor]:
