@@ -69,22 +69,21 @@ class _AdapterLoads:
 
         with self._lock:
             self._sources.add(source)
-            if self._wrapped is None:
-                self._wrapped = self._wrap(WorkerLoRAManager._load_adapter)
-                WorkerLoRAManager._load_adapter = self._wrapped  # type: ignore[method-assign]
+            if self._wrapped is not None:
+                return
+            original = WorkerLoRAManager._load_adapter
 
-    def _wrap(self, original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-        @functools.wraps(original)
-        def _load_adapter(manager: Any, lora_request: Any) -> Any:
-            with self._lock:
-                sources = list(self._sources)
-            for source in sources:
-                lora = source(manager, lora_request)
-                if lora is not None:
-                    return lora
-            return original(manager, lora_request)
+            @functools.wraps(original)
+            def _load_adapter(manager: Any, lora_request: Any) -> Any:
+                with self._lock:
+                    sources = list(self._sources)
+                for source in sources:
+                    lora = source(manager, lora_request)
+                    if lora is not None:
+                        return lora
+                return original(manager, lora_request)
 
-        return _load_adapter
+            self._wrapped = WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign,assignment]
 
 
 _adapter_loads = _AdapterLoads()

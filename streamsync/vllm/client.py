@@ -61,11 +61,6 @@ def _vllm_config(llm: Any) -> Any:
     return config
 
 
-def world_size(llm: Any) -> int:
-    """How many workers (receivers) an ``LLM`` or ``AsyncLLM`` has."""
-    return int(_vllm_config(llm).parallel_config.world_size)
-
-
 def check_extension(llm: Any) -> None:
     """Raise :class:`~streamsync.ConfigError` unless ``llm``'s workers carry
     :class:`~streamsync.vllm.WorkerExtension` (its ``worker_extension_cls``, checked once
@@ -97,7 +92,7 @@ class VllmClient:
     def __init__(self, llm: Any) -> None:
         check_extension(llm)
         self.llm = llm
-        self.receivers = world_size(llm)
+        self.receivers = int(_vllm_config(llm).parallel_config.world_size)
         #: An ``AsyncLLM``: driven from the event loop that created it.
         self.loop_bound = inspect.iscoroutinefunction(getattr(llm, "collective_rpc", None))
         # What takes adapters and tells requests in flight: the AsyncLLM, or LLM's engine.
