@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 import anyio.to_thread
 from vllm.distributed.weight_transfer.base import (
@@ -36,6 +36,8 @@ from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.native.worker import TransferInit
 from streamsync.vllm.server import BACKEND, call
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -181,29 +183,32 @@ def _start_draft(client: Any) -> None:
         )
 
 
-def _ask(client: Any, method: str, route: str, key: str) -> str | None:
-    """The engine's answer: the client's ``method()``, else field ``key`` of the server's
-    ``GET /route`` where the client has a ``base_url``; ``None`` where neither can be
-    asked."""
+def _ask(
+    client: Any, method: str, route: str, key: str, parse: Callable[[Any], T], *, hint: str
+) -> T | None:
+    """The engine's answer, ``parse``d: the client's ``method()``, else field ``key``
+    of the server's ``GET /route`` where the client has a ``base_url``; ``None`` where
+    neither can be asked. A server's answer without it is a :class:`ConfigError` that ends
+    with ``hint``."""
     ask = getattr(client, method, None)
     if callable(ask):
-        return str(ask())
+        return parse(ask())
     response = _http(client, "GET", route)
     if response is None:
         return None
     try:
-        return str(response.json()[key])
+        return parse(response.json()[key])
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(
             f"the vLLM server at {client.base_url} answered GET /{route} without a {key} "
-            f"({exc!r}); is it a vLLM server?"
+            f"({exc!r}); {hint}"
         ) from exc
 
 
 def engine_facts(client: Any) -> EngineFacts:
     """What the engine behind ``client`` is: the client's ``get_version()``, else the
     server's ``/version``."""
-    version = _ask(client, "get_version", "version", "version")
+    version = _ask(client, "get_version", "version", "version", str, hint="is it a vLLM server?")
     if version is None:
         raise ConfigError(
             f"cannot ask {type(client).__name__} which vLLM the engine runs (no "
@@ -216,7 +221,8 @@ def _receivers(init_info: StreamsyncInitInfo, client: Any) -> int:
     """The workers to wait for: the engine's count (tensor x pipeline x data parallel: the
     client's ``get_world_size()``, else the server's ``/get_world_size``), checked against
     an explicit one."""
-    found = _ask(client, "get_world_size", "get_world_size", "world_size")
+    hint = "pass StreamsyncInitInfo(receivers=N)"
+    found = _ask(client, "get_world_size", "get_world_size", "world_size", int, hint=hint)
     given = init_info.receivers
     if given is not None and (not isinstance(given, int) or given < 1):
         raise ConfigError(f"StreamsyncInitInfo(receivers={given!r}): use a count >= 1, or None")
@@ -228,14 +234,14 @@ def _receivers(init_info: StreamsyncInitInfo, client: Any) -> int:
                 "N = tensor x pipeline x data parallel size"
             )
         return given
-    if given is not None and given != int(found):
+    if given is not None and given != found:
         where = getattr(client, "base_url", None) or type(client).__name__
         raise ConfigError(
             f"StreamsyncInitInfo(receivers={given}) but the engine at {where} has {found} "
             "workers (tensor x pipeline x data parallel); leave receivers unset to use the "
             "engine's count"
         )
-    return int(found)
+    return found
 
 
 class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
