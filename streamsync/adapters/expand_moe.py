@@ -14,7 +14,7 @@ untouched, as do LoRA tensors (names containing ``lora_``).
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any, Final, Literal
 
 import torch
@@ -33,22 +33,6 @@ _WHEN: Final = ("auto", "always", "never")
 LAST_VLLM_NEEDING_EXPANSION: Final = (0, 24, 0)
 
 When = Literal["auto", "always", "never"]
-
-
-def should_expand(when: str = "auto", engines: Sequence[EngineFacts] | None = None) -> bool:
-    """Whether to expand packed experts.
-
-    ``"always"`` and ``"never"`` are obeyed. ``"auto"`` defers to the environment variable
-    ``STREAMSYNC_EXPAND_MOE`` (``always``/``never``/``auto``) when it is set, and otherwise
-    expands iff the engine's vLLM is ≤ 0.24.0: the version each engine told the channel
-    when it opened (``engines``; default: those the running sync feeds), or, outside an
-    engine's channel, the vLLM installed here. An absent or unparsable vLLM version means
-    "do not expand"; engines that disagree are a :class:`~streamsync.ConfigError`.
-    """
-    when = _resolve(when)
-    if when != "auto":
-        return when == "always"
-    return _auto(sending_to.get() if engines is None else tuple(engines))
 
 
 def _resolve(when: str) -> str:
@@ -208,9 +192,14 @@ async def expand_moe(
     source: AsyncIterable[NamedTensor], *, rule: MoeRule | None, auto: bool
 ) -> AsyncIterator[NamedTensor]:
     """``expand_moe(when="auto", model_type=None)``: packed experts into per-expert keys
-    (module docstring). ``when``: see :func:`should_expand`; ``"auto"`` is decided when the
-    stream starts, from the facts of the engine it feeds. ``model_type`` picks the family
-    rule from :data:`RULES`."""
+    (module docstring). ``model_type`` picks the family rule from :data:`RULES`.
+
+    ``when="always"`` and ``"never"`` are obeyed. ``"auto"`` defers to the environment
+    variable ``STREAMSYNC_EXPAND_MOE`` (``always``/``never``/``auto``) when it is set, and
+    otherwise expands iff the engine's vLLM is ≤ 0.24.0: decided when the stream starts,
+    from the version each engine told the channel the sync feeds or, outside an engine's
+    channel, the vLLM installed here. An absent or unparsable vLLM version means "do not
+    expand"; engines that disagree are a :class:`~streamsync.ConfigError`."""
     if auto and not _auto(sending_to.get()):
         rule = None
     async for name, tensor in source:
