@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import torch
@@ -79,19 +80,16 @@ def _packed_block(name: str, tensor: torch.Tensor, proj: str) -> str | None:
     return match["block"] if tensor.dim() == 3 else None
 
 
+@dataclass(frozen=True)
 class QwenStyleRule(MoeRule):
     """``mlp.experts.gate_up_proj [E, 2I, H]`` → ``mlp.experts.{e}.gate_proj.weight`` (rows
     ``:I``) and ``up_proj.weight`` (rows ``I:``); ``down_proj [E, H, I]`` →
     ``mlp.experts.{e}.down_proj.weight``. What Transformers calls the ``qwen2_moe`` conversion."""
 
-    def __init__(
-        self,
-        block: str = "mlp",
-        gate: str = "gate_proj",
-        up: str = "up_proj",
-        down: str = "down_proj",
-    ) -> None:
-        self.block, self.gate, self.up, self.down = block, gate, up, down
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
 
     def _experts(self, mlp: str) -> str:
         return mlp[: -len("mlp")] + self.block
@@ -114,11 +112,8 @@ class QwenStyleRule(MoeRule):
 
 
 class MixtralRule(QwenStyleRule):
-    """Mixtral checkpoints: experts under ``block_sparse_moe`` as ``w1`` (gate), ``w3`` (up)
-    and ``w2`` (down); the router ``mlp.gate.weight`` is ``block_sparse_moe.gate.weight``."""
-
-    def __init__(self) -> None:
-        super().__init__(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+    """The Qwen-style rule that also moves the router ``mlp.gate.weight`` into the experts'
+    block: Mixtral's ``block_sparse_moe.gate.weight``."""
 
     def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
         router = ROUTER.match(name)
@@ -128,7 +123,7 @@ class MixtralRule(QwenStyleRule):
 
 
 _QWEN = QwenStyleRule()
-_MIXTRAL = MixtralRule()
+_MIXTRAL = MixtralRule(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 
 #: ``config.model_type`` → rule. The Qwen-style and Mixtral-style families are those
 #: Transformers 5.19 converts with its ``qwen2_moe`` and ``mixtral`` patterns
