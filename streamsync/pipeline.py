@@ -78,7 +78,7 @@ Fuse: TypeAlias = Callable[["Stage", Adapter], "Adapter | None"]
 class Stage(Adapter):
     """What calling an :func:`adapter` function returns: ``op``, that function, and
     ``config``, the keyword arguments it runs with (also attributes, as in
-    ``bucket(4096).bucket_bytes``, which is how :class:`Chain` recognises stages that fuse)."""
+    ``cast(torch.bfloat16).rule``, which its ``fuse`` reads)."""
 
     def __init__(self, op: Operator[Any], config: Mapping[str, Any], shown: str) -> None:
         self.op, self.config, self._shown = op, dict(config), shown

@@ -183,9 +183,8 @@ class ModuleSink:
     def _check(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor | None:
         """The module's tensor for ``name`` after the strict checks, or ``None`` for a name
         a non-strict sink skips."""
-        dst = self._targets.get(name)
         meta = self._meta.get(name)
-        if dst is None or meta is None:
+        if meta is None:
             if self.strict:
                 close = difflib.get_close_matches(name, self._targets, n=3)
                 hint = f"; close matches: {', '.join(close)}" if close else ""
@@ -196,13 +195,13 @@ class ModuleSink:
             return None
         if meta[0] != tuple(shape):
             raise ShapeMismatchError(
-                f"tensor {name!r}: received shape {list(shape)}, the module's is {list(dst.shape)}"
+                f"tensor {name!r}: received shape {list(shape)}, the module's is {list(meta[0])}"
             )
         if meta[1] != dtype and self.strict:
             raise DtypeMismatchError(
-                f"tensor {name!r}: received dtype {dtype}, the module's is {dst.dtype}"
+                f"tensor {name!r}: received dtype {dtype}, the module's is {meta[1]}"
             )
-        return dst
+        return self._targets[name]
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The module's own tensor for ``name``, for chunks to be written straight into it;

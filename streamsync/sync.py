@@ -25,6 +25,7 @@ from streamsync.errors import (
     StreamsyncError,
     SyncInProgressError,
     WireFormatError,
+    describe,
 )
 from streamsync.pipeline import AdapterLike, Chain, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
@@ -285,7 +286,7 @@ async def _aborting(sender: Sender, sync_id: int) -> AsyncIterator[None]:
         yield
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
-            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+            await sender.abort(Abort(sync_id, describe(exc)))
         raise
 
 
@@ -449,12 +450,10 @@ def _union(names: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
     """The sorted union of sorted name lists; usually all the same list, returned as it
     is."""
     lists = list(names)
-    if not lists:
-        return ()
-    first = lists[0]
-    if all(other == first for other in lists[1:]):
+    first = lists[0] if lists else ()
+    if all(other == first for other in lists):
         return first
-    return tuple(sorted({n for each in lists for n in each}))
+    return tuple(sorted(set().union(*lists)))
 
 
 def _done(report: SyncReport) -> SyncReport:
