@@ -64,14 +64,6 @@ def _auto(engines: tuple[EngineFacts, ...]) -> bool:
     return verdicts.pop()
 
 
-class MoeRule:
-    """How one model family's live (Transformers ≥ 5) tensors map to checkpoint tensors."""
-
-    def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
-        """The checkpoint tensors for ``(name, tensor)``, or ``None`` to pass it untouched."""
-        return None
-
-
 def _packed_block(name: str, tensor: torch.Tensor, proj: str) -> str | None:
     """The ``mlp`` block path of a 3-D packed ``proj`` of the Qwen layout; ``None`` otherwise."""
     match = PACKED.match(name)
@@ -81,8 +73,9 @@ def _packed_block(name: str, tensor: torch.Tensor, proj: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class QwenStyleRule(MoeRule):
-    """``mlp.experts.gate_up_proj [E, 2I, H]`` → ``mlp.experts.{e}.gate_proj.weight`` (rows
+class QwenStyleRule:
+    """How one model family's live (Transformers ≥ 5) tensors map to checkpoint tensors:
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` → ``mlp.experts.{e}.gate_proj.weight`` (rows
     ``:I``) and ``up_proj.weight`` (rows ``I:``); ``down_proj [E, H, I]`` →
     ``mlp.experts.{e}.down_proj.weight``. What Transformers calls the ``qwen2_moe`` conversion."""
 
@@ -95,6 +88,7 @@ class QwenStyleRule(MoeRule):
         return mlp[: -len("mlp")] + self.block
 
     def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
+        """The checkpoint tensors for ``(name, tensor)``, or ``None`` to pass it untouched."""
         gate_up = _packed_block(name, tensor, "gate_up_proj")
         if gate_up is not None and tensor.shape[1] % 2 == 0:
             block, inter = self._experts(gate_up), tensor.shape[1] // 2
@@ -125,10 +119,10 @@ class MixtralRule(QwenStyleRule):
 _QWEN = QwenStyleRule()
 _MIXTRAL = MixtralRule(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 
-#: ``config.model_type`` → rule. The Qwen-style and Mixtral-style families are those
-#: Transformers 5.19 converts with its ``qwen2_moe`` and ``mixtral`` patterns
-#: (``transformers/conversion_mapping.py``).
-RULES: dict[str, MoeRule] = {
+#: ``config.model_type`` → rule (``None``: nothing to expand). The Qwen-style and
+#: Mixtral-style families are those Transformers 5.19 converts with its ``qwen2_moe`` and
+#: ``mixtral`` patterns (``transformers/conversion_mapping.py``).
+RULES: dict[str, QwenStyleRule | None] = {
     **dict.fromkeys(
         (
             "qwen2_moe",
@@ -160,7 +154,7 @@ RULES: dict[str, MoeRule] = {
     **dict.fromkeys(("mixtral", "minimax", "minimax_m2"), _MIXTRAL),
     # Checkpoints store gate/up interleaved and packed with their biases, as the live model
     # does, and vLLM loads them packed: nothing to expand.
-    "gpt_oss": MoeRule(),
+    "gpt_oss": None,
 }
 
 
@@ -170,21 +164,20 @@ def _configure(when: When = "auto", model_type: str | None = None) -> dict[str, 
     resolved = _resolve(when)
     if resolved == "never":
         return {"rule": None, "auto": False}
-    if model_type is None:
-        return {"rule": _QWEN, "auto": resolved == "auto"}
-    if model_type not in RULES:
+    if model_type is not None and model_type not in RULES:
         warn(
             "expand_moe.unknown_model_type",
             model_type=model_type,
             action="passing every tensor through untouched",
             known=sorted(RULES),
         )
-    return {"rule": RULES.get(model_type), "auto": resolved == "auto"}
+    rule = _QWEN if model_type is None else RULES.get(model_type)
+    return {"rule": rule, "auto": resolved == "auto"}
 
 
 @adapter(configure=_configure)
 async def expand_moe(
-    source: AsyncIterable[NamedTensor], *, rule: MoeRule | None, auto: bool
+    source: AsyncIterable[NamedTensor], *, rule: QwenStyleRule | None, auto: bool
 ) -> AsyncIterator[NamedTensor]:
     """``expand_moe(when="auto", model_type=None)``: packed experts into per-expert keys
     (module docstring). ``model_type`` picks the family rule from :data:`RULES`.
