@@ -555,23 +555,8 @@ async def _receive(
     receiver: Receiver, sink: Sink, *, timeout: float, sync_id: int | None = None
 ) -> SyncReport:
     state = receiver.state
-    # The first message of the next sync, skipping leftovers of a sync that already failed
-    # here (the sender's abort, buckets still in flight), of any sync before ``sync_id``,
-    # and the abort of the sync a cancelled receive() was waiting for.
-    state.waiting = True
-    while True:
-        incoming = await receiver.receive(timeout=timeout)
-        first = incoming.message
-        if isinstance(first, Abort) and state.abandoned:
-            state.abandoned = False
-            continue
-        state.abandoned = False
-        earlier = sync_id is not None and first.sync_id < sync_id
-        if first.sync_id != state.failed_sync_id and not earlier:
-            break
-        if isinstance(first, BucketHeader):
-            await receiver.release(first)
-    state.waiting = False
+    incoming = await _first_message(receiver, timeout=timeout, sync_id=sync_id)
+    first = incoming.message
     sync = _Progress(first.sync_id, first if isinstance(first, BucketHeader) else None)
     try:
         if state.last_sync_id is not None and sync.sync_id <= state.last_sync_id:
@@ -627,6 +612,27 @@ async def _receive(
     )
     state.last_sync_id = sync.sync_id
     return _done(report)
+
+
+async def _first_message(receiver: Receiver, *, timeout: float, sync_id: int | None) -> Incoming:
+    """The first message of the next sync, skipping leftovers of a sync that already failed
+    here (the sender's abort, buckets still in flight), of any sync before ``sync_id``, and
+    the abort of the sync a cancelled receive() was waiting for."""
+    state = receiver.state
+    state.waiting = True
+    while True:
+        incoming = await receiver.receive(timeout=timeout)
+        first = incoming.message
+        if isinstance(first, Abort) and state.abandoned:
+            state.abandoned = False
+            continue
+        state.abandoned = False
+        earlier = sync_id is not None and first.sync_id < sync_id
+        if first.sync_id != state.failed_sync_id and not earlier:
+            state.waiting = False
+            return incoming
+        if isinstance(first, BucketHeader):
+            await receiver.release(first)
 
 
 def _against_carried(
