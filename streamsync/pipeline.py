@@ -28,8 +28,6 @@ import torch
 from streamsync.errors import ConfigError
 
 NamedTensor: TypeAlias = tuple[str, torch.Tensor]
-#: The one core type: an async stream of named tensors.
-NamedTensors: TypeAlias = AsyncIterator[NamedTensor]
 AdapterLike: TypeAlias = Callable[[AsyncIterable[Any]], AsyncIterator[Any]]
 P = ParamSpec("P")
 
@@ -80,7 +78,7 @@ Fuse: TypeAlias = Callable[["Stage", Adapter], "Adapter | None"]
 class Stage(Adapter):
     """What calling an :func:`adapter` function returns: ``op``, that function, and
     ``config``, the keyword arguments it runs with (also attributes, as in
-    ``bucket(4096).bucket_bytes``, which is how :class:`Chain` recognises stages that fuse)."""
+    ``cast(torch.bfloat16).rule``, which its ``fuse`` reads)."""
 
     def __init__(self, op: Operator[Any], config: Mapping[str, Any], shown: str) -> None:
         self.op, self.config, self._shown = op, dict(config), shown
@@ -113,14 +111,14 @@ class Operator(Generic[P]):
     ) -> None:
         functools.update_wrapper(self, fn)
         self.fn, self.configure, self.fuse = fn, configure, fuse
-        self._signature = inspect.signature(fn)
         # What a caller passes: ``configure``'s parameters, or ``fn``'s after the source.
-        options = inspect.signature(configure) if configure is not None else self._signature
+        options = inspect.signature(configure if configure is not None else fn)
         params = list(options.parameters.values())
         self._options = options.replace(parameters=params if configure else params[1:])
 
-    def _check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A :class:`ConfigError` naming a wrong argument and the valid ones."""
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+        """The caller's arguments bound to the options; a :class:`ConfigError` naming a
+        wrong argument and the valid ones."""
         valid = [
             p.name
             for p in self._options.parameters.values()
@@ -136,18 +134,17 @@ class Operator(Generic[P]):
                     f"{name}(): unknown option {key!r}{hint}; valid: {', '.join(valid) or 'none'}"
                 )
         try:
-            self._options.bind(*args, **kwargs)
+            return self._options.bind(*args, **kwargs)
         except TypeError as exc:
             raise ConfigError(f"{name}(): {exc}; options: {', '.join(valid) or 'none'}") from None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Stage:
-        self._check(args, kwargs)
+        bound = self._bind(args, kwargs)
         if self.configure is not None:
             config = dict(self.configure(*args, **kwargs))
         else:
-            bound = self._signature.bind(None, *args, **kwargs)  # TypeError for bad arguments
             bound.apply_defaults()
-            config = dict(list(bound.arguments.items())[1:])  # all but the source
+            config = dict(bound.arguments)
         shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
         return Stage(self, config, f"{self.fn.__name__}({shown})")
 

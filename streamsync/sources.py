@@ -75,26 +75,17 @@ async def _from_iterable(pairs: Iterator[Any]) -> AsyncIterator[NamedTensor]:
     try:
         for item in pairs:
             # The common case checked in line: a (str, plain tensor) pair, nothing to detach.
-            if type(item) is tuple and len(item) == 2:
+            if type(item) is not tuple or len(item) != 2:
+                item = _check(item)
+            else:
                 name, tensor = item
-                if type(name) is str and type(tensor) is tensor_type and not tensor.requires_grad:
-                    yield item
-                    continue
-            yield _check(item)
+                if type(name) is not str or type(tensor) is not tensor_type or tensor.requires_grad:
+                    item = _check(item)
+                del name, tensor
+            yield item
+            del item  # hold nothing of it while the next is made (a gather, a merged weight)
     finally:
         close = getattr(pairs, "close", None)  # a generator's ``finally`` runs now
-        if close is not None:
-            close()
-
-
-async def _stepped(pairs: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
-    try:
-        for pair in pairs:
-            yield pair
-            # Hold nothing of it while the next is made (a DTensor's gather, say).
-            del pair
-    finally:
-        close = getattr(pairs, "close", None)
         if close is not None:
             close()
 
@@ -170,7 +161,7 @@ def _pairs(obj: Any, *, merged: bool) -> AsyncIterator[NamedTensor]:
     from streamsync.lora import is_peft_model
 
     if is_peft_model(obj):
-        return _stepped(_from_peft(obj, merged))
+        return _from_iterable(_from_peft(obj, merged))
     if merged:
         raise ConfigError(
             f"named_tensors(merged=True) merges a peft model's adapter; "

@@ -25,6 +25,7 @@ from streamsync.errors import (
     StreamsyncError,
     SyncInProgressError,
     WireFormatError,
+    describe,
 )
 from streamsync.pipeline import AdapterLike, Chain, reading
 from streamsync.report import DeltaReport, LoadResult, SyncReport
@@ -285,7 +286,7 @@ async def _aborting(sender: Sender, sync_id: int) -> AsyncIterator[None]:
         yield
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
-            await sender.abort(Abort(sync_id, f"{type(exc).__name__}: {exc}"))
+            await sender.abort(Abort(sync_id, describe(exc)))
         raise
 
 
@@ -449,12 +450,10 @@ def _union(names: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
     """The sorted union of sorted name lists; usually all the same list, returned as it
     is."""
     lists = list(names)
-    if not lists:
-        return ()
-    first = lists[0]
-    if all(other == first for other in lists[1:]):
+    first = lists[0] if lists else ()
+    if all(other == first for other in lists):
         return first
-    return tuple(sorted({n for each in lists for n in each}))
+    return tuple(sorted(set().union(*lists)))
 
 
 def _done(report: SyncReport) -> SyncReport:
@@ -556,23 +555,8 @@ async def _receive(
     receiver: Receiver, sink: Sink, *, timeout: float, sync_id: int | None = None
 ) -> SyncReport:
     state = receiver.state
-    # The first message of the next sync, skipping leftovers of a sync that already failed
-    # here (the sender's abort, buckets still in flight), of any sync before ``sync_id``,
-    # and the abort of the sync a cancelled receive() was waiting for.
-    state.waiting = True
-    while True:
-        incoming = await receiver.receive(timeout=timeout)
-        first = incoming.message
-        if isinstance(first, Abort) and state.abandoned:
-            state.abandoned = False
-            continue
-        state.abandoned = False
-        earlier = sync_id is not None and first.sync_id < sync_id
-        if first.sync_id != state.failed_sync_id and not earlier:
-            break
-        if isinstance(first, BucketHeader):
-            await receiver.release(first)
-    state.waiting = False
+    incoming = await _first_message(receiver, timeout=timeout, sync_id=sync_id)
+    first = incoming.message
     sync = _Progress(first.sync_id, first if isinstance(first, BucketHeader) else None)
     try:
         if state.last_sync_id is not None and sync.sync_id <= state.last_sync_id:
@@ -628,6 +612,27 @@ async def _receive(
     )
     state.last_sync_id = sync.sync_id
     return _done(report)
+
+
+async def _first_message(receiver: Receiver, *, timeout: float, sync_id: int | None) -> Incoming:
+    """The first message of the next sync, skipping leftovers of a sync that already failed
+    here (the sender's abort, buckets still in flight), of any sync before ``sync_id``, and
+    the abort of the sync a cancelled receive() was waiting for."""
+    state = receiver.state
+    state.waiting = True
+    while True:
+        incoming = await receiver.receive(timeout=timeout)
+        first = incoming.message
+        if isinstance(first, Abort) and state.abandoned:
+            state.abandoned = False
+            continue
+        state.abandoned = False
+        earlier = sync_id is not None and first.sync_id < sync_id
+        if first.sync_id != state.failed_sync_id and not earlier:
+            state.waiting = False
+            return incoming
+        if isinstance(first, BucketHeader):
+            await receiver.release(first)
 
 
 def _against_carried(

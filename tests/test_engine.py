@@ -933,7 +933,7 @@ def test_expand_moe_auto_decides_from_the_engine_s_vllm_not_the_trainer_s(
 ) -> None:
     from streamsync._versions import vllm_version
     from streamsync.adapters import expand_moe
-    from streamsync.adapters.expand_moe import ENV_VAR, should_expand
+    from streamsync.adapters.expand_moe import ENV_VAR
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     fake_local_vllm(monkeypatch, local_vllm)
@@ -951,7 +951,8 @@ def test_expand_moe_auto_decides_from_the_engine_s_vllm_not_the_trainer_s(
             )
     engine = TellingEngine([served], engine_vllm)
     try:
-        assert should_expand("auto") is not expanded  # the trainer alone decides otherwise
+        # The trainer alone decides otherwise.
+        assert anyio.run(_expands_for, ()) is not expanded
         pipeline = expand_moe()  # made before the channel: decided when its stream starts
         with EngineChannel(engine, f"shm://engine-facts-{os.getpid()}", timeout=20) as sync:
             assert sync.channel.facts == (EngineFacts(vllm_version=engine_vllm),)
@@ -971,15 +972,32 @@ def test_expand_moe_auto_decides_from_the_engine_s_vllm_not_the_trainer_s(
         assert torch.equal(served.mlp.experts.gate_up_proj, gate_up)
 
 
-def test_expand_moe_auto_refuses_engines_that_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
-    from streamsync.adapters.expand_moe import ENV_VAR, should_expand
+async def _expands_for(engines: tuple[EngineFacts, ...]) -> bool:
+    """Whether ``expand_moe()`` expands the packed experts in a sync that feeds ``engines``
+    (none: outside an engine's channel)."""
+    from streamsync.adapters import expand_moe
+    from streamsync.engine.messages import sending_to
+
+    weights = packed_experts()
+    told = sending_to.set(engines)
+    try:
+        names = [name async for name, _ in expand_moe()(ss.named_tensors(weights))]
+    finally:
+        sending_to.reset(told)
+    return names != list(weights)
+
+
+async def test_expand_moe_auto_refuses_engines_that_disagree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from streamsync.adapters.expand_moe import ENV_VAR
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     old, new = EngineFacts(vllm_version=(0, 24, 0)), EngineFacts(vllm_version=(0, 25, 1))
-    assert should_expand("auto", [old, old]) is True
-    assert should_expand("auto", [new]) is False
+    assert await _expands_for((old, old)) is True
+    assert await _expands_for((new,)) is False
     with pytest.raises(ss.ConfigError, match=r"vLLM 0\.24\.0, 0\.25\.1.*when='always'"):
-        should_expand("auto", [old, new])
+        await _expands_for((old, new))
     assert EngineFacts.of_vllm("0.24.0+cpu") == old
     with pytest.raises(ss.ProtocolVersionError):
         EngineFacts.from_wire({"version": WORKER_PROTOCOL + 1})

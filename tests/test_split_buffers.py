@@ -14,12 +14,13 @@ import streamsync as ss
 from streamsync import ShapeMismatchError, UnknownTensorError, WireFormatError
 from streamsync.adapters import cast, split_buffers
 from streamsync.adapters.split_buffers import (
-    MANIFEST_NAME,
     BufferRouter,
     BufferSink,
     buffer_names,
+    manifest_names,
 )
 from streamsync.report import LoadResult
+from streamsync.sink import BUFFER_MANIFEST
 
 E, H = 4, 8
 
@@ -207,10 +208,10 @@ async def test_the_manifest_is_a_fact_of_the_stream_that_no_sink_loads() -> None
     trainer = trained()
     plain = LoadWeights(Engine())
     await sync(trainer, plain, split_buffers(trainer))
-    assert plain.seen and MANIFEST_NAME not in plain.seen
+    assert plain.seen and BUFFER_MANIFEST not in plain.seen
     declaring = _Declaring()
     await sync(trainer, declaring, split_buffers(trainer))
-    assert declaring.seen and MANIFEST_NAME not in declaring.seen
+    assert declaring.seen and BUFFER_MANIFEST not in declaring.seen
     assert declaring.declared == [buffer_names(trainer)]
     # A strict ModuleSink takes the stream as it takes the model's own tensors.
     twin = Trainer()
@@ -226,10 +227,9 @@ def test_buffer_names_are_the_persistent_ones() -> None:
 async def test_adapter_sends_the_manifest_first_and_the_stream_unchanged() -> None:
     src = {"a": torch.ones(2), "b": torch.zeros(3)}
     out = [x async for x in split_buffers(["b", "z"])(ss.named_tensors(src))]
-    assert out[0][0] == MANIFEST_NAME and out[0][1].dtype == torch.uint8
+    assert out[0][0] == BUFFER_MANIFEST and out[0][1].dtype == torch.uint8
     assert out[1:] == list(src.items())
-    rest, applied = BufferRouter([torch.nn.Module()], strict=False).split([out[0]])
-    assert rest == [] and applied == {"instance0": []}
+    assert manifest_names(out[0][1]) == {"b", "z"}
 
 
 def test_adapter_refuses_what_is_not_names_or_a_module() -> None:
@@ -273,19 +273,19 @@ def test_declared_buffer_nobody_has() -> None:
 
 def test_manifest_is_validated() -> None:
     with pytest.raises(WireFormatError, match="streamsync::buffers"):
-        BufferRouter([Engine()]).split([(MANIFEST_NAME, torch.ones(3))])
+        manifest_names(torch.ones(3))
     bad = torch.frombuffer(bytearray(b'{"a": 1}'), dtype=torch.uint8)
     with pytest.raises(WireFormatError, match="not a list"):
-        BufferRouter([Engine()]).split([(MANIFEST_NAME, bad)])
+        manifest_names(bad)
 
 
-def test_manifest_lasts_one_sync() -> None:
+async def test_manifest_lasts_one_sync() -> None:
     main = Engine(bias_as_parameter=True)
-    router = BufferRouter([main])
-    router.split([(MANIFEST_NAME, torch.frombuffer(bytearray(b'["x"]'), dtype=torch.uint8))])
-    assert router.is_buffer("x")
-    router.begin()
-    assert not router.is_buffer("x")
+    sink = BufferSink(LoadWeights(main), [main])
+    sink.declare_buffers(manifest_names(torch.frombuffer(bytearray(b'["x"]'), dtype=torch.uint8)))
+    assert sink.router.is_buffer("x")
+    await sink.prepare()
+    assert not sink.router.is_buffer("x")
 
 
 async def test_buffer_sink_lets_large_parameters_go_straight_into_the_model() -> None:

@@ -14,7 +14,8 @@ untouched, as do LoRA tensors (names containing ``lora_``).
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import torch
@@ -33,22 +34,6 @@ _WHEN: Final = ("auto", "always", "never")
 LAST_VLLM_NEEDING_EXPANSION: Final = (0, 24, 0)
 
 When = Literal["auto", "always", "never"]
-
-
-def should_expand(when: str = "auto", engines: Sequence[EngineFacts] | None = None) -> bool:
-    """Whether to expand packed experts.
-
-    ``"always"`` and ``"never"`` are obeyed. ``"auto"`` defers to the environment variable
-    ``STREAMSYNC_EXPAND_MOE`` (``always``/``never``/``auto``) when it is set, and otherwise
-    expands iff the engine's vLLM is ≤ 0.24.0: the version each engine told the channel
-    when it opened (``engines``; default: those the running sync feeds), or, outside an
-    engine's channel, the vLLM installed here. An absent or unparsable vLLM version means
-    "do not expand"; engines that disagree are a :class:`~streamsync.ConfigError`.
-    """
-    when = _resolve(when)
-    if when != "auto":
-        return when == "always"
-    return _auto(sending_to.get() if engines is None else tuple(engines))
 
 
 def _resolve(when: str) -> str:
@@ -79,14 +64,6 @@ def _auto(engines: tuple[EngineFacts, ...]) -> bool:
     return verdicts.pop()
 
 
-class MoeRule:
-    """How one model family's live (Transformers ≥ 5) tensors map to checkpoint tensors."""
-
-    def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
-        """The checkpoint tensors for ``(name, tensor)``, or ``None`` to pass it untouched."""
-        return None
-
-
 def _packed_block(name: str, tensor: torch.Tensor, proj: str) -> str | None:
     """The ``mlp`` block path of a 3-D packed ``proj`` of the Qwen layout; ``None`` otherwise."""
     match = PACKED.match(name)
@@ -95,24 +72,23 @@ def _packed_block(name: str, tensor: torch.Tensor, proj: str) -> str | None:
     return match["block"] if tensor.dim() == 3 else None
 
 
-class QwenStyleRule(MoeRule):
-    """``mlp.experts.gate_up_proj [E, 2I, H]`` → ``mlp.experts.{e}.gate_proj.weight`` (rows
+@dataclass(frozen=True)
+class QwenStyleRule:
+    """How one model family's live (Transformers ≥ 5) tensors map to checkpoint tensors:
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` → ``mlp.experts.{e}.gate_proj.weight`` (rows
     ``:I``) and ``up_proj.weight`` (rows ``I:``); ``down_proj [E, H, I]`` →
     ``mlp.experts.{e}.down_proj.weight``. What Transformers calls the ``qwen2_moe`` conversion."""
 
-    def __init__(
-        self,
-        block: str = "mlp",
-        gate: str = "gate_proj",
-        up: str = "up_proj",
-        down: str = "down_proj",
-    ) -> None:
-        self.block, self.gate, self.up, self.down = block, gate, up, down
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
 
     def _experts(self, mlp: str) -> str:
         return mlp[: -len("mlp")] + self.block
 
     def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
+        """The checkpoint tensors for ``(name, tensor)``, or ``None`` to pass it untouched."""
         gate_up = _packed_block(name, tensor, "gate_up_proj")
         if gate_up is not None and tensor.shape[1] % 2 == 0:
             block, inter = self._experts(gate_up), tensor.shape[1] // 2
@@ -130,11 +106,8 @@ class QwenStyleRule(MoeRule):
 
 
 class MixtralRule(QwenStyleRule):
-    """Mixtral checkpoints: experts under ``block_sparse_moe`` as ``w1`` (gate), ``w3`` (up)
-    and ``w2`` (down); the router ``mlp.gate.weight`` is ``block_sparse_moe.gate.weight``."""
-
-    def __init__(self) -> None:
-        super().__init__(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+    """The Qwen-style rule that also moves the router ``mlp.gate.weight`` into the experts'
+    block: Mixtral's ``block_sparse_moe.gate.weight``."""
 
     def expand(self, name: str, tensor: torch.Tensor) -> Iterator[NamedTensor] | None:
         router = ROUTER.match(name)
@@ -144,12 +117,12 @@ class MixtralRule(QwenStyleRule):
 
 
 _QWEN = QwenStyleRule()
-_MIXTRAL = MixtralRule()
+_MIXTRAL = MixtralRule(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 
-#: ``config.model_type`` → rule. The Qwen-style and Mixtral-style families are those
-#: Transformers 5.19 converts with its ``qwen2_moe`` and ``mixtral`` patterns
-#: (``transformers/conversion_mapping.py``).
-RULES: dict[str, MoeRule] = {
+#: ``config.model_type`` → rule (``None``: nothing to expand). The Qwen-style and
+#: Mixtral-style families are those Transformers 5.19 converts with its ``qwen2_moe`` and
+#: ``mixtral`` patterns (``transformers/conversion_mapping.py``).
+RULES: dict[str, QwenStyleRule | None] = {
     **dict.fromkeys(
         (
             "qwen2_moe",
@@ -181,7 +154,7 @@ RULES: dict[str, MoeRule] = {
     **dict.fromkeys(("mixtral", "minimax", "minimax_m2"), _MIXTRAL),
     # Checkpoints store gate/up interleaved and packed with their biases, as the live model
     # does, and vLLM loads them packed: nothing to expand.
-    "gpt_oss": MoeRule(),
+    "gpt_oss": None,
 }
 
 
@@ -191,26 +164,30 @@ def _configure(when: When = "auto", model_type: str | None = None) -> dict[str, 
     resolved = _resolve(when)
     if resolved == "never":
         return {"rule": None, "auto": False}
-    if model_type is None:
-        return {"rule": _QWEN, "auto": resolved == "auto"}
-    if model_type not in RULES:
+    if model_type is not None and model_type not in RULES:
         warn(
             "expand_moe.unknown_model_type",
             model_type=model_type,
             action="passing every tensor through untouched",
             known=sorted(RULES),
         )
-    return {"rule": RULES.get(model_type), "auto": resolved == "auto"}
+    rule = _QWEN if model_type is None else RULES.get(model_type)
+    return {"rule": rule, "auto": resolved == "auto"}
 
 
 @adapter(configure=_configure)
 async def expand_moe(
-    source: AsyncIterable[NamedTensor], *, rule: MoeRule | None, auto: bool
+    source: AsyncIterable[NamedTensor], *, rule: QwenStyleRule | None, auto: bool
 ) -> AsyncIterator[NamedTensor]:
     """``expand_moe(when="auto", model_type=None)``: packed experts into per-expert keys
-    (module docstring). ``when``: see :func:`should_expand`; ``"auto"`` is decided when the
-    stream starts, from the facts of the engine it feeds. ``model_type`` picks the family
-    rule from :data:`RULES`."""
+    (module docstring). ``model_type`` picks the family rule from :data:`RULES`.
+
+    ``when="always"`` and ``"never"`` are obeyed. ``"auto"`` defers to the environment
+    variable ``STREAMSYNC_EXPAND_MOE`` (``always``/``never``/``auto``) when it is set, and
+    otherwise expands iff the engine's vLLM is ≤ 0.24.0: decided when the stream starts,
+    from the version each engine told the channel the sync feeds or, outside an engine's
+    channel, the vLLM installed here. An absent or unparsable vLLM version means "do not
+    expand"; engines that disagree are a :class:`~streamsync.ConfigError`."""
     if auto and not _auto(sending_to.get()):
         rule = None
     async for name, tensor in source:

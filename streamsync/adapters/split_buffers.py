@@ -5,15 +5,15 @@ Some models keep training-updated state in registered buffers (DeepSeek-V3's
 wrongly. The receiver's :class:`BufferRouter` copies them in place, shape-checked and cast,
 into each model instance that has the name. A name is a buffer if a receiving instance
 registers it as one, or if the sender declared it with this adapter, in the manifest tensor
-:data:`MANIFEST_NAME` (UTF-8 JSON as ``uint8``) sent first, which the receive path hands to
-a sink's ``declare_buffers``.
+:data:`~streamsync.sink.BUFFER_MANIFEST` (UTF-8 JSON as ``uint8``) sent first, which the
+receive path takes out of the stream and hands to a sink's ``declare_buffers``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import torch
 
@@ -21,9 +21,6 @@ from streamsync.errors import ShapeMismatchError, UnknownTensorError, WireFormat
 from streamsync.pipeline import NamedTensor, adapter
 from streamsync.report import LoadResult
 from streamsync.sink import BUFFER_MANIFEST, Sink, call_phase
-
-#: The name of the manifest tensor; ``::`` never occurs in a PyTorch state-dict name.
-MANIFEST_NAME: Final = BUFFER_MANIFEST
 
 Instances = Sequence[torch.nn.Module] | Mapping[str, torch.nn.Module]
 
@@ -54,7 +51,7 @@ def manifest_names(tensor: torch.Tensor) -> frozenset[str]:
             raise ValueError("not a list of names")
     except ValueError as exc:
         raise WireFormatError(
-            f"tensor {MANIFEST_NAME!r} is not a buffer manifest (1-D uint8 JSON list of "
+            f"tensor {BUFFER_MANIFEST!r} is not a buffer manifest (1-D uint8 JSON list of "
             f"names): {exc}"
         ) from None
     return frozenset(names)
@@ -81,7 +78,7 @@ async def split_buffers(
 ) -> AsyncIterator[NamedTensor]:
     """``split_buffers(module_or_names)``: declares the trainer's buffers (a module's
     persistent ones, or names) in a manifest sent first; passes the stream through."""
-    yield MANIFEST_NAME, _encode(names)
+    yield BUFFER_MANIFEST, _encode(names)
     async for item in source:
         yield item
 
@@ -150,9 +147,6 @@ class BufferRouter:
         rest: list[NamedTensor] = []
         plan: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
         for name, tensor in tensors:
-            if name == MANIFEST_NAME:
-                self.declared |= manifest_names(tensor)
-                continue
             if not self.is_buffer(name):
                 rest.append((name, tensor))
                 continue
@@ -212,7 +206,7 @@ class BufferSink:
         """The wrapped sink's tensor for a large parameter (see :class:`~streamsync.Sink`);
         buffers are small and go through the router."""
         inner = getattr(self.sink, "target", None)
-        if inner is None or name == MANIFEST_NAME or self.router.is_buffer(name):
+        if inner is None or name == BUFFER_MANIFEST or self.router.is_buffer(name):
             return None
         result: torch.Tensor | None = inner(name, dtype, shape)
         return result
