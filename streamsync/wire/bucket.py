@@ -8,10 +8,11 @@ whatever came before it (a bf16 tensor of odd length followed by an fp32 one).
 from __future__ import annotations
 
 import array
+import dataclasses
 import math
 import sys
 from collections.abc import Callable, Iterator, MutableSequence, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 import msgspec
@@ -84,71 +85,46 @@ def _wire(dtype: torch.dtype) -> tuple[str, int]:
 KEPT_PLAN_ENTRIES = 64
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Bucket:
     """A bucket not yet packed: its entries as the columns of its :class:`Layout`, and per
     entry the tensor its bytes come from (copied straight into a slot, converted to the
     entry's dtype on the way); ``tensors`` counts those whose last (or only) piece is in it.
     """
 
-    __slots__ = (
-        "base",
-        "dims",
-        "dtypes",
-        "extras",
-        "fixed_layout",
-        "holds_tail",
-        "kinds",
-        "moves",
-        "moves_plan",
-        "names",
-        "nbytes",
-        "ndims",
-        "offsets",
-        "sizes",
-        "sources",
-        "tensors",
-    )
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        #: The wire dtype names of its entries, each with its position in the layout's table.
-        self.dtypes: dict[str, int] = {}
-        #: Per entry, its dtype's position in ``dtypes``.
-        self.kinds = bytearray()
-        self.ndims = bytearray()
-        # Lists while built; a kept plan's as ``array("q")``.
-        self.dims: MutableSequence[int] = []
-        self.offsets: MutableSequence[int] = []
-        self.sizes: MutableSequence[int] = []
-        #: Per entry, the tensor holding its bytes (before conversion).
-        self.sources: list[torch.Tensor] = []
-        #: Per entry, 1 where its bytes are a plain memmove from its source.
-        self.moves = bytearray()
-        #: ``(chunk, chunks, tensor_offset, patch)`` of the entries that are not whole tensors.
-        self.extras: dict[int, tuple[int, int, int, int]] = {}
-        self.nbytes = 0
-        self.tensors = 0
-        #: The last chunk of a chunked tensor is in this bucket.
-        self.holds_tail = False
-        #: A delta sync's base version (``BucketHeader.base``).
-        self.base: int | None = None
-        #: Its layout, made once for a replayed plan's bucket (:mod:`streamsync._replay`).
-        self.fixed_layout: Layout | None = None
-        #: The source addresses it was last packed from and their :class:`MovePlan` (up to
-        #: :data:`KEPT_PLAN_ENTRIES` entries); shared with its :meth:`refilled` twins, which
-        #: replay it while the sources stay put.
-        self.moves_plan: list[tuple[list[int], MovePlan]] = []
+    names: list[str] = field(default_factory=list)
+    #: The wire dtype names of its entries, each with its position in the layout's table.
+    dtypes: dict[str, int] = field(default_factory=dict)
+    #: Per entry, its dtype's position in ``dtypes``.
+    kinds: bytearray = field(default_factory=bytearray)
+    ndims: bytearray = field(default_factory=bytearray)
+    # Lists while built; a kept plan's as ``array("q")``.
+    dims: MutableSequence[int] = field(default_factory=list)
+    offsets: MutableSequence[int] = field(default_factory=list)
+    sizes: MutableSequence[int] = field(default_factory=list)
+    #: Per entry, the tensor holding its bytes (before conversion).
+    sources: list[torch.Tensor] = field(default_factory=list)
+    #: Per entry, 1 where its bytes are a plain memmove from its source.
+    moves: bytearray = field(default_factory=bytearray)
+    #: ``(chunk, chunks, tensor_offset, patch)`` of the entries that are not whole tensors.
+    extras: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
+    nbytes: int = 0
+    tensors: int = 0
+    #: The last chunk of a chunked tensor is in this bucket.
+    holds_tail: bool = False
+    #: A delta sync's base version (``BucketHeader.base``).
+    base: int | None = None
+    #: Its layout, made once for a replayed plan's bucket and shared with its twins.
+    fixed_layout: Layout | None = None
+    #: The source addresses it was last packed from and their :class:`MovePlan` (up to
+    #: :data:`KEPT_PLAN_ENTRIES` entries); shared with its :meth:`refilled` twins, which
+    #: replay it while the sources stay put.
+    moves_plan: list[tuple[list[int], MovePlan]] = field(default_factory=list)
 
     def refilled(self, sources: list[torch.Tensor]) -> Bucket:
         """A bucket with these columns (shared, not copied: a finished bucket's columns no
         longer change) and ``sources``, one per entry."""
-        twin = Bucket.__new__(Bucket)
-        for slot in Bucket.__slots__:
-            setattr(twin, slot, getattr(self, slot))
-        twin.sources = sources
-        twin.base = None
-        twin.fixed_layout = None
-        return twin
+        return dataclasses.replace(self, sources=sources)
 
     def append(
         self,
@@ -251,11 +227,6 @@ class Bucket:
         )
 
 
-def _is_move(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether ``tensor``'s bytes are, as they are, those of an entry of ``dtype``."""
-    return tensor.dtype == dtype and tensor.is_cpu and tensor.is_contiguous()
-
-
 class BucketBuilder:
     """Groups named tensors into buckets of at most ``bucket_bytes``.
 
@@ -307,7 +278,7 @@ class BucketBuilder:
             # Its chunks are views of it: no autograd graph for them (a tensor that requires
             # grad is sent as its data, whole or in chunks).
             flat = tensor.detach().reshape(-1)
-            return list(self._add_chunked(name, flat, wire_dtype, tuple(shape), itemsize))
+            return list(self._add_chunked(name, flat, dtype, tuple(shape)))
         full: Sequence[Bucket] = ()
         if offset + nbytes > self.bucket_bytes:
             # Fits in a bucket of its own: close the current one first.
@@ -330,24 +301,12 @@ class BucketBuilder:
         bytes)``, each at most a bucket): yields each bucket that became full."""
         wire_dtype = dtype_name(dtype)
         for index, (k, payload) in enumerate(pieces):
-            offset = align_up(self._current.nbytes)
-            if offset + payload.numel() > self.bucket_bytes:
-                yield self._flush_current()
-                offset = 0
-            self._current.append(
-                name,
-                wire_dtype,
-                shape,
-                offset,
-                payload.numel(),
-                payload,
-                _is_move(payload, torch.uint8),
-                (index, len(pieces), 0, k),
-            )
+            extra = (index, len(pieces), 0, k)
+            yield from self._piece(name, wire_dtype, shape, payload, torch.uint8, 1, extra)
         self._current.tensors += 1
 
     def _add_chunked(
-        self, name: str, flat: torch.Tensor, wire_dtype: str, shape: tuple[int, ...], itemsize: int
+        self, name: str, flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
     ) -> Iterator[Bucket]:
         # ``flat``: one copy at most (non-contiguous input), kept for all chunks.
         room = self.bucket_bytes - align_up(self._current.nbytes)
@@ -358,31 +317,39 @@ class BucketBuilder:
             if self._current.names:
                 yield self._flush_current()
             room = self.bucket_bytes
+        wire_dtype, itemsize = _wire(dtype)
         numel = flat.numel()
-        per_bucket = self.bucket_bytes // itemsize
         spans: list[tuple[int, int]] = []
         start = 0
         while start < numel:
-            count = min(numel - start, (room // itemsize) if not spans else per_bucket)
+            count = min(numel - start, (room if not spans else self.bucket_bytes) // itemsize)
             spans.append((start, start + count))
             start += count
-        dtype = dtype_from_name(wire_dtype)
         for index, (lo, hi) in enumerate(spans):
-            if index > 0:
-                yield self._flush_current()
-            part = flat[lo:hi]
-            self._current.append(
-                name,
-                wire_dtype,
-                shape,
-                align_up(self._current.nbytes),
-                (hi - lo) * itemsize,
-                part,
-                _is_move(part, dtype),
-                (index, len(spans), lo * itemsize, 0),
-            )
+            extra = (index, len(spans), lo * itemsize, 0)
+            yield from self._piece(name, wire_dtype, shape, flat[lo:hi], dtype, itemsize, extra)
         self._current.tensors += 1
         self._current.holds_tail = True
+
+    def _piece(
+        self,
+        name: str,
+        wire_dtype: str,
+        shape: tuple[int, ...],
+        source: torch.Tensor,
+        dtype: torch.dtype,
+        itemsize: int,
+        extra: tuple[int, int, int, int],
+    ) -> Iterator[Bucket]:
+        """Place one chunk or patch piece (``source`` as ``dtype``, at most a bucket),
+        closing the current bucket first where it does not fit there."""
+        nbytes = source.numel() * itemsize
+        offset = align_up(self._current.nbytes)
+        if offset + nbytes > self.bucket_bytes:
+            yield self._flush_current()
+            offset = 0
+        move = source.dtype == dtype and source.is_cpu and source.is_contiguous()
+        self._current.append(name, wire_dtype, shape, offset, nbytes, source, move, extra)
 
     def _flush_current(self) -> Bucket:
         done, self._current = self._current, Bucket()
@@ -643,12 +610,10 @@ class _Pending:
     shape: tuple[int, ...]
     total: int
     chunks: int
-    next_chunk: int
-    next_offset: int
-    #: The sink's own tensor, as bytes, when the chunks go straight into it.
-    target: torch.Tensor | None = None
-    #: The sink's tensor itself (what is handed back when the tensor is complete).
-    owner: torch.Tensor | None = None
+    #: The sink's own tensor, when the chunks go straight into it.
+    owner: torch.Tensor | None
+    next_chunk: int = 0
+    next_offset: int = 0
 
 
 @dataclass(slots=True)
@@ -810,78 +775,76 @@ class Unpacker:
             self._planned += len(checked)
         return checked
 
-    def _check_entry(self, entry: Entry) -> CheckedEntry:
-        checked = self._checked.get(entry)
-        if checked is None:
-            checked = self._checked[entry] = check_entry(entry, self.max_tensor_bytes)
-        return checked
-
     def _feed_entries(
         self, header: BucketHeader, data: torch.Tensor, target: TargetFn | None
     ) -> list[NamedTensor]:
         """:meth:`feed` for a bucket checked entry by entry (chunks, patches, checksums, or
         after a chunked or patched tensor)."""
         out: list[NamedTensor] = []
-        bucket_nbytes = header.nbytes
         # Patches are applied once the whole bucket is checked: a bad one applies nothing.
         patching: list[tuple[torch.Tensor, patches.Patch, int, str | None]] = []
         for entry in header.layout.entries():
-            dtype, itemsize, _ = self._check_entry(entry)
-            offset, nbytes = entry.offset, entry.nbytes
-            if offset + nbytes > bucket_nbytes:
-                raise _outside(entry.name, offset, nbytes, bucket_nbytes)
-            if entry.patch or self._patching is not None:
-                patching.append(self._check_patch(header, entry, dtype, itemsize, data, target))
-                continue
+            checked = self._checked.get(entry)
+            if checked is None:
+                checked = self._checked[entry] = check_entry(entry, self.max_tensor_bytes)
+            dtype, itemsize, _ = checked
+            name, offset, nbytes = entry.name, entry.offset, entry.nbytes
+            if offset + nbytes > header.nbytes:
+                raise _outside(name, offset, nbytes, header.nbytes)
             region = data[offset : offset + nbytes]
             if entry.checksum is not None and _digest(region) != entry.checksum:
-                raise ChecksumError(
-                    f"tensor {entry.name!r} (chunk {entry.chunk}/{entry.chunks}) in bucket "
-                    f"{header.seq} does not match its checksum"
+                what = (
+                    f"the patch of tensor {name!r} (piece"
+                    if entry.patch
+                    else f"tensor {name!r} (chunk"
                 )
-            if entry.chunks == 1:
-                self._whole(entry)
-                out.append((entry.name, region.view(dtype).view(entry.shape)))
-                continue
-            done = self._feed_chunk(entry, dtype, itemsize, region, target)
-            if done is not None:
-                out.append(done)
+                raise ChecksumError(
+                    f"{what} {entry.chunk}/{entry.chunks}) in bucket {header.seq} does not "
+                    "match its checksum"
+                )
+            if entry.patch:
+                patching.append(
+                    self._check_patch(header.base, entry, dtype, itemsize, region, target)
+                )
+            elif self._patching is not None:
+                raise WireFormatError(
+                    f"tensor {name!r} arrived before patched tensor {self._patching.name!r} "
+                    "was complete"
+                )
+            elif entry.chunks > 1:
+                done = self._feed_chunk(entry, dtype, itemsize, region, target)
+                if done is not None:
+                    out.append(done)
+            elif self._pending is not None:
+                # A chunked tensor's chunks come first in each bucket until it is whole.
+                raise WireFormatError(
+                    f"tensor {name!r} arrived before chunked tensor {self._pending.name!r} "
+                    "was complete"
+                )
+            else:
+                self._claims.name(name)
+                self._tensors += 1
+                out.append((name, region.view(dtype).view(entry.shape)))
         for owner, patch, itemsize, whole in patching:
             patches.apply(owner, patch, itemsize)
             if whole is not None:
                 out.append((whole, owner))
         return out
 
-    def _whole(self, entry: Entry) -> None:
-        """Claim a whole tensor's name (after any chunked tensor is complete)."""
-        if self._pending is not None:
-            # A chunked tensor's chunks come first in each bucket until it is whole.
-            raise WireFormatError(
-                f"tensor {entry.name!r} arrived before chunked tensor "
-                f"{self._pending.name!r} was complete"
-            )
-        self._claims.name(entry.name)
-        self._tensors += 1
-
     def _check_patch(
         self,
-        header: BucketHeader,
+        base: int | None,
         entry: Entry,
         dtype: torch.dtype,
         itemsize: int,
-        data: torch.Tensor,
+        region: torch.Tensor,
         target: TargetFn | None,
     ) -> tuple[torch.Tensor, patches.Patch, int, str | None]:
         """Check one patch piece against the tensor it patches; returns what to apply and,
         for the last piece, the tensor's name (it is then complete)."""
         name = entry.name
         current = self._patching
-        if not entry.patch:
-            assert current is not None
-            raise WireFormatError(
-                f"tensor {name!r} arrived before patched tensor {current.name!r} was complete"
-            )
-        if header.base is None:
+        if base is None:
             raise WireFormatError(f"tensor {name!r} is a patch in a sync that is not a delta")
         if self._pending is not None:
             raise WireFormatError(
@@ -916,12 +879,6 @@ class Unpacker:
                 f"{list(current.owner.shape)} of {dtype_name(current.owner.dtype)}"
             )
         numel = math.prod(entry.shape)
-        region = data[entry.offset : entry.offset + entry.nbytes]
-        if entry.checksum is not None and _digest(region) != entry.checksum:
-            raise ChecksumError(
-                f"the patch of tensor {name!r} (piece {entry.chunk}/{entry.chunks}) in bucket "
-                f"{header.seq} does not match its checksum"
-            )
         patch = patches.decode(region, entry.patch, numel, itemsize)
         current.last = patches.check(patch[0], numel, current.last, name)
         current.next_piece += 1
@@ -940,37 +897,31 @@ class Unpacker:
         region: torch.Tensor,
         target: TargetFn | None,
     ) -> NamedTensor | None:
-        pending = self._pending
+        name, pending = entry.name, self._pending
         if entry.chunk == 0:
             if self._completed_here:
                 # The staging buffer still holds the tensor completed in this bucket.
                 raise WireFormatError(
-                    f"tensor {entry.name!r} starts in the bucket where another chunked tensor "
+                    f"tensor {name!r} starts in the bucket where another chunked tensor "
                     "ends; the format requires it to start in the next bucket"
                 )
             if pending is not None:
                 raise WireFormatError(
-                    f"tensor {entry.name!r} started before tensor {pending.name!r} was complete"
+                    f"tensor {name!r} started before tensor {pending.name!r} was complete"
                 )
-            self._claims.name(entry.name)
-            total = math.prod(entry.shape) * itemsize
-            pending = self._pending = _Pending(
-                entry.name, dtype, entry.shape, total, entry.chunks, 0, 0
-            )
-            owner = target(entry.name, dtype, entry.shape) if target is not None else None
-            if (
-                owner is not None
-                and owner.dtype == dtype
+            self._claims.name(name)
+            owner = target(name, dtype, entry.shape) if target is not None else None
+            if owner is not None and not (
+                owner.dtype == dtype
                 and tuple(owner.shape) == entry.shape
                 and owner.device.type == "cpu"
                 and owner.is_contiguous()
             ):
-                pending.owner = owner
-                pending.target = owner.reshape(-1).view(torch.uint8)
-        elif pending is None or pending.name != entry.name:
-            raise WireFormatError(
-                f"chunk {entry.chunk} of tensor {entry.name!r} arrived out of order"
-            )
+                owner = None
+            total = math.prod(entry.shape) * itemsize
+            pending = self._pending = _Pending(name, dtype, entry.shape, total, entry.chunks, owner)
+        elif pending is None or pending.name != name:
+            raise WireFormatError(f"chunk {entry.chunk} of tensor {name!r} arrived out of order")
         if (
             entry.chunk != pending.next_chunk
             or entry.chunks != pending.chunks
@@ -979,34 +930,31 @@ class Unpacker:
             or entry.shape != pending.shape
         ):
             raise WireFormatError(
-                f"chunk {entry.chunk}/{entry.chunks} of tensor {entry.name!r} does not continue "
+                f"chunk {entry.chunk}/{entry.chunks} of tensor {name!r} does not continue "
                 f"chunk {pending.next_chunk - 1} (expected offset {pending.next_offset})"
             )
-        if pending.target is not None:
+        lo, hi = entry.tensor_offset, entry.tensor_offset + entry.nbytes
+        if pending.owner is not None:
             if entry.chunk == 0:
-                self.touched.append(entry.name)
-            staging = pending.target
+                self.touched.append(name)
+            staging = pending.owner.view(-1).view(torch.uint8)
         else:
-            staging = self._grow_staging(
-                entry.tensor_offset + entry.nbytes, pending.total, region.device
-            )
-        copy_tensors([(staging[entry.tensor_offset : entry.tensor_offset + entry.nbytes], region)])
+            staging = self._grow_staging(hi, pending.total, region.device)
+        copy_tensors([(staging[lo:hi], region)])
         pending.next_chunk += 1
-        pending.next_offset += entry.nbytes
+        pending.next_offset = hi
         if pending.next_chunk < pending.chunks:
             return None
-        if pending.next_offset != pending.total:
+        if hi != pending.total:
             raise WireFormatError(
-                f"tensor {entry.name!r}: chunks add up to {pending.next_offset} bytes, "
-                f"expected {pending.total}"
+                f"tensor {name!r}: chunks add up to {hi} bytes, expected {pending.total}"
             )
         self._pending = None
         self._tensors += 1
         if pending.owner is not None:
-            return (pending.name, pending.owner)
+            return (name, pending.owner)
         self._completed_here = True
-        view = staging[: pending.total].view(pending.dtype).view(pending.shape)
-        return (pending.name, view)
+        return (name, staging[: pending.total].view(pending.dtype).view(pending.shape))
 
     def _grow_staging(self, needed: int, total: int, device: torch.device) -> torch.Tensor:
         """The staging buffer, at least ``needed`` bytes long, on ``device`` (the slots': a
