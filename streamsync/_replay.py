@@ -15,13 +15,13 @@ from __future__ import annotations
 import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from itertools import islice
+from typing import Final, NamedTuple
 
 import torch
 
 from streamsync._dtypes import dtype_from_name
 from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule
-from streamsync.wire.frames import Layout
 
 #: Plans one sender keeps (its model, a LoRA adapter beside it, ...): the oldest goes first.
 PLANS_PER_SENDER: Final = 4
@@ -41,25 +41,13 @@ def _held(tensor: torch.Tensor) -> _Held:
     return True if tensor.is_cpu and contiguous else (tensor.device, contiguous)
 
 
-@dataclass(slots=True)
-class _Planned:
-    """One recorded bucket: its columns (``sources`` empty), where its tensors start in the
-    plan, and its layout once made."""
+class _Planned(NamedTuple):
+    """One recorded bucket: its columns (``sources`` empty) and where its tensors start in
+    the plan: the index of the first that starts in it, and how many do."""
 
     bucket: Bucket
-    #: The plan's index of the first tensor that starts in it.
     first: int
-    #: How many tensors start in it.
-    count: int
-    layout: Layout | None = None
-
-    def filled(self, sources: list[torch.Tensor]) -> Bucket:
-        """A bucket with the recorded columns and these sources, one per entry."""
-        done = self.bucket.refilled(sources)
-        if self.layout is None:
-            self.layout = done.layout()
-        done.fixed_layout = self.layout
-        return done
+    starting: int
 
 
 @dataclass(slots=True)
@@ -84,9 +72,6 @@ class BucketPlans:
 
     def __len__(self) -> int:
         return len(self._plans)
-
-    def _get(self, key: _Key) -> _Plan | None:
-        return self._plans.get(key)
 
     def _put(self, key: _Key, plan: _Plan) -> None:
         self._plans.pop(key, None)
@@ -152,7 +137,7 @@ class PlanRun:
                 return None
         elif self._first is None:
             self._first = name
-            plan = self._plans._get(self._key())
+            plan = self._plans._plans.get(self._key())
             if plan is None or not plan.buckets:
                 self.stop()
                 return None
@@ -235,9 +220,12 @@ class PlanRun:
         return []
 
     def _hand_on(self, planned: _Planned, sources: list[torch.Tensor]) -> Bucket:
-        self._matched = self._tensors = planned.first + planned.count
+        self._matched = self._tensors = planned.first + planned.starting
         self._base_buckets += 1
-        return planned.filled(sources)
+        bucket = planned.bucket
+        if bucket.fixed_layout is None:
+            bucket.fixed_layout = bucket.layout()
+        return bucket.refilled(sources)
 
     def record(self, name: str, tensor: torch.Tensor) -> None:
         """Note a tensor the builder is about to place."""
@@ -281,33 +269,26 @@ class PlanRun:
     def _resume(self, planned: _Planned, sources: list[torch.Tensor]) -> None:
         """Hand the builder the checked part of ``planned`` as its current bucket (the
         replay stops only where a tensor starts, so no chunked tensor is cut in it)."""
-        bucket = planned.bucket
-        prefix = Bucket()
-        table = tuple(bucket.dtypes)
-        dims = bucket.dims
-        at = 0
-        started = 0
-        for entry, source in enumerate(sources):
-            ndim = bucket.ndims[entry]
-            extra = bucket.extras.get(entry)
-            prefix.append(
-                bucket.names[entry],
-                table[bucket.kinds[entry]],
-                tuple(dims[at : at + ndim]),
-                bucket.offsets[entry],
-                bucket.sizes[entry],
-                source,
-                bool(bucket.moves[entry]),
-                extra,
-            )
-            at += ndim
-            if extra is None or extra[0] == 0:
-                started += 1
-            if extra is None or extra[0] == extra[1] - 1:
-                prefix.tensors += 1
-                if extra is not None and extra[1] > 1:
-                    prefix.holds_tail = True
+        bucket, n = planned.bucket, len(sources)
+        extras = {i: extra for i, extra in bucket.extras.items() if i < n}
+        kinds = bucket.kinds[:n]
+        prefix = Bucket(
+            names=bucket.names[:n],
+            # Kinds are numbered as dtypes first appear: the prefix's are the table's first.
+            dtypes=dict(islice(bucket.dtypes.items(), max(kinds, default=-1) + 1)),
+            kinds=kinds,
+            ndims=bucket.ndims[:n],
+            dims=list(bucket.dims[: sum(bucket.ndims[:n])]),
+            offsets=list(bucket.offsets[:n]),
+            sizes=list(bucket.sizes[:n]),
+            sources=sources,
+            moves=bucket.moves[:n],
+            extras=extras,
+            nbytes=bucket.offsets[n - 1] + bucket.sizes[n - 1] if n else 0,
+            tensors=n - sum(1 for e in extras.values() if e[0] < e[1] - 1),
+            holds_tail=any(1 < e[1] == e[0] + 1 for e in extras.values()),
+        )
         self._builder.resume(prefix)
         # The checked tensors of this bucket count as placed by the builder.
-        self._matched = planned.first + started
+        self._matched = planned.first + n - sum(1 for e in extras.values() if e[0] > 0)
         self._tensors = planned.first
