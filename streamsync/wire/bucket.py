@@ -13,7 +13,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final
 
 import msgspec
 import numpy as np
@@ -73,10 +73,8 @@ _WIRE: dict[torch.dtype, tuple[str, int]] = {}
 
 
 def _wire(dtype: torch.dtype) -> tuple[str, int]:
-    known = _WIRE.get(dtype)
-    if known is None:
-        known = _WIRE[dtype] = (dtype_name(dtype), dtype.itemsize)  # raises if it can't travel
-    return known
+    # dtype_name raises for a dtype that cannot travel.
+    return _WIRE.get(dtype) or _WIRE.setdefault(dtype, (dtype_name(dtype), dtype.itemsize))
 
 
 #: A bucket of at most this many entries keeps its copy plan for the next sync: building
@@ -361,15 +359,6 @@ class BucketBuilder:
 
 
 # -- receiving: pure checks of untrusted headers ----------------------------------------------
-class CheckedEntry(NamedTuple):
-    """What :func:`check_entry` found of one entry."""
-
-    dtype: torch.dtype
-    itemsize: int
-    #: A whole tensor's contiguous strides (``()`` for a patch piece).
-    strides: tuple[int, ...]
-
-
 def _outside(name: str, offset: int, nbytes: int, bucket_nbytes: int) -> WireFormatError:
     return WireFormatError(
         f"tensor {name!r} claims bytes [{offset}, {offset + nbytes}) "
@@ -392,9 +381,10 @@ def check_bucket(header: BucketHeader, slot_bytes: int, sync_id: int | None, seq
         )
 
 
-def check_entry(entry: Entry, max_tensor_bytes: int) -> CheckedEntry:
+def check_entry(entry: Entry, max_tensor_bytes: int) -> torch.dtype:
     """Check what one entry says of itself (not where it lies in its bucket, nor how it
-    follows the entries before it); raises :class:`WireFormatError` naming the tensor."""
+    follows the entries before it) and return its dtype; raises :class:`WireFormatError`
+    naming the tensor."""
     dtype = dtype_from_name(entry.dtype)
     itemsize = dtype.itemsize
     name = entry.name
@@ -439,7 +429,7 @@ def check_entry(entry: Entry, max_tensor_bytes: int) -> CheckedEntry:
             )
         if entry.tensor_offset:
             raise WireFormatError(f"the patch of tensor {name!r} has a tensor offset")
-        return CheckedEntry(dtype, itemsize, ())
+        return dtype
     if entry.chunks == 1 and (entry.nbytes != total or entry.tensor_offset != 0):
         raise WireFormatError(
             f"tensor {name!r} has {entry.nbytes} bytes; shape {list(entry.shape)} of "
@@ -449,7 +439,7 @@ def check_entry(entry: Entry, max_tensor_bytes: int) -> CheckedEntry:
         raise WireFormatError(
             f"chunk {entry.chunk} of tensor {name!r} claims bytes beyond its {total}"
         )
-    return CheckedEntry(dtype, itemsize, _strides(entry.shape))
+    return dtype
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -522,7 +512,7 @@ def check_layout(layout: Layout, max_tensor_bytes: int) -> CheckedLayout:
     if layout.extras:
         raise ValueError("check_layout takes a layout of whole tensors; check its entries")
     layout = msgspec.structs.replace(layout, names=tuple(map(sys.intern, layout.names)))
-    return CheckedLayout(layout, [check_entry(e, max_tensor_bytes).dtype for e in layout.entries()])
+    return CheckedLayout(layout, [check_entry(e, max_tensor_bytes) for e in layout.entries()])
 
 
 def check_fits(checked: CheckedLayout, bucket_nbytes: int) -> CheckedLayout:
@@ -707,7 +697,7 @@ class Unpacker:
         self.max_tensor_bytes = max_tensor_bytes
         self._remember = remember
         self._allocate = allocate
-        self._checked: dict[Entry, CheckedEntry] = {}
+        self._checked: dict[Entry, torch.dtype] = {}
         #: Checked layouts, by value, and their entries all together.
         self._plans: dict[Layout, CheckedLayout] = {}
         self._planned = 0
@@ -784,10 +774,10 @@ class Unpacker:
         # Patches are applied once the whole bucket is checked: a bad one applies nothing.
         patching: list[tuple[torch.Tensor, patches.Patch, int, str | None]] = []
         for entry in header.layout.entries():
-            checked = self._checked.get(entry)
-            if checked is None:
-                checked = self._checked[entry] = check_entry(entry, self.max_tensor_bytes)
-            dtype, itemsize, _ = checked
+            dtype = self._checked.get(entry)
+            if dtype is None:
+                dtype = self._checked[entry] = check_entry(entry, self.max_tensor_bytes)
+            itemsize = dtype.itemsize
             name, offset, nbytes = entry.name, entry.offset, entry.nbytes
             if offset + nbytes > header.nbytes:
                 raise _outside(name, offset, nbytes, header.nbytes)
