@@ -32,7 +32,6 @@ time. Where it was not built, torch, numpy and ``ctypes.memmove`` do the same wo
 
 from __future__ import annotations
 
-import array
 import ctypes
 import functools
 import importlib
@@ -213,37 +212,19 @@ def large_copy() -> Callable[[int, int, int], Any]:
     return _kernel("ss_copy") or ctypes.memmove
 
 
-#: Small moves below this count go through ctypes one by one (a batch costs an array).
-_BATCH_FROM = 4
+#: Fewer small moves than this go through ctypes one by one (a plan costs arrays).
+_PLAN_FROM = 4
 
 
-def memmove_many(moves: Iterable[Move]) -> None:
+def memmove_many(moves: Sequence[Move]) -> None:
     """Copy each ``(dst address, src address, nbytes)``; the caller keeps both alive and
     non-overlapping. Small moves run inline (in one call of the compiled kernel where there
     are several); large ones are split across the pool."""
-    futures: list[Future[Any]] = []
-    memmove = ctypes.memmove
-    small: list[int] = []
-    try:
+    if len(moves) < _PLAN_FROM and all(nbytes < INLINE_BYTES for _, _, nbytes in moves):
         for dst, src, nbytes in moves:
-            if nbytes < INLINE_BYTES:
-                small += (dst, src, nbytes)
-                continue
-            count = _pieces(nbytes)
-            step = -(-nbytes // count)
-            submit = _pool.get().submit
-            for lo in range(0, nbytes, step):
-                futures.append(submit(large_copy(), dst + lo, src + lo, min(step, nbytes - lo)))
-        # Many small moves in one call: a ctypes call costs about as much as moving 8 KiB.
-        batch = _kernel("ss_memmove_many") if len(small) >= 3 * _BATCH_FROM else None
-        if batch is not None:
-            packed = array.array("q", small)
-            batch(packed.buffer_info()[0], len(small) // 3)
-        else:
-            for j in range(0, len(small), 3):
-                memmove(small[j], small[j + 1], small[j + 2])
-    finally:
-        _wait(futures)
+            ctypes.memmove(dst, src, nbytes)
+    elif moves:
+        MovePlan(*zip(*moves, strict=True), spread_small=False).run()
 
 
 #: Addresses, offsets or sizes: a sequence of ints, or an int64 array.
