@@ -536,7 +536,7 @@ class BucketTensors(Sequence[NamedTensor]):
     its bytes (``data``, uint8): a sink may copy from ``data`` at the layout's offsets and
     key a copy plan on ``layout``; the views are then built only if asked for."""
 
-    __slots__ = ("_nbytes", "_tensors", "data", "layout", "names")
+    __slots__ = ("_tensors", "data", "layout", "names")
 
     def __init__(
         self,
@@ -544,12 +544,10 @@ class BucketTensors(Sequence[NamedTensor]):
         *,
         layout: CheckedLayout | None = None,
         data: torch.Tensor | None = None,
-        nbytes: int = 0,
     ) -> None:
         self._tensors = tensors
         self.layout = layout
         self.data = data
-        self._nbytes = nbytes
         self.names: Sequence[str] = (
             layout.names if layout is not None else [name for name, _ in tensors or ()]
         )
@@ -560,7 +558,7 @@ class BucketTensors(Sequence[NamedTensor]):
     def _all(self) -> list[NamedTensor]:
         if self._tensors is None:
             assert self.layout is not None and self.data is not None
-            self._tensors = _views(self.layout, self.data, self._nbytes)
+            self._tensors = _views(self.layout, self.data)
         return self._tensors
 
     def __iter__(self) -> Iterator[NamedTensor]:
@@ -570,8 +568,8 @@ class BucketTensors(Sequence[NamedTensor]):
         return self._all()[index]
 
 
-def _views(checked: CheckedLayout, data: torch.Tensor, nbytes: int) -> list[NamedTensor]:
-    """Each entry of a checked bucket of ``nbytes`` as a view of ``data``."""
+def _views(checked: CheckedLayout, data: torch.Tensor) -> list[NamedTensor]:
+    """Each entry of a checked bucket as a view of its bytes ``data``."""
     # ``data`` as each dtype, made once, with its offset in its storage (in elements): an
     # entry's view is then one ``as_strided`` of it.
     typed: dict[torch.dtype, tuple[torch.Tensor, int, int]] = {}
@@ -582,7 +580,7 @@ def _views(checked: CheckedLayout, data: torch.Tensor, nbytes: int) -> list[Name
         typed_view = typed.get(dtype)
         if typed_view is None:
             itemsize = dtype.itemsize
-            view = data[: nbytes - nbytes % itemsize].view(dtype)
+            view = data[: data.numel() // itemsize * itemsize].view(dtype)
             typed_view = typed[dtype] = (view, int(view.storage_offset()), itemsize)
         view, base, itemsize = typed_view
         # One call (a slice and a view are two): the entry lies inside the bucket.
@@ -748,7 +746,7 @@ class Unpacker:
             self._seq += 1
             self._nbytes += header.nbytes
             self._tensors += len(checked)
-            return BucketTensors(None, layout=checked, data=data, nbytes=header.nbytes)
+            return BucketTensors(None, layout=checked, data=data[: header.nbytes])
         self._seq += 1
         self._nbytes += header.nbytes
         return BucketTensors(self._feed_entries(header, data, target))
