@@ -51,17 +51,6 @@ class Entry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     #: ``chunk`` of ``chunks``), or 0: the entry holds the tensor's bytes.
     patch: int = 0
 
-    @property
-    def plain(self) -> bool:
-        """A whole tensor's bytes, unchecksummed: nothing beyond the layout's columns."""
-        return (
-            self.chunks == 1
-            and self.chunk == 0
-            and self.tensor_offset == 0
-            and self.checksum is None
-            and self.patch == 0
-        )
-
 
 class Extra(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """The fields of one entry of a :class:`Layout` beyond its columns, for the few entries
@@ -78,6 +67,8 @@ class Extra(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 _I64: Final = "<i8"
+#: The extra fields of a whole tensor's unchecksummed entry.
+_PLAIN: Final = (0, 1, 0, None, 0)
 
 
 class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -116,9 +107,10 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
         index = bytes(table.setdefault(e.dtype, len(table)) for e in entries)
         dims = [d for e in entries for d in e.shape]
         extras = tuple(
-            Extra(i, e.chunk, e.chunks, e.tensor_offset, e.checksum, e.patch)
+            Extra(i, *rest)
             for i, e in enumerate(entries)
-            if not e.plain
+            # Only an entry with more than the columns say: a chunk, a piece, a checksum.
+            if (rest := (e.chunk, e.chunks, e.tensor_offset, e.checksum, e.patch)) != _PLAIN
         )
         return cls(
             names=tuple(e.name for e in entries),
@@ -186,11 +178,7 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
             shape = tuple(dims[at : at + ndim])
             at += ndim
             extra = extras.get(i)
-            rest = (
-                ()
-                if extra is None
-                else (extra.chunk, extra.chunks, extra.tensor_offset, extra.checksum, extra.patch)
-            )
+            rest = () if extra is None else msgspec.structs.astuple(extra)[1:]  # less its index
             out.append(Entry(name, self.dtypes[kind], shape, offset, size, *rest))
         return out
 
