@@ -120,8 +120,8 @@ class Bucket:
     moves_plan: list[tuple[list[int], MovePlan]] = field(default_factory=list)
 
     def refilled(self, sources: list[torch.Tensor]) -> Bucket:
-        """A bucket with these columns (shared, not copied: a finished bucket's columns no
-        longer change) and ``sources``, one per entry."""
+        """This bucket with ``sources``, one per entry; all else is shared, not copied (a
+        finished bucket's columns no longer change)."""
         return dataclasses.replace(self, sources=sources)
 
     def append(
