@@ -781,14 +781,12 @@ class Unpacker:
                 raise _outside(name, offset, nbytes, header.nbytes)
             region = data[offset : offset + nbytes]
             if entry.checksum is not None and _digest(region) != entry.checksum:
-                what = (
-                    f"the patch of tensor {name!r} (piece"
-                    if entry.patch
-                    else f"tensor {name!r} (chunk"
+                what, unit = (
+                    ("the patch of tensor", "piece") if entry.patch else ("tensor", "chunk")
                 )
                 raise ChecksumError(
-                    f"{what} {entry.chunk}/{entry.chunks}) in bucket {header.seq} does not "
-                    "match its checksum"
+                    f"{what} {name!r} ({unit} {entry.chunk}/{entry.chunks}) in bucket "
+                    f"{header.seq} does not match its checksum"
                 )
             if entry.patch:
                 patching.append(
