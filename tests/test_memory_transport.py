@@ -349,27 +349,24 @@ async def test_a_receiver_failing_on_the_last_bucket_aborts_the_others() -> None
     ("survivor_error", "raised"),
     [("SyncTimeoutError", ss.PeerBrokenError), ("ShapeMismatchError", ss.ReceiverFailedError)],
 )
-def test_a_survivors_timeout_is_not_blamed_for_a_lost_receiver(
+async def test_a_survivors_timeout_is_not_blamed_for_a_lost_receiver(
     survivor_error: str, raised: type[ss.StreamsyncError]
 ) -> None:
     """One receiver dies mid-sync and the other's receive times out: the sender raises the
     death (PeerBrokenError), in whichever order it hears the two. A survivor that failed
     for a reason of its own is still named (ReceiverFailedError)."""
-    from streamsync.transports.ring import RunningSync
-    from streamsync.wire.frames import Failed
-
     for lost_first in (True, False):
-        tx = MemorySender("blame", receivers=2)
-        tx._sync = RunningSync(7, members={0, 1})
-
-        lose = partial(tx.on_left, 0, ss.PeerBrokenError("receiver 0 went away"))
-        fail = partial(tx.on_reply, Failed(7, 1, survivor_error, "waiting for bucket 3"))
-        for step in (lose, fail) if lost_first else (fail, lose):
-            step()
-        with pytest.raises(raised) as caught:
-            tx._check()
-        wanted = "receiver 0 went away" if raised is ss.PeerBrokenError else "receiver 1 failed"
-        assert wanted in str(caught.value)
+        url = f"memory://blame-{lost_first}?receivers=2"
+        async with ss.open_sender(url) as tx, ss.open_receiver(url), ss.open_receiver(url):
+            assert await tx.begin(7, timeout=5) == {0: None, 1: None}
+            lose = partial(tx.on_left, 0, ss.PeerBrokenError("receiver 0 went away"))
+            fail = partial(tx.on_reply, Failed(7, 1, survivor_error, "waiting for bucket 3"))
+            for step in (lose, fail) if lost_first else (fail, lose):
+                step()
+            with pytest.raises(raised) as caught:
+                await tx.wait_ready(timeout=5)
+            wanted = "receiver 0 went away" if raised is ss.PeerBrokenError else "receiver 1 failed"
+            assert wanted in str(caught.value)
 
 
 async def test_a_send_cancelled_while_receivers_join_tells_the_ones_waiting() -> None:

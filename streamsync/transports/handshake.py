@@ -15,8 +15,6 @@ secret, another protocol version) is final and raised as the sender's exception 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 
 from streamsync.errors import (
@@ -58,14 +56,10 @@ def resolve_secret(secret: bytes | str | None) -> bytes | None:
     return raw
 
 
-def session_codec(secret: bytes | None, receiver_nonce: bytes, sender_nonce: bytes) -> WireCodec:
-    """The codec of one receiver's session: its key binds the secret to both nonces."""
-    if secret is None:
-        return WireCodec(None)
-    key = hmac.new(
-        secret, b"streamsync-session\0" + receiver_nonce + sender_nonce, hashlib.sha256
-    ).digest()
-    return WireCodec(key)
+def session_codec(codec: WireCodec, receiver_nonce: bytes, sender_nonce: bytes) -> WireCodec:
+    """The codec of one receiver's session: its key binds the channel's secret to both
+    nonces."""
+    return codec.derive(b"streamsync-session\0" + receiver_nonce + sender_nonce)
 
 
 def hello(codec: WireCodec) -> tuple[bytes, bytes]:
@@ -101,7 +95,6 @@ def check_hello(codec: WireCodec, frame: bytes, *, url: str, who: str) -> Hello:
 
 def welcome(
     codec: WireCodec,
-    secret: bytes | None,
     msg: Hello,
     *,
     index: int,
@@ -122,12 +115,10 @@ def welcome(
             layout=shared.layout,
         )
     )
-    return session_codec(secret, msg.nonce, nonce), frame
+    return session_codec(codec, msg.nonce, nonce), frame
 
 
-def accept(
-    codec: WireCodec, secret: bytes | None, frame: bytes, nonce: bytes, *, url: str
-) -> tuple[Welcome, WireCodec]:
+def accept(codec: WireCodec, frame: bytes, nonce: bytes, *, url: str) -> tuple[Welcome, WireCodec]:
     """Receiver: check the sender's answer to our ``Hello``; the ``Welcome`` and the
     session's codec. A refusal raises the sender's reason."""
     msg = codec.decode(frame)
@@ -140,7 +131,7 @@ def accept(
         raise WireFormatError(f"{url}: sender answered Hello with {type(msg).__name__}")
     if msg.echo != nonce:
         raise AuthenticationError(f"{url}: the sender's Welcome answers another Hello (replayed?)")
-    return msg, session_codec(secret, nonce, msg.nonce)
+    return msg, session_codec(codec, nonce, msg.nonce)
 
 
 def refusal(codec: WireCodec, exc: StreamsyncError, *, busy: bool = False) -> bytes:

@@ -223,19 +223,19 @@ class GroupSender(LinkedSender):
         self._marker = torch.zeros(_MARKER.size, dtype=torch.uint8)
         self._pending: _Broadcast | None = None
 
-    async def _publish(
+    async def _post_all(
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:
         # One broadcast in flight at a time: the next bucket is packed while it runs (its
         # slot is not reused before every receiver acked it, hence after it completed).
         await self._settle(quiet=isinstance(msg, Abort | Bye))
         if not isinstance(msg, BucketHeader) or payload is None:
-            await super()._publish(msg, None)
+            await super()._post_all(msg, None)
             return
         self._marker = torch.frombuffer(
             bytearray(_MARKER.pack(msg.slot, msg.nbytes)), dtype=torch.uint8
         )
-        await super()._publish(msg, payload)
+        await super()._post_all(msg, payload)
         self._launch(msg.sync_id, payload)
 
     async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
