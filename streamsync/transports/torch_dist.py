@@ -50,7 +50,7 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.transports import Endpoint, Transport
-from streamsync.transports.link import LinkLost, Peer
+from streamsync.transports.link import LinkLost, NotThere, Peer
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import DEVICE, HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
 from streamsync.transports.places import cuda_device, host_port
@@ -71,6 +71,8 @@ _CONTROL_KEY = "streamsync/control-port"
 _MARKER = struct.Struct("<IQ")
 #: Longest wait for a stuck broadcast to give up its group when a channel closes.
 _CLOSE_S = 1.0
+#: How long one of a receiver's tries waits for the sender's store to answer.
+_STORE_TRY_S = 4.0
 #: Seconds a sender's store gets to open (its own client connects to it) however short the
 #: sync's timeout.
 OPEN_STORE_S = 30.0
@@ -440,30 +442,21 @@ class GroupDialer(ZmqDialer):
         self.timeout = timeout
 
     async def connect(self) -> None:
+        """One try at the store (the receiver paces its tries, :class:`~.link.Tries`)."""
         from torch._C._distributed_c10d import TCPStore
 
         def rendezvous() -> tuple[Any, bytes]:
-            deadline = time.monotonic() + self.timeout
-            while True:  # the sender may not be there yet
-                try:
-                    store = TCPStore(
-                        self.host,
-                        self.port,
-                        is_master=False,
-                        timeout=as_timedelta(max(deadline - time.monotonic(), 0.1)),
-                    )
-                    return store, store.get(_CONTROL_KEY)
-                except (RuntimeError, OSError):
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
+            store = TCPStore(
+                self.host, self.port, is_master=False, timeout=as_timedelta(_STORE_TRY_S)
+            )
+            port = store.get(_CONTROL_KEY)
+            store.set_timeout(as_timedelta(self.timeout))  # the group forms through it
+            return store, port
 
         try:
             store, port = await _in_thread(rendezvous)
         except (RuntimeError, OSError) as exc:
-            raise SyncTimeoutError(
-                f"{self.url}: no sender answered within {self.timeout:g} s ({exc})"
-            ) from None
+            raise NotThere(str(exc)) from None
         self.member.store = store
         self.member.url = self.url
         self.member.local_host = local_address(self.host, self.port)
