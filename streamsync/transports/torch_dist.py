@@ -379,22 +379,9 @@ class GroupView(SlotView):
         self.member.rank = welcome.index + 1
         self.slots = _allocate(welcome.slots, welcome.slot_bytes, self.member.device)
 
-    def target(self, slot: int, nbytes: int) -> torch.Tensor:
-        """Where the broadcast announced by a marker lands."""
-        if not 0 <= slot < len(self.slots) or not 0 <= nbytes <= self.slots[slot].numel():
-            raise WireFormatError(
-                f"a broadcast of {nbytes} bytes into slot {slot}; the ring has "
-                f"{len(self.slots)} slots of {self.slots[0].numel() if self.slots else 0}"
-            )
-        return self.slots[slot][:nbytes]
-
     def release(self, header: BucketHeader) -> None:
         # nccl: the next broadcast into this slot waits until the sink's copies are done.
         self._released[header.slot] = self.member.ready_event()
-
-    def released(self, slot: int) -> Any:
-        """The event the sink's last use of ``slot`` ends with (``None``: nothing to wait)."""
-        return self._released.pop(slot, None)
 
     def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
         raise WireFormatError(f"bucket {header.seq}: its bytes come by broadcast (see fill)")
@@ -412,8 +399,13 @@ class GroupView(SlotView):
                 f"bucket {header.seq} is {header.nbytes} bytes in slot {header.slot}; its "
                 f"broadcast is {nbytes} bytes into slot {slot}"
             )
-        data = self.target(slot, nbytes)
-        released = self.released(slot)
+        if not 0 <= slot < len(self.slots) or not 0 <= nbytes <= self.slots[slot].numel():
+            raise WireFormatError(
+                f"a broadcast of {nbytes} bytes into slot {slot}; the ring has "
+                f"{len(self.slots)} slots of {self.slots[0].numel() if self.slots else 0}"
+            )
+        data = self.slots[slot][:nbytes]
+        released = self._released.pop(slot, None)  # the sink's last use of the slot
         limit = 2 * timeout
         try:
             await _in_thread(
