@@ -45,10 +45,6 @@ class _Channel:
     inboxes: list[MemoryObjectSendStream[Message]] = field(default_factory=list)
     receivers: list[MemoryReceiver | None] = field(default_factory=list)
 
-    @property
-    def unused(self) -> bool:
-        return self.sender is None and not any(self.receivers)
-
 
 class MemoryChannels:
     """The open ``memory://`` channels of this process, by name: where a sender and
@@ -63,7 +59,8 @@ class MemoryChannels:
 
     def leave(self, chan: _Channel) -> None:
         """A side of ``chan`` closed: forget the channel if nothing uses it now."""
-        if chan.unused and self._by_name.get(chan.name) is chan:
+        unused = chan.sender is None and not any(chan.receivers)
+        if unused and self._by_name.get(chan.name) is chan:
             del self._by_name[chan.name]
 
     def transport(self) -> Transport:
