@@ -358,17 +358,14 @@ class ZmqLink(SenderLink):
         with map_exceptions({self._sock.zmq.ZMQError: PeerBrokenError}, unreachable):
             await self._sock.send(parts)
 
-    def _remove_file(self) -> None:
+    async def aclose(self) -> None:
+        await _close(self._sock, self._monitor, self._ctx)
+        self._sock = self._monitor = self._ctx = None
         # Only the file this sender bound: one another sender made since is not ours.
         if self._file is not None and file_id(self._file) == self._bound_id:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._file)
         self._file = None
-
-    async def aclose(self) -> None:
-        await _close(self._sock, self._monitor, self._ctx)
-        self._sock = self._monitor = self._ctx = None
-        self._remove_file()
 
 
 class ZmqDialer(ReceiverLink):
