@@ -16,19 +16,30 @@ The model: eight float32 tensors ``w0``..``w7`` of 1 KiB, sent in 1 KiB buckets,
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 import anyio
 import torch
 
 import streamsync as ss
-import streamsync.wire.frames
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink
-from streamsync.transports import Receiver, Sender, open_receiver, open_sender
+from streamsync.transports import (
+    ENTRY_POINT_GROUP,
+    Receiver,
+    Sender,
+    open_receiver,
+    open_sender,
+    parse_endpoint,
+    register,
+)
+from streamsync.transports.linked import FrameFilter
 from streamsync.wire.bucket import Unpacker, allocate_slot
-from streamsync.wire.frames import BucketHeader, Entry, Layout
+from streamsync.wire.frames import BucketHeader, Entry, Layout, WireCodec
 
 #: Every wait of a sync, in seconds: the faults must surface within twice this.
 TIMEOUT = 2.0
@@ -236,7 +247,8 @@ async def _receiver(tag: str, args: dict[str, Any], results: Any, control: Any) 
     for s, session in enumerate(args["sessions"]):
         start = time.monotonic()
         try:
-            rx = open_receiver(session["url"], connect_timeout=CONNECT_S, **args["options"])
+            with built_with(session["url"], receiver=_speaking(args)):
+                rx = open_receiver(session["url"], connect_timeout=CONNECT_S, **args["options"])
             await rx.__aenter__()
             rx.state.unpacker = Unpacker(allocate=_recording)
         except ss.StreamsyncError as exc:
@@ -280,35 +292,64 @@ def _absurd(header: BucketHeader, kind: str) -> BucketHeader:
     return BucketHeader(header.sync_id, header.seq, header.slot, header.nbytes, Layout.of([entry]))
 
 
-def _install_tampering(tx: Any, state: dict[str, Any]) -> None:
-    """Wrap this sender's ``_publish`` and ``_send_frame`` (test-only, in this throwaway
-    process) so that ``state["tamper"] = (kind, seq)`` spoils bucket ``seq`` on the wire."""
-    publish, send_frame = tx._publish, tx._send_frame
+@contextlib.contextmanager
+def built_with(
+    url: str, *, sender: dict[str, Any] | None = None, receiver: dict[str, Any] | None = None
+) -> Iterator[None]:
+    """Within it, ``url``'s transport builds its senders and receivers in this process with
+    these keywords too (a ``codec``, a ``frames`` filter): the installed transport wrapped
+    and registered under its own scheme, then put back."""
+    scheme = parse_endpoint(url).scheme
+    (ep,) = entry_points(group=ENTRY_POINT_GROUP, name=scheme)
+    real = ep.load()
+    register(
+        scheme,
+        dataclasses.replace(
+            real,
+            sender=lambda e, opts: real.sender(e, {**opts, **(sender or {})}),
+            receiver=lambda e, opts: real.receiver(e, {**opts, **(receiver or {})}),
+        ),
+    )
+    try:
+        yield
+    finally:
+        register(scheme, real)
 
-    def target(msg: Any) -> str | None:
-        tamper = state.get("tamper")
-        if tamper and isinstance(msg, BucketHeader) and msg.seq == tamper[1]:
-            return str(tamper[0])
+
+def _speaking(args: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of a peer that speaks the script's ``version`` of the wire protocol."""
+    version = args.get("version")
+    return {} if version is None else {"codec": WireCodec(None, version=version)}
+
+
+class Tamper(FrameFilter):
+    """Spoils bucket ``seq`` on the wire while ``spec = (kind, seq)``."""
+
+    spec: tuple[str, int] | None = None
+
+    def _kind(self, msg: Any) -> str | None:
+        spec = self.spec
+        if spec and isinstance(msg, BucketHeader) and msg.seq == spec[1]:
+            return str(spec[0])
         return None
 
-    async def tampered_publish(msg: Any, payload: torch.Tensor | None) -> None:
-        kind = target(msg)
-        if kind == "flip" and payload is not None:
-            payload[10] ^= 0xFF  # the slot, after its checksum was computed
+    def message(self, msg: Any, slot: torch.Tensor | None) -> Any:
+        kind = self._kind(msg)
+        if kind == "flip" and slot is not None:
+            slot[10] ^= 0xFF  # after its checksum was computed
         elif kind is not None and kind.startswith("absurd-"):
             msg = _absurd(msg, kind.removeprefix("absurd-"))
-        await publish(msg, payload)
+        return msg
 
-    async def tampered_send_frame(peer: Any, frame: bytes, payload: Any) -> None:
-        kind = target(peer.codec.decode(frame))
+    def frame(
+        self, msg: Any, frame: bytes, payload: torch.Tensor | None
+    ) -> tuple[bytes, torch.Tensor | None]:
+        kind = self._kind(msg)
         if kind == "truncate-frame":
             frame = frame[: len(frame) // 2]
         elif kind == "truncate-payload" and payload is not None:
             payload = payload[: payload.numel() // 2]
-        await send_frame(peer, frame, payload)
-
-    tx._publish = tampered_publish
-    tx._send_frame = tampered_send_frame
+        return frame, payload
 
 
 async def _send_one(
@@ -365,16 +406,16 @@ async def _send_one(
 
 async def _sender(tag: str, args: dict[str, Any], results: Any, control: Any) -> None:
     for s, session in enumerate(args["sessions"]):
-        tx = open_sender(
-            session["url"], connect_timeout=CONNECT_S, slot_bytes=SLOT_BYTES, **args["options"]
-        )
+        tamper = Tamper()
+        with built_with(session["url"], sender={"frames": tamper, **_speaking(args)}):
+            tx = open_sender(
+                session["url"], connect_timeout=CONNECT_S, slot_bytes=SLOT_BYTES, **args["options"]
+            )
         await tx.__aenter__()
-        state: dict[str, Any] = {}
-        _install_tampering(tx, state)
         try:
             results.put({"event": "bound", "tag": tag, "session": s})
             for j, spec in enumerate(session["syncs"]):
-                state["tamper"] = spec.get("tamper")
+                tamper.spec = spec.get("tamper")
                 spec = {**spec, "_control": control}
                 results.put(await _send_one(tx, spec, results, tag, (s, j)))
         finally:
@@ -386,9 +427,6 @@ def peer_main(tag: str, role: str, args: dict[str, Any], conn: Any, control: Any
     """Run one peer's script, reporting on ``conn`` and told to go on by ``control`` (the
     ends of two pipes); an unexpected crash is reported, not swallowed."""
     results = Reporter(conn)
-    if args.get("version") is not None:
-        # This process speaks another version of the wire protocol.
-        streamsync.wire.frames.PROTOCOL_VERSION = args["version"]  # type: ignore[misc]
     run = _receiver if role == "receiver" else _sender
     try:
         asyncio.run(run(tag, args, results, control))

@@ -20,13 +20,14 @@ import time
 from typing import Any
 
 import torch
+from fault_peers import built_with
 from loop_peers import Keep, digest
 
 import streamsync as ss
-import streamsync.wire.frames
 from streamsync.transports import open_receiver
 from streamsync.transports.link import unix_address
 from streamsync.transports.zeromq import zmq_address
+from streamsync.wire.frames import PROTOCOL_VERSION, WireCodec
 
 #: The channel's secret (the strangers that look like receivers use another one).
 SECRET = b"strangers-test"
@@ -206,16 +207,16 @@ def _taken_routing_id(url: str) -> None:
 async def _looks_like_a_receiver(url: str, kind: str) -> str:
     """A streamsync receiver the sender must refuse (and say so); what it raised."""
     secret = b"wrong" if kind == "wrong secret" else SECRET
-    saved = streamsync.wire.frames.PROTOCOL_VERSION
+    speaking = {}
     if kind == "other version":
-        streamsync.wire.frames.PROTOCOL_VERSION = saved + 1  # type: ignore[misc]
+        speaking["codec"] = WireCodec(SECRET, version=PROTOCOL_VERSION + 1)
     try:
-        async with open_receiver(url, secret=secret, connect_timeout=TIMEOUT):
+        with built_with(url, receiver=speaking):
+            rx = open_receiver(url, secret=secret, connect_timeout=TIMEOUT)
+        async with rx:
             return "joined"
     except ss.StreamsyncError as exc:
         return type(exc).__name__
-    finally:
-        streamsync.wire.frames.PROTOCOL_VERSION = saved  # type: ignore[misc]
 
 
 def strangers(transport: str, url: str, tag: str, results: Any) -> None:

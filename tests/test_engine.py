@@ -1043,5 +1043,5 @@ def test_a_refusal_crosses_the_handshake_by_its_kind(cls: type[ss.StreamsyncErro
     bye = codec.decode(frame)
     assert isinstance(bye, Bye) and bye.error == cls.__name__
     with pytest.raises(cls) as info:
-        handshake.accept(codec, None, frame, b"nonce", url="zmq+tcp://h:1")
+        handshake.accept(codec, frame, b"nonce", url="zmq+tcp://h:1")
     assert type(info.value) is cls and str(info.value).endswith(str(exc))

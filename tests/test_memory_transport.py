@@ -11,7 +11,6 @@ from conftest import run_both
 
 import streamsync as ss
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink, fake_state_dict
-from streamsync.transports.memory import MemoryReceiver, MemorySender
 from streamsync.wire.frames import Abort, Failed
 
 
@@ -135,8 +134,8 @@ async def test_fan_out_to_two_receivers() -> None:
 
 async def test_persistent_channel_reuses_slots_and_refuses_stale_syncs() -> None:
     async with (
-        MemorySender("persist", slot_bytes=4096) as sender,
-        MemoryReceiver("persist") as receiver,
+        ss.open_sender("memory://persist", slot_bytes=4096) as sender,
+        ss.open_receiver("memory://persist") as receiver,
     ):
         slots_before = [sender.slot(i).data_ptr() for i in range(2)]
         for step in range(3):
@@ -166,14 +165,17 @@ async def test_persistent_channel_reuses_slots_and_refuses_stale_syncs() -> None
 
 
 async def test_receiver_times_out_on_silent_sender() -> None:
-    async with MemorySender("silent"), MemoryReceiver("silent") as receiver:
+    async with ss.open_sender("memory://silent"), ss.open_receiver("memory://silent") as receiver:
         with anyio.fail_after(5):
             with pytest.raises(ss.SyncTimeoutError, match=r"within 0\.2 s"):
                 await ss.receive(receiver, Recorder(), timeout=0.2)
 
 
 async def test_sender_times_out_when_receiver_never_acks() -> None:
-    async with MemorySender("noack", slots=1, slot_bytes=1024) as sender, MemoryReceiver("noack"):
+    async with (
+        ss.open_sender("memory://noack", slots=1, slot_bytes=1024) as sender,
+        ss.open_receiver("memory://noack"),
+    ):
         with anyio.fail_after(5), pytest.raises(ss.SyncTimeoutError, match="free slot"):
             await ss.send({f"t{i}": torch.ones(200) for i in range(3)}, sender, timeout=0.2)
 
@@ -213,8 +215,8 @@ async def test_source_error_aborts_the_receiver() -> None:
 
 
 async def test_closed_by_me_differs_from_broken_by_peer() -> None:
-    sender = MemorySender("close")
-    receiver = MemoryReceiver("close")
+    sender = ss.open_sender("memory://close")
+    receiver = ss.open_receiver("memory://close")
     async with receiver:
         async with sender:
             pass
@@ -224,16 +226,16 @@ async def test_closed_by_me_differs_from_broken_by_peer() -> None:
     with pytest.raises(ss.ClosedError):
         await receiver.receive(timeout=1)
 
-    sender2 = MemorySender("broken")
+    sender2 = ss.open_sender("memory://broken")
     async with sender2:
-        r2 = MemoryReceiver("broken")
+        r2 = ss.open_receiver("memory://broken")
         await r2.open()
         await r2.aclose()  # the receiver goes away between syncs...
         # ...so the next sync waits for a replacement (and says so when none comes)...
         with pytest.raises(ss.SyncTimeoutError, match="0 of 1 receivers"):
             await ss.send({"w": torch.ones(1)}, sender2, timeout=0.2)
         # ...and one that comes gets it, on the same channel.
-        async with MemoryReceiver("broken") as r3:
+        async with ss.open_receiver("memory://broken") as r3:
             model = torch.nn.Linear(1, 1, bias=False)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(partial(ss.receive, r3, ss.ModuleSink(model), timeout=5))
@@ -243,7 +245,10 @@ async def test_closed_by_me_differs_from_broken_by_peer() -> None:
 
 
 async def test_receiver_receives_messages_in_order() -> None:
-    async with MemorySender("iter", slot_bytes=4096) as sender, MemoryReceiver("iter") as receiver:
+    async with (
+        ss.open_sender("memory://iter", slot_bytes=4096) as sender,
+        ss.open_receiver("memory://iter") as receiver,
+    ):
 
         async def tx() -> None:
             await ss.send({"w": torch.ones(4)}, sender, timeout=5)
@@ -269,8 +274,10 @@ async def test_a_sync_whose_only_receiver_leaves_after_its_end_fails(require_all
     # The receiver reads the whole sync, End included, and closes instead of reporting: the
     # sender hears its goodbye while it waits for the reports. With no receiver left to
     # report, the sync is not a success, even when it may go on without some of them.
-    async with MemorySender("leaves", slot_bytes=4096, require_all=require_all) as sender:
-        receiver = MemoryReceiver("leaves")
+    async with ss.open_sender(
+        "memory://leaves", slot_bytes=4096, require_all=require_all
+    ) as sender:
+        receiver = ss.open_receiver("memory://leaves")
         await receiver.open()
         got: dict[str, object] = {}
 
@@ -349,27 +356,24 @@ async def test_a_receiver_failing_on_the_last_bucket_aborts_the_others() -> None
     ("survivor_error", "raised"),
     [("SyncTimeoutError", ss.PeerBrokenError), ("ShapeMismatchError", ss.ReceiverFailedError)],
 )
-def test_a_survivors_timeout_is_not_blamed_for_a_lost_receiver(
+async def test_a_survivors_timeout_is_not_blamed_for_a_lost_receiver(
     survivor_error: str, raised: type[ss.StreamsyncError]
 ) -> None:
     """One receiver dies mid-sync and the other's receive times out: the sender raises the
     death (PeerBrokenError), in whichever order it hears the two. A survivor that failed
     for a reason of its own is still named (ReceiverFailedError)."""
-    from streamsync.transports.ring import RunningSync
-    from streamsync.wire.frames import Failed
-
     for lost_first in (True, False):
-        tx = MemorySender("blame", receivers=2)
-        tx._sync = RunningSync(7, members={0, 1})
-
-        lose = partial(tx.on_left, 0, ss.PeerBrokenError("receiver 0 went away"))
-        fail = partial(tx.on_reply, Failed(7, 1, survivor_error, "waiting for bucket 3"))
-        for step in (lose, fail) if lost_first else (fail, lose):
-            step()
-        with pytest.raises(raised) as caught:
-            tx._check()
-        wanted = "receiver 0 went away" if raised is ss.PeerBrokenError else "receiver 1 failed"
-        assert wanted in str(caught.value)
+        url = f"memory://blame-{lost_first}?receivers=2"
+        async with ss.open_sender(url) as tx, ss.open_receiver(url), ss.open_receiver(url):
+            assert await tx.begin(7, timeout=5) == {0: None, 1: None}
+            lose = partial(tx.on_left, 0, ss.PeerBrokenError("receiver 0 went away"))
+            fail = partial(tx.on_reply, Failed(7, 1, survivor_error, "waiting for bucket 3"))
+            for step in (lose, fail) if lost_first else (fail, lose):
+                step()
+            with pytest.raises(raised) as caught:
+                await tx.wait_ready(timeout=5)
+            wanted = "receiver 0 went away" if raised is ss.PeerBrokenError else "receiver 1 failed"
+            assert wanted in str(caught.value)
 
 
 async def test_a_send_cancelled_while_receivers_join_tells_the_ones_waiting() -> None:
@@ -423,9 +427,9 @@ async def test_an_abort_after_every_receiver_closed_mid_sync_is_not_an_index_err
 async def test_a_receive_before_any_sender_is_bounded_by_both_timeouts() -> None:
     # It opens at once (one task may open both sides); its receive waits for a sender
     # within its own timeout, and never past connect_timeout after it opened.
-    async with MemoryReceiver("before-any", connect_timeout=60) as receiver:
+    async with ss.open_receiver("memory://before-any", connect_timeout=60) as receiver:
         with pytest.raises(ss.SyncTimeoutError, match=r"nothing from the sender within 0.2 s"):
             await ss.receive(receiver, None, timeout=0.2)  # type: ignore[arg-type]
-    async with MemoryReceiver("before-any", connect_timeout=0.2) as receiver:
+    async with ss.open_receiver("memory://before-any", connect_timeout=0.2) as receiver:
         with pytest.raises(ss.SyncTimeoutError, match=r"no sender answered within 0.2 s"):
             await ss.receive(receiver, None, timeout=60)  # type: ignore[arg-type]

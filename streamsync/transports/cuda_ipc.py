@@ -137,7 +137,7 @@ class ThisProcess:
     exported, by their description (a receiver in the same process takes the ring and its
     events from here, as CUDA opens no handle in the process that exported it), and the
     pid whose exit hook is registered (a forked child registers its own). Held by the
-    transport object, :data:`TRANSPORT`, that both sides are made by."""
+    factories of :data:`TRANSPORT`, that both sides are made by."""
 
     def __init__(self) -> None:
         self._exported: dict[bytes, tuple[torch.Tensor, list[Any]]] = {}
@@ -174,6 +174,10 @@ class ThisProcess:
         """The transport's receiver factory."""
         link = UnixDialer("cuda-ipc", endpoint.target)
         return LinkedReceiver(link, CudaView(link, here=self), **opts)
+
+    def transport(self) -> Transport:
+        """``cuda-ipc://`` with this process's factories."""
+        return Transport(self.sender, self.receiver, sender_options=(*SENDER_OPTIONS, DEVICE))
 
 
 def local_device(uuid: str, local_uuids: list[str], fallback: int) -> int:
@@ -352,17 +356,6 @@ class CudaView(SlotView):
                 log("cuda_ipc.leftovers_removed", url=self.url, pid=owner[0], paths=removed)
 
 
-class CudaIpcTransport(Transport):
-    """``cuda-ipc://``: its two factories and what they keep for this process."""
-
-    here: ThisProcess
-
-    def __init__(self) -> None:
-        here = ThisProcess()
-        super().__init__(here.sender, here.receiver, sender_options=(*SENDER_OPTIONS, DEVICE))
-        object.__setattr__(self, "here", here)
-
-
 #: ``cuda-ipc://NAME``: the entry point's object; the sender also takes ``device`` (its
 #: GPU, default the current one).
-TRANSPORT = CudaIpcTransport()
+TRANSPORT = ThisProcess().transport()

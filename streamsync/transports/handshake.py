@@ -4,7 +4,8 @@ The receiver sends ``Hello`` with a fresh nonce; the sender checks it, reserves 
 answers ``Welcome`` with the slot layout, its own nonce and the receiver's echoed (no replayed
 ``Welcome``); the receiver confirms with ``Joined`` under the session's key, and only then
 does the sender count it in (from the next sync on). Both sides authenticate every later
-frame with a key derived from the secret and both nonces (:func:`session_codec`).
+frame with a key derived from the secret and both nonces (:meth:`WireCodec.derive
+<streamsync.wire.frames.WireCodec.derive>` salted with :data:`SESSION`).
 
 A refused receiver gets a ``Bye`` saying why. A *busy* refusal (the sender is closing, or
 every index is taken until a receiver that left is noticed) makes the receiver try again
@@ -15,8 +16,6 @@ secret, another protocol version) is final and raised as the sender's exception 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 
 from streamsync.errors import (
@@ -58,14 +57,8 @@ def resolve_secret(secret: bytes | str | None) -> bytes | None:
     return raw
 
 
-def session_codec(secret: bytes | None, receiver_nonce: bytes, sender_nonce: bytes) -> WireCodec:
-    """The codec of one receiver's session: its key binds the secret to both nonces."""
-    if secret is None:
-        return WireCodec(None)
-    key = hmac.new(
-        secret, b"streamsync-session\0" + receiver_nonce + sender_nonce, hashlib.sha256
-    ).digest()
-    return WireCodec(key)
+#: Salts a session's key, followed by the receiver's nonce and the sender's.
+SESSION = b"streamsync-session\0"
 
 
 def hello(codec: WireCodec) -> tuple[bytes, bytes]:
@@ -101,7 +94,6 @@ def check_hello(codec: WireCodec, frame: bytes, *, url: str, who: str) -> Hello:
 
 def welcome(
     codec: WireCodec,
-    secret: bytes | None,
     msg: Hello,
     *,
     index: int,
@@ -122,12 +114,10 @@ def welcome(
             layout=shared.layout,
         )
     )
-    return session_codec(secret, msg.nonce, nonce), frame
+    return codec.derive(SESSION + msg.nonce + nonce), frame
 
 
-def accept(
-    codec: WireCodec, secret: bytes | None, frame: bytes, nonce: bytes, *, url: str
-) -> tuple[Welcome, WireCodec]:
+def accept(codec: WireCodec, frame: bytes, nonce: bytes, *, url: str) -> tuple[Welcome, WireCodec]:
     """Receiver: check the sender's answer to our ``Hello``; the ``Welcome`` and the
     session's codec. A refusal raises the sender's reason."""
     msg = codec.decode(frame)
@@ -140,7 +130,7 @@ def accept(
         raise WireFormatError(f"{url}: sender answered Hello with {type(msg).__name__}")
     if msg.echo != nonce:
         raise AuthenticationError(f"{url}: the sender's Welcome answers another Hello (replayed?)")
-    return msg, session_codec(secret, nonce, msg.nonce)
+    return msg, codec.derive(SESSION + nonce + msg.nonce)
 
 
 def refusal(codec: WireCodec, exc: StreamsyncError, *, busy: bool = False) -> bytes:

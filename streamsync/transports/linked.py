@@ -59,6 +59,24 @@ from streamsync.wire.frames import (
 
 # Departures and refusals a sender remembers for its messages and reports.
 _KEEP = 8
+_Payload = torch.Tensor | None
+_Published = BucketHeader | End | Abort | Bye
+
+
+class FrameFilter:
+    """Changes what a :class:`LinkedSender` sends, on its way out: the seam for a test peer
+    that spoils its own frames. The default changes nothing."""
+
+    def message(self, msg: _Published, slot: _Payload) -> _Published:
+        """The message to send in place of ``msg`` (``slot``: a bucket's packed bytes),
+        once per message."""
+        return msg
+
+    def frame(self, msg: _Published, frame: bytes, payload: _Payload) -> tuple[bytes, _Payload]:
+        """The frame and payload frame to send for ``msg`` to one receiver."""
+        return frame, payload
+
+
 # Longest wait for the sender's answer to one Hello before trying again with a new link.
 _ATTEMPT_S = 5.0
 
@@ -72,12 +90,24 @@ class LinkedSender(RingSender):
     that is not a streamsync receiver of this channel is turned away at the handshake and
     logged with its address; a refused peer that looks like a receiver (wrong secret, other
     protocol version) also shows in the next sync's report and in a timeout's message.
+
+    ``codec`` encodes the frames before the handshake (default: one of ``secret`` in this
+    protocol version); ``frames`` changes what goes out (default: nothing).
     """
 
-    def __init__(self, link: SenderLink, store: SlotStore, **options: Any) -> None:
+    def __init__(
+        self,
+        link: SenderLink,
+        store: SlotStore,
+        *,
+        codec: WireCodec | None = None,
+        frames: FrameFilter | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(link.url, store, **options)
         self.link = link
-        self._codec = WireCodec(self._secret)
+        self._codec = codec or WireCodec(self._secret)
+        self._frames = frames
         #: The receivers counted in, by index.
         self.peers: dict[int, Peer] = {}
         # Welcomed, not yet confirmed: their indices are reserved.
@@ -124,7 +154,6 @@ class LinkedSender(RingSender):
         shared = self.store.shared()
         codec, welcome = handshake.welcome(
             self._codec,
-            self._secret,
             hello,
             index=index,
             slots=self.ring.slots,
@@ -233,20 +262,27 @@ class LinkedSender(RingSender):
             if items
         )
 
-    async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
+    async def _send_frame(self, peer: Peer, frame: bytes, payload: _Payload) -> None:
         await self.link.send(peer, frame, payload)
 
-    async def _publish(
-        self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
-    ) -> None:
+    async def _publish(self, msg: _Published, payload: _Payload) -> None:
+        if self._frames is not None:
+            msg = self._frames.message(msg, payload)
+        await self._post_all(msg, payload)
+
+    async def _post_all(self, msg: _Published, payload: _Payload) -> None:
+        """Send ``msg`` to every member, with ``payload`` where the store sends frames."""
         payload = payload if self.store.payload_frames else None
         for index in sorted(self._members):
             peer = self.peers.get(index)
             if peer is None:
                 continue  # left during this sync: on_left recorded it
             assert peer.codec is not None
+            frame, data = peer.codec.encode(msg), payload
+            if self._frames is not None:
+                frame, data = self._frames.frame(msg, frame, data)
             try:
-                await self._send_frame(peer, peer.codec.encode(msg), payload)
+                await self._send_frame(peer, frame, data)
             except PeerBrokenError as exc:
 
                 def heard(peer: Peer = peer) -> bool:
@@ -280,16 +316,24 @@ _Item = tuple[Message, torch.Tensor | None] | StreamsyncError
 
 class LinkedReceiver(RingReceiver):
     """Receiver side of the ring over ``link``, reaching the slots through ``view``; its
-    reader queues what the sender says (a dead sender is noticed even while a sink loads)."""
+    reader queues what the sender says (a dead sender is noticed even while a sink loads).
+    ``codec`` is as the sender's."""
 
-    def __init__(self, link: ReceiverLink, view: SlotView, **options: Any) -> None:
+    def __init__(
+        self,
+        link: ReceiverLink,
+        view: SlotView,
+        *,
+        codec: WireCodec | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(link.url, **options)
         self.link = link
         self.view = view
         #: How the last :meth:`open` paced its tries to reach the sender.
         self.tries = Tries(0.0)
         self._sync_timeout = self.connect_timeout  # the running receive's, once there is one
-        self._codec = WireCodec(self._secret)
+        self._codec = codec or WireCodec(self._secret)
         self._session: WireCodec | None = None
         self.slots = 0
         self.slot_bytes = 0
@@ -343,9 +387,7 @@ class LinkedReceiver(RingReceiver):
         except PeerBrokenError as exc:  # our Hello could not be written: the sender went
             raise LinkLost(str(exc)) from None
         try:
-            welcome, session = handshake.accept(
-                self._codec, self._secret, frame, nonce, url=self.url
-            )
+            welcome, session = handshake.accept(self._codec, frame, nonce, url=self.url)
         except BaseException:
             for fd in fds:
                 os.close(fd)

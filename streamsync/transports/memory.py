@@ -9,7 +9,8 @@ open both sides); its first receive waits for a sender until ``connect_timeout``
 opened, within that receive's ``timeout``.
 
 Both ends of a channel share one state object, as anyio's memory streams do, found by
-name through :data:`TRANSPORT`, which holds each open channel until its last side closes.
+name through :class:`MemoryChannels`, which holds each open channel until its last side
+closes.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from streamsync.errors import (
     EndOfStream,
     PeerBrokenError,
 )
-from streamsync.transports import Endpoint, Transport
+from streamsync.transports import Transport
 from streamsync.transports.ring import RingReceiver, RingSender
 from streamsync.transports.slots import HostSlots
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
 
 
@@ -44,10 +44,6 @@ class _Channel:
     sender: MemorySender | None = None
     inboxes: list[MemoryObjectSendStream[Message]] = field(default_factory=list)
     receivers: list[MemoryReceiver | None] = field(default_factory=list)
-
-    @property
-    def unused(self) -> bool:
-        return self.sender is None and not any(self.receivers)
 
 
 class MemoryChannels:
@@ -63,45 +59,28 @@ class MemoryChannels:
 
     def leave(self, chan: _Channel) -> None:
         """A side of ``chan`` closed: forget the channel if nothing uses it now."""
-        if chan.unused and self._by_name.get(chan.name) is chan:
+        unused = chan.sender is None and not any(chan.receivers)
+        if unused and self._by_name.get(chan.name) is chan:
             del self._by_name[chan.name]
 
-    def sender(self, endpoint: Endpoint, opts: dict[str, Any]) -> MemorySender:
-        """The transport's sender factory."""
-        return MemorySender(endpoint.target, channels=self, **opts)
-
-    def receiver(self, endpoint: Endpoint, opts: dict[str, Any]) -> MemoryReceiver:
-        """The transport's receiver factory."""
-        return MemoryReceiver(endpoint.target, channels=self, **opts)
-
-
-class MemoryTransport(Transport):
-    """``memory://``: its two factories and the channels they meet in."""
-
-    channels: MemoryChannels
-
-    def __init__(self) -> None:
-        channels = MemoryChannels()
-        super().__init__(channels.sender, channels.receiver)
-        object.__setattr__(self, "channels", channels)
+    def transport(self) -> Transport:
+        """``memory://`` whose sides meet in these channels."""
+        return Transport(
+            lambda endpoint, opts: MemorySender(endpoint.target, self, **opts),
+            lambda endpoint, opts: MemoryReceiver(endpoint.target, self, **opts),
+        )
 
 
 class MemorySender(RingSender):
     """Sender side of ``memory://NAME``."""
 
     def __init__(
-        self,
-        name: str,
-        *,
-        slots: int = 2,
-        slot_bytes: int = DEFAULT_BUCKET_BYTES,
-        channels: MemoryChannels | None = None,
-        **options: Any,
+        self, name: str, channels: MemoryChannels, *, slots: int, slot_bytes: int, **options: Any
     ) -> None:
         store = HostSlots(slots, slot_bytes, prefault=False)
         super().__init__(f"memory://{name}", store, **options)
         self.name = name
-        self._channels = channels or TRANSPORT.channels
+        self._channels = channels
         self._chan: _Channel | None = None
 
     async def open(self) -> None:
@@ -170,12 +149,10 @@ class MemorySender(RingSender):
 class MemoryReceiver(RingReceiver):
     """Receiver side of ``memory://NAME``."""
 
-    def __init__(
-        self, name: str, *, channels: MemoryChannels | None = None, **options: Any
-    ) -> None:
+    def __init__(self, name: str, channels: MemoryChannels, **options: Any) -> None:
         super().__init__(f"memory://{name}", **options)
         self.name = name
-        self._channels = channels or TRANSPORT.channels
+        self._channels = channels
         self._chan: _Channel | None = None
         self._inbox: MemoryObjectReceiveStream[Message] | None = None
         self._refused: AuthenticationError | None = None
@@ -287,5 +264,6 @@ class MemoryReceiver(RingReceiver):
         self._channels.leave(chan)
 
 
-#: ``memory://NAME``: the entry point's object (every transport's options).
-TRANSPORT = MemoryTransport()
+#: ``memory://NAME``: the entry point's object (every transport's options); its factories
+#: hold the process's open channels.
+TRANSPORT = MemoryChannels().transport()

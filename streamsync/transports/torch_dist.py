@@ -50,7 +50,7 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.transports import Endpoint, Transport
-from streamsync.transports.link import LinkLost, Peer
+from streamsync.transports.link import LinkLost, NotThere, Peer
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import DEVICE, HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
 from streamsync.transports.places import cuda_device, host_port
@@ -71,6 +71,8 @@ _CONTROL_KEY = "streamsync/control-port"
 _MARKER = struct.Struct("<IQ")
 #: Longest wait for a stuck broadcast to give up its group when a channel closes.
 _CLOSE_S = 1.0
+#: How long one of a receiver's tries waits for the sender's store to answer.
+_STORE_TRY_S = 4.0
 #: Seconds a sender's store gets to open (its own client connects to it) however short the
 #: sync's timeout.
 OPEN_STORE_S = 30.0
@@ -223,19 +225,19 @@ class GroupSender(LinkedSender):
         self._marker = torch.zeros(_MARKER.size, dtype=torch.uint8)
         self._pending: _Broadcast | None = None
 
-    async def _publish(
+    async def _post_all(
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:
         # One broadcast in flight at a time: the next bucket is packed while it runs (its
         # slot is not reused before every receiver acked it, hence after it completed).
         await self._settle(quiet=isinstance(msg, Abort | Bye))
         if not isinstance(msg, BucketHeader) or payload is None:
-            await super()._publish(msg, None)
+            await super()._post_all(msg, None)
             return
         self._marker = torch.frombuffer(
             bytearray(_MARKER.pack(msg.slot, msg.nbytes)), dtype=torch.uint8
         )
-        await super()._publish(msg, payload)
+        await super()._post_all(msg, payload)
         self._launch(msg.sync_id, payload)
 
     async def _send_frame(self, peer: Peer, frame: bytes, payload: torch.Tensor | None) -> None:
@@ -377,22 +379,9 @@ class GroupView(SlotView):
         self.member.rank = welcome.index + 1
         self.slots = _allocate(welcome.slots, welcome.slot_bytes, self.member.device)
 
-    def target(self, slot: int, nbytes: int) -> torch.Tensor:
-        """Where the broadcast announced by a marker lands."""
-        if not 0 <= slot < len(self.slots) or not 0 <= nbytes <= self.slots[slot].numel():
-            raise WireFormatError(
-                f"a broadcast of {nbytes} bytes into slot {slot}; the ring has "
-                f"{len(self.slots)} slots of {self.slots[0].numel() if self.slots else 0}"
-            )
-        return self.slots[slot][:nbytes]
-
     def release(self, header: BucketHeader) -> None:
         # nccl: the next broadcast into this slot waits until the sink's copies are done.
         self._released[header.slot] = self.member.ready_event()
-
-    def released(self, slot: int) -> Any:
-        """The event the sink's last use of ``slot`` ends with (``None``: nothing to wait)."""
-        return self._released.pop(slot, None)
 
     def data(self, header: BucketHeader, payload: Any) -> torch.Tensor:
         raise WireFormatError(f"bucket {header.seq}: its bytes come by broadcast (see fill)")
@@ -410,8 +399,13 @@ class GroupView(SlotView):
                 f"bucket {header.seq} is {header.nbytes} bytes in slot {header.slot}; its "
                 f"broadcast is {nbytes} bytes into slot {slot}"
             )
-        data = self.target(slot, nbytes)
-        released = self.released(slot)
+        if not 0 <= slot < len(self.slots) or not 0 <= nbytes <= self.slots[slot].numel():
+            raise WireFormatError(
+                f"a broadcast of {nbytes} bytes into slot {slot}; the ring has "
+                f"{len(self.slots)} slots of {self.slots[0].numel() if self.slots else 0}"
+            )
+        data = self.slots[slot][:nbytes]
+        released = self._released.pop(slot, None)  # the sink's last use of the slot
         limit = 2 * timeout
         try:
             await _in_thread(
@@ -440,30 +434,21 @@ class GroupDialer(ZmqDialer):
         self.timeout = timeout
 
     async def connect(self) -> None:
+        """One try at the store (the receiver paces its tries, :class:`~.link.Tries`)."""
         from torch._C._distributed_c10d import TCPStore
 
         def rendezvous() -> tuple[Any, bytes]:
-            deadline = time.monotonic() + self.timeout
-            while True:  # the sender may not be there yet
-                try:
-                    store = TCPStore(
-                        self.host,
-                        self.port,
-                        is_master=False,
-                        timeout=as_timedelta(max(deadline - time.monotonic(), 0.1)),
-                    )
-                    return store, store.get(_CONTROL_KEY)
-                except (RuntimeError, OSError):
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
+            store = TCPStore(
+                self.host, self.port, is_master=False, timeout=as_timedelta(_STORE_TRY_S)
+            )
+            port = store.get(_CONTROL_KEY)
+            store.set_timeout(as_timedelta(self.timeout))  # the group forms through it
+            return store, port
 
         try:
             store, port = await _in_thread(rendezvous)
         except (RuntimeError, OSError) as exc:
-            raise SyncTimeoutError(
-                f"{self.url}: no sender answered within {self.timeout:g} s ({exc})"
-            ) from None
+            raise NotThere(str(exc)) from None
         self.member.store = store
         self.member.url = self.url
         self.member.local_host = local_address(self.host, self.port)

@@ -167,14 +167,6 @@ def _peer_address(frame: Any) -> str | None:
     return str(_metadata(frame, "Peer-Address") or "") or None
 
 
-def _source_fd(frame: Any) -> int | None:
-    """The descriptor of the connection a message came from."""
-    import zmq
-
-    fd = _metadata(frame, zmq.SRCFD)
-    return None if fd is None else int(fd)
-
-
 def _metadata(frame: Any, key: Any) -> Any:
     import zmq
 
@@ -208,12 +200,6 @@ def _refuse_if_served(url: str, path: str) -> None:
     finally:
         probe.close()
     raise ConfigError(f"{url} already has a sender (listening on {path})")
-
-
-def _send_errors() -> dict[type[BaseException], type[BaseException]]:
-    import zmq
-
-    return {zmq.ZMQError: PeerBrokenError}
 
 
 class ZmqLink(SenderLink):
@@ -327,6 +313,8 @@ class ZmqLink(SenderLink):
             del self._by_fd[fd]
 
     async def _on_message(self, parts: list[Any], events: LinkEvents, group: TaskGroup) -> None:
+        import zmq
+
         identity, frame = parts[0].bytes, parts[-1].bytes
         peer = self._peers.get(identity)
         if peer is not None:
@@ -339,7 +327,7 @@ class ZmqLink(SenderLink):
                 self._forget(identity)
             return
         peer = Peer(f"a receiver at {_peer_address(parts[-1]) or self.address}", identity)
-        fd = _source_fd(parts[-1])
+        fd = _metadata(parts[-1], zmq.SRCFD)  # the descriptor of its connection
         if fd is None:
             # Only a ZMTP 3 peer's messages carry metadata (random bytes on the port read as
             # ZMTP 1.0 messages): without its descriptor the peer could not be watched.
@@ -350,6 +338,7 @@ class ZmqLink(SenderLink):
             await events.on_refused(peer, exc)
         elif await events.on_frame(peer, frame):
             self._peers[identity] = peer
+            fd = int(fd)
             self._sockets[identity] = (fd, file_id(fd))
             earlier = self._by_fd.get(fd)
             self._by_fd[fd] = peer
@@ -365,22 +354,18 @@ class ZmqLink(SenderLink):
         parts: list[Any] = [peer.handle, frame]
         if payload is not None:
             parts.append(memoryview(payload.numpy()))  # type: ignore[arg-type]
-        with map_exceptions(
-            _send_errors(), f"{self.url}: {peer.describe or peer.who} is unreachable"
-        ):
+        unreachable = f"{self.url}: {peer.describe or peer.who} is unreachable"
+        with map_exceptions({self._sock.zmq.ZMQError: PeerBrokenError}, unreachable):
             await self._sock.send(parts)
 
-    def _remove_file(self) -> None:
+    async def aclose(self) -> None:
+        await _close(self._sock, self._monitor, self._ctx)
+        self._sock = self._monitor = self._ctx = None
         # Only the file this sender bound: one another sender made since is not ours.
         if self._file is not None and file_id(self._file) == self._bound_id:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._file)
         self._file = None
-
-    async def aclose(self) -> None:
-        await _close(self._sock, self._monitor, self._ctx)
-        self._sock = self._monitor = self._ctx = None
-        self._remove_file()
 
 
 class ZmqDialer(ReceiverLink):
@@ -461,7 +446,8 @@ class ZmqDialer(ReceiverLink):
 
     async def send(self, frame: bytes) -> None:
         assert self._sock is not None
-        with map_exceptions(_send_errors(), f"{self.url}: cannot reach the sender"):
+        errors = {self._sock.zmq.ZMQError: PeerBrokenError}
+        with map_exceptions(errors, f"{self.url}: cannot reach the sender"):
             await self._sock.send([frame])
 
     async def receive(self) -> tuple[bytes, Any]:

@@ -320,20 +320,29 @@ _DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)
 
 
 class WireCodec:
-    """Encodes and decodes frames for one channel, with its optional shared secret."""
+    """Encodes and decodes frames for one channel, with its optional shared secret, in
+    protocol ``version`` (another than :data:`PROTOCOL_VERSION` plays a peer of another
+    release)."""
 
-    def __init__(self, secret: bytes | None = None) -> None:
+    def __init__(self, secret: bytes | None = None, *, version: int = PROTOCOL_VERSION) -> None:
         self._secret = secret
+        self.version = version
 
     def _mac(self, body: bytes) -> bytes:
         assert self._secret is not None
         return hmac.new(self._secret, body, hashlib.sha256).digest()
 
+    def derive(self, salt: bytes) -> WireCodec:
+        """A codec of the same version keyed by this one's secret and ``salt`` (none without
+        a secret)."""
+        key = None if self._secret is None else self._mac(salt)
+        return WireCodec(key, version=self.version)
+
     def encode(self, msg: Message) -> bytes:
         """One frame holding ``msg``."""
         body = _envelope_encoder.encode(msg)
         mac = self._mac(body) if self._secret else b""
-        return _envelope_encoder.encode(_Envelope(PROTOCOL_VERSION, msgspec.Raw(body), mac))
+        return _envelope_encoder.encode(_Envelope(self.version, msgspec.Raw(body), mac))
 
     def decode(self, frame: bytes | memoryview) -> Message:
         """The message of a frame from an untrusted peer.
@@ -346,10 +355,10 @@ class WireCodec:
             env = _envelope_decoder.decode(frame)
         except _DECODE_ERRORS as exc:
             raise WireFormatError(f"malformed frame ({len(frame)} bytes): {exc}") from exc
-        if env.version != PROTOCOL_VERSION:
+        if env.version != self.version:
             raise ProtocolVersionError(
                 f"peer speaks streamsync wire protocol version {env.version}; "
-                f"this side speaks version {PROTOCOL_VERSION}"
+                f"this side speaks version {self.version}"
             )
         body = bytes(env.body)
         if self._secret is not None and not hmac.compare_digest(env.mac, self._mac(body)):
