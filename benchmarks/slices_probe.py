@@ -14,7 +14,9 @@ worker through ``collective_rpc``:
    its module, and ``model.load_weights`` is driven with one ``FakeRDTTensor`` per checkpoint
    tensor. Each ``copy_`` records a scatter: the source's op chain and the destination's
    ``as_strided`` region. Fed one name at a time, so a loader the fakes cannot follow costs
-   only that name (it would be sent whole). The model is restored afterwards.
+   only that name (it would be sent whole). A module recorded short of its size (a loader
+   that fills padding) is kept, as the receiver runs that loader. The model is restored
+   afterwards.
 2. **Describe.** Each op chain is replayed on an index tensor (``arange`` in the checkpoint
    tensor's shape): the flat source index each destination element reads. From it, a box
    (start, stop per dim) where the slice is one, and the union of elements the worker needs.
@@ -22,7 +24,8 @@ worker through ``collective_rpc``:
    unwrapped loaders load a checkpoint other than the engine's, and the result is kept; the
    layers are restored. A fresh tensor per parameter is filled only by replaying the learned
    slices on what the worker would receive (its needed elements, NaN elsewhere) and compared
-   bit for bit with what the loaders wrote, with the elements no slice covered counted.
+   bit for bit with what the loaders wrote; elements no slice covers must be the loader's
+   own zero fill.
 4. **Receive.** Three layerwise reloads as streamsync's ``LayerwiseReload`` lifecycle runs
    them (``load_weights``, then vLLM processes each layer into its kernel layout): of the
    whole tensors, of zeros, and of each tensor a worker reads only in part as a
@@ -38,12 +41,19 @@ import argparse
 import os
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 #: Model kinds: (``build_tiny_model`` kind, tied).
-KINDS = {"dense": ("dense", False), "tied": ("dense", True), "moe": ("moe", False)}
+KINDS = {
+    "dense": ("dense", False, None),
+    "tied": ("dense", True, None),
+    "moe": ("moe", False, None),
+    # A vocabulary vLLM pads (to a multiple of 64): the last worker's padded rows are filled.
+    "padded": ("dense", False, 500),
+}
 
 
 def learn_and_check(worker: Any, path: str) -> dict[str, Any]:
@@ -143,9 +153,11 @@ def _learned(worker: Any, path: str) -> tuple[dict[str, Any], Any, dict[str, Any
 
 def _learn(bake: Any, ckpt: dict[str, Any], prefix_of: dict[Any, str]) -> dict[str, Any]:
     """The body of ``ShardedRDTWeightTransferEngine._bake``, one name at a time and with the
-    model restored whatever happens: the scatters of every fully recorded module, the names
-    a loader refused (``_UnsupportedFakeOp``), the partly recorded modules, and the names
-    no loader copied (another rank's experts)."""
+    model restored whatever happens: the scatters of every module whose copies were all
+    attributed, the names a loader refused (``_UnsupportedFakeOp``), the modules recorded
+    short of their size (vLLM drops them; here they are kept, because the receiver runs the
+    loader, which writes the rest itself), and the names no loader copied (another rank's
+    experts)."""
     from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink
     from vllm.model_executor.model_loader.reload import layerwise
     from vllm.model_executor.model_loader.reload.utils import get_layer_size
@@ -164,9 +176,11 @@ def _learn(bake: Any, ckpt: dict[str, Any], prefix_of: dict[Any, str]) -> dict[s
     scatters, partial = [], []
     for layer, copies in recorder.copies_by_layer.items():
         copied = sum(_numel(c.shape) for c in copies if c is not None)
-        if any(c is None for c in copies) or copied < get_layer_size(layer):
-            partial.append(prefix_of[layer])
+        if any(c is None for c in copies):
+            unlearned[prefix_of[layer]] = "a copy_ outside a stamped loader"
             continue
+        if copied < get_layer_size(layer):
+            partial.append(f"{prefix_of[layer]} ({get_layer_size(layer) - copied} elements)")
         scatters.extend(copies)
     never_copied = sorted(set(ckpt) - recorder.copied_names - set(unlearned))
     return {
@@ -230,15 +244,24 @@ def _check(
         source = _replay(received[sc.src[0]], sc.src[1])
         fresh.as_strided(sc.shape, sc.stride, sc.offset).copy_(source)
         covered.as_strided(sc.shape, sc.stride, sc.offset).fill_(True)
-    mismatched, uncovered = [], []
+    mismatched, uncovered, filled = [], [], []
     for (layer, pname), (fresh, covered) in built.items():
         want = held[(layer, pname)]
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[want.itemsize]
         if not torch.equal(fresh.view(bits)[covered], want.view(bits)[covered]):
             mismatched.append(f"{prefix_of[layer]}.{pname}")
         if not bool(covered.all()):
-            uncovered.append(f"{prefix_of[layer]}.{pname} ({int((~covered).sum())} elements)")
-    return {"checked": len(built), "mismatched": mismatched, "uncovered": uncovered}
+            # Elements the loader wrote as zeros with no slice behind them (padding) are
+            # its own fill, which it writes again on the worker.
+            rest = want[~covered]
+            label = filled if not rest.is_floating_point() or bool((rest == 0).all()) else uncovered
+            label.append(f"{prefix_of[layer]}.{pname} ({rest.numel()} elements)")
+    return {
+        "checked": len(built),
+        "mismatched": mismatched,
+        "uncovered": uncovered,
+        "filled": filled,
+    }
 
 
 def _bounding_box(mask: Any) -> tuple[tuple[int, int], ...] | None:
@@ -360,9 +383,11 @@ def run_kind(kind: str, dtype: str, verbose: bool) -> bool:
 
     from streamsync.testing.models import build_tiny_model
 
-    model_kind, tied = KINDS[kind]
+    model_kind, tied, vocab = KINDS[kind]
     with tempfile.TemporaryDirectory(prefix=f"slices-{kind}-") as path:
         build_tiny_model(path, model_kind, tied=tied, dtype=getattr(torch, dtype))
+        if vocab is not None:
+            _cut_vocab(path, vocab)
         llm = LLM(
             model=path,
             dtype=dtype,
@@ -390,6 +415,25 @@ def run_kind(kind: str, dtype: str, verbose: bool) -> bool:
     same = outputs["boxes"] == outputs["whole"] and outputs["zeros"] != outputs["whole"]
     print(f"from boxes == from whole tensors, exactly (and zeros differ): {same}")
     return report(results, verbose) and same
+
+
+def _cut_vocab(path: str, vocab: int) -> None:
+    """Keep the first ``vocab`` rows of the saved model's embedding and output head."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    (file,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    tensors = load_file(os.path.join(path, file))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            tensors[name] = tensors[name][:vocab].clone()
+    save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+    config_file = Path(path) / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(vocab_size=vocab, eos_token_id=vocab - 1, bos_token_id=vocab - 1)
+    config.update(pad_token_id=vocab - 1)
+    config_file.write_text(json.dumps(config))
 
 
 #: Prompts whose greedy tokens and prompt logprobs compare engine states.
@@ -430,7 +474,7 @@ def report(results: list[dict[str, Any]], verbose: bool) -> bool:
             f"partial modules {len(r['partial'])}, never copied {len(r['never_copied'])}"
         )
         print(f"  the reload from boxes gave {r['boxed']} tensors as boxes, the rest whole")
-        for label in ("mismatched", "uncovered", "partial", "never_copied"):
+        for label in ("mismatched", "uncovered", "partial", "filled", "never_copied"):
             for item in r[label]:
                 print(f"  {label}: {item}")
         for name, why in r["unlearned"].items():
