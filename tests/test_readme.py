@@ -84,7 +84,7 @@ def run_block(b: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict
         run_as_a_users_tests(b.code, tmp_path)
         return scope
     monkeypatch.chdir(tmp_path)
-    exec(compile(b.code, b.id, "exec"), scope)
+    exec(compile(b.code, b.id, "exec", dont_inherit=True), scope)
     return scope
 
 
