@@ -50,9 +50,11 @@ def sync_cost(report: Any, delta: bool) -> float:
 @dataclass
 class Verdict:
     """Whether deltas pay on a channel, judged on its steady state: the median cost per byte
-    of its last :data:`WINDOW` deltas against that of its last dense syncs. The first delta on
-    each new baseline is not counted (cold caches, first-touch page faults). Declined, the
-    channel sends dense syncs, and after a back-off records a baseline to try deltas again."""
+    of its last :data:`WINDOW` deltas against that of its last dense syncs. Cold syncs are
+    not counted (caches, first-touch page faults, the peers' first allocations): the
+    channel's first, and the first delta on each new baseline; a channel with no warm dense
+    sync yet times one. Declined, the channel sends dense syncs, and after a back-off records
+    a baseline to try deltas again."""
 
     #: What a finished sync cost (the seam tests inject costs through).
     cost: Callable[[Any, bool], float] = sync_cost
@@ -64,9 +66,12 @@ class Verdict:
     declined: str | None = None
     #: Why a probe's first sync is full (set from a decline until the next verdict).
     probing: str | None = None
+    #: Why the next sync is full, to time a warm dense sync.
+    measure: str | None = None
     #: Dense syncs the next decline sends before its probe, and those left of this one's.
     backoff: int = field(init=False)
     wait: int = 0
+    first: bool = True
     cold: bool = True
     dense: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     deltas: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -96,15 +101,18 @@ class Verdict:
             return None
         per_byte = self.cost(report, delta) / tensor_bytes
         if not delta:
-            if per_byte > 0:
+            if per_byte > 0 and not self.first:
                 self.dense.append(per_byte)
-            self.cold = True
+            self.first, self.cold, self.measure = False, True, None
             return None
         if self.cold:
             self.cold = False
             return None
         self.deltas.append(per_byte)
-        if len(self.deltas) < JUDGE_AFTER or not self.dense:
+        if len(self.deltas) < JUDGE_AFTER:
+            return None
+        if not self.dense:
+            self.measure = "timing a warm dense sync to judge deltas against"
             return None
         took = statistics.median(self.deltas) * tensor_bytes
         dense_s = statistics.median(self.dense) * tensor_bytes
@@ -169,7 +177,7 @@ def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> st
         if version != baseline.version:
             holds = f"version {version}" if version is not None else "no known version"
             return f"receiver {index} holds {holds}, not the baseline's {baseline.version}"
-    return None
+    return baseline.verdict.measure
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -420,11 +420,13 @@ def test_a_sync_costs_its_whole_seconds_delta_or_dense() -> None:
 
 def costs(deltas: list[float], dense: float = 1.0, **kw: Any) -> Any:
     """A verdict whose syncs cost as scripted: each dense one ``dense`` seconds, the deltas
-    ``deltas`` in turn (every sync counts, however small)."""
+    ``deltas`` in turn (every sync counts, however small, and the first one too unless
+    ``first=True``: scripted costs are warm)."""
     from streamsync._delta import Verdict
 
     left = iter(deltas)
     kw.setdefault("min_bytes", 0)
+    kw.setdefault("first", False)
     return Verdict(cost=lambda report, delta: next(left) if delta else dense, **kw)
 
 
@@ -441,19 +443,22 @@ async def delta_syncs(
     return out
 
 
-async def test_the_first_delta_on_each_baseline_is_not_judged() -> None:
-    """A cold first delta (here five times a dense sync) counts neither after the first
-    full sync nor after a full one asked for; the warm ones after it pay."""
+async def test_cold_syncs_are_not_judged() -> None:
+    """The channel's first sync and the first delta on each baseline (here five times a
+    dense sync) are not counted: with no warm dense sync yet, the channel times one; the
+    warm deltas pay, after the first full sync and after one asked for."""
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        tx.state.baseline.verdict = costs([5.0, 0.5, 0.85, 0.85, 0.85, 5.0, 0.5, 0.5])
-        sent = await delta_syncs(tx, rx, trainer, engine, range(6))
-        assert sent[0].delta.base is None
-        assert all(r.delta.base is not None and r.delta.full_reason is None for r in sent[1:])
+        script = [5.0, 0.5, 0.85, 5.0, 0.85, 0.85, 5.0, 0.5, 0.5]
+        tx.state.baseline.verdict = costs(script, first=True)
+        sent = await delta_syncs(tx, rx, trainer, engine, range(8))
+        assert [i for i, r in enumerate(sent) if r.delta.base is None] == [0, 4]
+        assert sent[4].delta.full_reason == "timing a warm dense sync to judge deltas against"
+        assert all(r.delta.full_reason is None for r in sent[1:4] + sent[5:])
         sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
         assert sent.delta.full_reason == "a full sync was asked for"
-        sent = await delta_syncs(tx, rx, trainer, engine, range(6, 9))
+        sent = await delta_syncs(tx, rx, trainer, engine, range(8, 11))
         assert all(r.delta.base is not None and r.delta.full_reason is None for r in sent)
         assert tx.state.baseline.verdict.declined is None
 
