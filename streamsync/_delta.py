@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -39,6 +39,10 @@ BACKOFF = 8
 BACKOFF_MAX = 64
 
 
+#: A plain dense sync, a full one that records a baseline, a delta.
+SyncKind = Literal["dense", "full", "delta"]
+
+
 def sync_cost(report: Any, delta: bool) -> float:
     """Seconds a sync cost, delta or dense: all of it, as the caller waits for it (the
     source and pipeline, any comparison, the transfer, the receivers' applying). A full
@@ -50,11 +54,12 @@ def sync_cost(report: Any, delta: bool) -> float:
 @dataclass
 class Verdict:
     """Whether deltas pay on a channel, judged on its steady state: the median cost per byte
-    of its last :data:`WINDOW` deltas against that of its last dense syncs. Cold syncs are
-    not counted (caches, first-touch page faults, the peers' first allocations): the
-    channel's first, and the first delta on each new baseline; a channel with no warm dense
-    sync yet times one. Declined, the channel sends dense syncs, and after a back-off records
-    a baseline to try deltas again."""
+    of its last :data:`WINDOW` deltas against that of its last plain dense syncs. The first
+    delta on each new baseline is cold (caches, first-touch page faults) and not counted; a
+    full sync that records a baseline is not a dense sync's cost (keeping the copy costs up
+    to several times the transfer), so a channel with none yet sends one to time. Declined,
+    the channel sends dense syncs, and after a back-off records a baseline to try deltas
+    again."""
 
     #: What a finished sync cost (the seam tests inject costs through).
     cost: Callable[[Any, bool], float] = sync_cost
@@ -64,14 +69,13 @@ class Verdict:
     #: Why deltas do not pay here now, with the figures that decided (``None``: they do, or
     #: are being tried).
     declined: str | None = None
-    #: Why a probe's first sync is full (set from a decline until the next verdict).
-    probing: str | None = None
-    #: Why the next sync is full, to time a warm dense sync.
+    #: Why the next sync is plain dense, to time it.
     measure: str | None = None
+    #: Why the next sync without a baseline records one (set until the next verdict).
+    rebase: str | None = None
     #: Dense syncs the next decline sends before its probe, and those left of this one's.
     backoff: int = field(init=False)
     wait: int = 0
-    first: bool = True
     cold: bool = True
     dense: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     deltas: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -81,12 +85,17 @@ class Verdict:
 
     def retry(self) -> None:
         """A full sync was asked for: deltas are tried again from it, the back-off anew."""
-        self.declined, self.probing, self.backoff = None, None, self.probe_after
+        self.declined, self.measure, self.rebase = None, None, None
+        self.backoff = self.probe_after
         self.deltas.clear()
 
     def declines(self) -> str | None:
-        """Whether this sync goes dense, untracked (the reason), counting down the back-off;
-        once it has run out, ``None``, and the sync starts a probe."""
+        """Whether this sync goes plain dense (the reason), counting down the back-off; once
+        it has run out, ``None``, and the sync starts a probe."""
+        if self.measure is not None:
+            why, self.measure = self.measure, None
+            self.rebase = "recording a baseline again after a dense sync timed"
+            return why
         if self.declined is None:
             return None
         if self.wait > 0:
@@ -95,15 +104,17 @@ class Verdict:
         self.declined = None
         return None
 
-    def record(self, report: Any, tensor_bytes: int, *, delta: bool, sync_id: int) -> str | None:
-        """Count a finished sync of ``tensor_bytes``: the reason if deltas now do not pay."""
-        if tensor_bytes < self.min_bytes:
+    def record(self, report: Any, tensor_bytes: int, *, kind: SyncKind, sync_id: int) -> str | None:
+        """Count a finished sync of ``tensor_bytes`` (plain dense, full recording a baseline,
+        or a delta): the reason if deltas now do not pay."""
+        if kind != "delta":
+            self.cold = True
+        if tensor_bytes < self.min_bytes or kind == "full":
             return None
-        per_byte = self.cost(report, delta) / tensor_bytes
-        if not delta:
-            if per_byte > 0 and not self.first:
+        per_byte = self.cost(report, kind == "delta") / tensor_bytes
+        if kind == "dense":
+            if per_byte > 0:
                 self.dense.append(per_byte)
-            self.first, self.cold, self.measure = False, True, None
             return None
         if self.cold:
             self.cold = False
@@ -112,7 +123,7 @@ class Verdict:
         if len(self.deltas) < JUDGE_AFTER:
             return None
         if not self.dense:
-            self.measure = "timing a warm dense sync to judge deltas against"
+            self.measure = "timing a dense sync to judge deltas against"
             return None
         took = statistics.median(self.deltas) * tensor_bytes
         dense_s = statistics.median(self.dense) * tensor_bytes
@@ -126,11 +137,11 @@ class Verdict:
             deltas=len(self.deltas),
             dense=len(self.dense),
         )
-        self.probing = None
+        self.rebase = None
         if pays:
             self.backoff = self.probe_after
             return None
-        self.probing = f"trying deltas again after {self.backoff} dense syncs"
+        self.rebase = f"trying deltas again after {self.backoff} dense syncs"
         self.declined = (
             f"deltas do not pay on this channel: a delta takes {took:.3f} s (median of the "
             f"last {len(self.deltas)}) where a dense sync takes {dense_s:.3f} s "
@@ -169,8 +180,8 @@ def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> st
     if full:
         return "a full sync was asked for"
     if baseline.version is None:
-        probing = baseline.verdict.probing
-        return probing or "no baseline yet (the first sync on this sender, or the last one failed)"
+        rebase = baseline.verdict.rebase
+        return rebase or "no baseline yet (the first sync on this sender, or the last one failed)"
     if not held:
         return "no receiver is there to say what it holds"
     for index, version in held.items():

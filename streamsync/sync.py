@@ -211,7 +211,8 @@ async def _send_delta(
         verdict.retry()
     declined = verdict.declines()
     if declined is not None:
-        # A delta costs more than it saves on this channel: plain dense syncs.
+        # Deltas do not pay here, or a dense sync is timed: plain dense syncs.
+        baseline.drop()
         report = await _send(
             _buckets(stream, pipeline, Bucketer(size)),
             sender,
@@ -220,7 +221,7 @@ async def _send_delta(
             checksum=checksum,
             begun=True,
         )
-        verdict.record(report, report.nbytes, delta=False, sync_id=sync_id)
+        verdict.record(report, report.nbytes, kind="dense", sync_id=sync_id)
         return msgspec.structs.replace(
             report, delta=DeltaReport(full_reason=declined, dense=report.tensors)
         )
@@ -245,7 +246,7 @@ def _delta_done(run: DeltaRun, report: SyncReport, why: str | None) -> SyncRepor
     here) and complete its report."""
     baseline, base = run.baseline, run.base
     declined = baseline.verdict.record(
-        report, run.tensor_bytes, delta=base is not None, sync_id=report.sync_id
+        report, run.tensor_bytes, kind="full" if base is None else "delta", sync_id=report.sync_id
     )
     if declined is None:
         run.commit(report.sync_id)

@@ -419,14 +419,12 @@ def test_a_sync_costs_its_whole_seconds_delta_or_dense() -> None:
 
 
 def costs(deltas: list[float], dense: float = 1.0, **kw: Any) -> Any:
-    """A verdict whose syncs cost as scripted: each dense one ``dense`` seconds, the deltas
-    ``deltas`` in turn (every sync counts, however small, and the first one too unless
-    ``first=True``: scripted costs are warm)."""
+    """A verdict whose syncs cost as scripted: each plain dense one ``dense`` seconds, the
+    deltas ``deltas`` in turn (every sync counts, however small)."""
     from streamsync._delta import Verdict
 
     left = iter(deltas)
     kw.setdefault("min_bytes", 0)
-    kw.setdefault("first", False)
     return Verdict(cost=lambda report, delta: next(left) if delta else dense, **kw)
 
 
@@ -443,22 +441,35 @@ async def delta_syncs(
     return out
 
 
+def fulls(sent: list[Any]) -> list[int]:
+    return [i for i, r in enumerate(sent) if r.delta.base is None]
+
+
+#: A new channel: a full sync, a cold delta, two warm ones; then a dense sync timed, a full
+#: one recording a baseline again, a cold delta; the next delta is judged.
+TIMED, REBASED, JUDGED = 4, 5, 7
+
+
 async def test_cold_syncs_are_not_judged() -> None:
-    """The channel's first sync and the first delta on each baseline (here five times a
-    dense sync) are not counted: with no warm dense sync yet, the channel times one; the
-    warm deltas pay, after the first full sync and after one asked for."""
+    """The first delta on each baseline (here five times a dense sync) is not counted, nor
+    is a full sync that records a baseline: the channel times a plain dense one. The warm
+    deltas pay, after the first full sync and after one asked for."""
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
         script = [5.0, 0.5, 0.85, 5.0, 0.85, 0.85, 5.0, 0.5, 0.5]
-        tx.state.baseline.verdict = costs(script, first=True)
-        sent = await delta_syncs(tx, rx, trainer, engine, range(8))
-        assert [i for i, r in enumerate(sent) if r.delta.base is None] == [0, 4]
-        assert sent[4].delta.full_reason == "timing a warm dense sync to judge deltas against"
-        assert all(r.delta.full_reason is None for r in sent[1:4] + sent[5:])
+        tx.state.baseline.verdict = costs(script)
+        sent = await delta_syncs(tx, rx, trainer, engine, range(9))
+        assert fulls(sent) == [0, TIMED, REBASED]
+        assert sent[TIMED].delta.full_reason == "timing a dense sync to judge deltas against"
+        assert sent[TIMED].delta.dense == 4
+        assert sent[REBASED].delta.full_reason == (
+            "recording a baseline again after a dense sync timed"
+        )
+        assert all(r.delta.full_reason is None for r in sent[1:TIMED] + sent[REBASED + 1 :])
         sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
         assert sent.delta.full_reason == "a full sync was asked for"
-        sent = await delta_syncs(tx, rx, trainer, engine, range(8, 11))
+        sent = await delta_syncs(tx, rx, trainer, engine, range(9, 12))
         assert all(r.delta.base is not None and r.delta.full_reason is None for r in sent)
         assert tx.state.baseline.verdict.declined is None
 
@@ -470,14 +481,14 @@ async def test_a_channel_declines_deltas_that_cost_more_in_steady_state() -> Non
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        tx.state.baseline.verdict = costs([0.2, 0.95, 0.95], probe_after=3)
-        sent = await delta_syncs(tx, rx, trainer, engine, range(6))
-        assert [r.delta.base is not None for r in sent] == [False, True, True, True, False, False]
-        why = sent[3].delta.full_reason
+        tx.state.baseline.verdict = costs([0.2, 0.95, 0.95, 0.2, 0.95], probe_after=3)
+        sent = await delta_syncs(tx, rx, trainer, engine, range(11))
+        assert fulls(sent) == [0, TIMED, REBASED, 8, 9, 10]
+        why = sent[JUDGED].delta.full_reason
         assert why is not None and "do not pay" in why, why
         assert "0.950 s" in why and "1.000 s" in why and "next 3 syncs" in why
-        assert sent[2].delta.full_reason is None
-        for r in sent[4:]:
+        assert sent[JUDGED - 1].delta.full_reason is None
+        for r in sent[JUDGED + 1 :]:
             assert r.delta.full_reason == why and r.delta.dense == 4
             assert r.wire_bytes >= r.nbytes
         assert tx.state.baseline.nbytes == 0  # declined: no copy kept
@@ -486,7 +497,7 @@ async def test_a_channel_declines_deltas_that_cost_more_in_steady_state() -> Non
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
         tx.state.baseline.verdict = costs([9.0] * 5, min_bytes=16 << 20)
         sent = await delta_syncs(tx, rx, trainer, engine, range(6))
-        assert all(r.delta.base is not None for r in sent[1:])
+        assert fulls(sent) == [0]
 
 
 async def test_a_declined_channel_probes_again_after_a_back_off() -> None:
@@ -496,22 +507,17 @@ async def test_a_declined_channel_probes_again_after_a_back_off() -> None:
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        verdict = costs([0.2, 0.95, 0.95, 3.0, 2.0, 2.0, 3.0, 0.3, 0.3, 0.3], probe_after=2)
+        script = [0.2, 0.95, 0.95, 0.2, 0.95, 3.0, 2.0, 2.0, 3.0, 0.3, 0.3, 0.3]
+        verdict = costs(script, probe_after=2)
         tx.state.baseline.verdict = verdict
-        sent = await delta_syncs(tx, rx, trainer, engine, range(19))
-        deltas = [r.delta.base is not None for r in sent]
-        assert [i for i, d in enumerate(deltas) if d] == [1, 2, 3, 7, 8, 9, 15, 16, 17, 18]
-        assert [i for i, r in enumerate(sent) if r.delta.base is None] == [
-            0,
-            *range(4, 7),
-            *range(10, 15),
-        ]
-        assert "next 2 syncs" in str(sent[3].delta.full_reason)
-        assert sent[6].delta.full_reason == "trying deltas again after 2 dense syncs"
-        assert "next 4 syncs" in str(sent[9].delta.full_reason)
-        assert "2.000 s" in str(sent[9].delta.full_reason)
-        assert sent[14].delta.full_reason == "trying deltas again after 4 dense syncs"
-        assert all(r.delta.full_reason is None for r in sent[15:])
+        sent = await delta_syncs(tx, rx, trainer, engine, range(23))
+        assert fulls(sent) == [0, TIMED, REBASED, 8, 9, 10, 14, 15, 16, 17, 18]
+        assert "next 2 syncs" in str(sent[JUDGED].delta.full_reason)
+        assert sent[10].delta.full_reason == "trying deltas again after 2 dense syncs"
+        assert "next 4 syncs" in str(sent[13].delta.full_reason)
+        assert "2.000 s" in str(sent[13].delta.full_reason)
+        assert sent[18].delta.full_reason == "trying deltas again after 4 dense syncs"
+        assert all(r.delta.full_reason is None for r in sent[19:])
         assert verdict.backoff == 2 and verdict.declined is None
 
 
@@ -519,16 +525,16 @@ async def test_a_declined_channel_sends_dense_syncs_until_a_full_one_is_asked_fo
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        tx.state.baseline.verdict = costs([2.0] * 3 + [0.1] * 3, probe_after=100)
-        sent = await delta_syncs(tx, rx, trainer, engine, range(6))
-        declined = sent[3].delta.full_reason
+        tx.state.baseline.verdict = costs([2.0] * 5 + [0.1] * 3, probe_after=100)
+        sent = await delta_syncs(tx, rx, trainer, engine, range(10))
+        declined = sent[JUDGED].delta.full_reason
         assert declined is not None and "do not pay" in declined
-        for r in sent[4:]:
+        for r in sent[JUDGED + 1 :]:
             assert r.delta.full_reason == declined and r.delta.dense == 4
-        step(trainer, 6)
+        step(trainer, 10)
         got, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
         assert got.delta.full_reason == "a full sync was asked for"
-        sent = await delta_syncs(tx, rx, trainer, engine, range(7, 10))
+        sent = await delta_syncs(tx, rx, trainer, engine, range(11, 14))
         assert all(r.delta.full_reason is None and r.delta.base is not None for r in sent)
 
 
