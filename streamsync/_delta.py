@@ -45,9 +45,7 @@ SyncKind = Literal["dense", "full", "delta"]
 
 def sync_cost(report: Any, delta: bool) -> float:
     """Seconds a sync cost, delta or dense: all of it, as the caller waits for it (the
-    source and pipeline, any comparison, the transfer, the receivers' applying). A full
-    sync that records a baseline also pays its copies (none under a cast, whose output is
-    kept)."""
+    source and pipeline, any comparison, the transfer, the receivers' applying)."""
     return float(report.seconds)
 
 
