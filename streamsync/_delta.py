@@ -11,15 +11,144 @@ sync drops the old baseline first (its memory is needed for the new one).
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from streamsync._copies import clone
+from streamsync._log import log
 from streamsync.wire import patch as patches
 from streamsync.wire.bucket import BucketBuilder, CastRule
+
+#: Below this many bytes a sync is too short to time: it does not count towards the verdict.
+DECLINE_MIN_BYTES = 16 << 20
+#: Deltas must take at most this share of what a dense sync takes (both per byte, medians
+#: of the last :data:`WINDOW`), or the channel declines them.
+DECLINE_SHARE = 0.9
+#: Syncs each running estimate spans; a verdict needs at least :data:`JUDGE_AFTER` deltas.
+WINDOW = 3
+JUDGE_AFTER = 2
+#: Dense syncs a declined channel sends before it tries deltas again; each probe that does
+#: not pay doubles the wait, up to :data:`BACKOFF_MAX`, and a verdict that pays resets it.
+BACKOFF = 8
+BACKOFF_MAX = 64
+
+
+#: A plain dense sync, a full one that records a baseline, a delta.
+SyncKind = Literal["dense", "full", "delta"]
+
+
+def sync_cost(report: Any, delta: bool) -> float:
+    """Seconds a sync cost, delta or dense: all of it, as the caller waits for it (the
+    source and pipeline, any comparison, the transfer, the receivers' applying)."""
+    return float(report.seconds)
+
+
+@dataclass
+class Verdict:
+    """Whether deltas pay on a channel, judged on its steady state: the median cost per byte
+    of its last :data:`WINDOW` deltas against that of its last plain dense syncs. The first
+    delta on each new baseline is cold (caches, first-touch page faults) and not counted; a
+    full sync that records a baseline is not a dense sync's cost (keeping the copy costs up
+    to several times the transfer), so a channel with none yet sends one to time. Declined,
+    the channel sends dense syncs, and after a back-off records a baseline to try deltas
+    again."""
+
+    #: What a finished sync cost (the seam tests inject costs through).
+    cost: Callable[[Any, bool], float] = sync_cost
+    min_bytes: int = DECLINE_MIN_BYTES
+    #: Dense syncs a first decline sends before the probe.
+    probe_after: int = BACKOFF
+    #: Why deltas do not pay here now, with the figures that decided (``None``: they do, or
+    #: are being tried).
+    declined: str | None = None
+    #: Why the next sync is plain dense, to time it.
+    measure: str | None = None
+    #: Why the next sync without a baseline records one (set until the next verdict).
+    rebase: str | None = None
+    #: Dense syncs the next decline sends before its probe, and those left of this one's.
+    backoff: int = field(init=False)
+    wait: int = 0
+    cold: bool = True
+    dense: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    deltas: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def __post_init__(self) -> None:
+        self.backoff = self.probe_after
+
+    def retry(self) -> None:
+        """A full sync was asked for: deltas are tried again from it, the back-off anew."""
+        self.declined, self.measure, self.rebase = None, None, None
+        self.backoff = self.probe_after
+        self.deltas.clear()
+
+    def declines(self) -> str | None:
+        """Whether this sync goes plain dense (the reason), counting down the back-off; once
+        it has run out, ``None``, and the sync starts a probe."""
+        if self.measure is not None:
+            why, self.measure = self.measure, None
+            self.rebase = "recording a baseline again after a dense sync timed"
+            return why
+        if self.declined is None:
+            return None
+        if self.wait > 0:
+            self.wait -= 1
+            return self.declined
+        self.declined = None
+        return None
+
+    def record(self, report: Any, tensor_bytes: int, *, kind: SyncKind, sync_id: int) -> str | None:
+        """Count a finished sync of ``tensor_bytes`` (plain dense, full recording a baseline,
+        or a delta): the reason if deltas now do not pay."""
+        if kind != "delta":
+            self.cold = True
+        if tensor_bytes < self.min_bytes or kind == "full":
+            return None
+        per_byte = self.cost(report, kind == "delta") / tensor_bytes
+        if kind == "dense":
+            if per_byte > 0:
+                self.dense.append(per_byte)
+            return None
+        if self.cold:
+            self.cold = False
+            return None
+        self.deltas.append(per_byte)
+        if len(self.deltas) < JUDGE_AFTER:
+            return None
+        if not self.dense:
+            self.measure = "timing a dense sync to judge deltas against"
+            return None
+        took = statistics.median(self.deltas) * tensor_bytes
+        dense_s = statistics.median(self.dense) * tensor_bytes
+        pays = took <= DECLINE_SHARE * dense_s
+        log(
+            "sync.delta.verdict",
+            sync_id=sync_id,
+            pays=pays,
+            delta_seconds=round(took, 6),
+            dense_seconds=round(dense_s, 6),
+            deltas=len(self.deltas),
+            dense=len(self.dense),
+        )
+        self.rebase = None
+        if pays:
+            self.backoff = self.probe_after
+            return None
+        self.rebase = f"trying deltas again after {self.backoff} dense syncs"
+        self.declined = (
+            f"deltas do not pay on this channel: a delta takes {took:.3f} s (median of the "
+            f"last {len(self.deltas)}) where a dense sync takes {dense_s:.3f} s "
+            f"(median of the last {len(self.dense)} dense syncs); the next {self.backoff} "
+            "syncs go dense, then deltas are tried again (or from a full sync asked for)"
+        )
+        self.wait, self.backoff = self.backoff, min(2 * self.backoff, BACKOFF_MAX)
+        self.deltas.clear()
+        return self.declined
 
 
 @dataclass
@@ -27,13 +156,8 @@ class Baseline:
     """The wire bytes of the version every member of the last delta-tracked sync holds."""
 
     version: int | None = None
-    #: Why deltas do not pay on this channel (see :func:`decline`): syncs go dense, with
-    #: no baseline kept, until a full sync is asked for.
-    declined: str | None = None
-    #: What moving the whole model cost per byte in the last full sync, and whether a
-    #: delta has been judged against it.
-    dense_seconds_per_byte: float | None = None
-    judged: bool = False
+    #: Whether deltas pay on this channel.
+    verdict: Verdict = field(default_factory=Verdict)
     #: name -> (dtype, shape, bytes as a flat uint8 tensor)
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
         default_factory=dict
@@ -54,53 +178,15 @@ def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> st
     if full:
         return "a full sync was asked for"
     if baseline.version is None:
-        return "no baseline yet (the first sync on this sender, or the last one failed)"
+        rebase = baseline.verdict.rebase
+        return rebase or "no baseline yet (the first sync on this sender, or the last one failed)"
     if not held:
         return "no receiver is there to say what it holds"
     for index, version in held.items():
         if version != baseline.version:
             holds = f"version {version}" if version is not None else "no known version"
             return f"receiver {index} holds {holds}, not the baseline's {baseline.version}"
-    return None
-
-
-#: Below this many bytes a sync is too short to time: deltas are never declined for it.
-DECLINE_MIN_BYTES = 16 << 20
-#: A delta sync must take at most this share of what the transport took for the whole
-#: model, or the channel declines deltas.
-DECLINE_SHARE = 0.9
-
-
-def transport_seconds(report: Any) -> float:
-    """Seconds a sync spent moving its bytes: its send and end phases (the receivers'
-    copies and reports included; the source, the pipeline and any comparison excluded)."""
-    phases = report.phases
-    return float(phases.get("send", 0.0) + phases.get("end", 0.0))
-
-
-def decline(baseline: Baseline, report: Any, tensor_bytes: int, *, delta: bool) -> str | None:
-    """Whether deltas pay on this channel, measured: a full sync records what moving the
-    whole model costs here (per byte); the first delta sync after it is timed whole
-    (comparing, encoding, sending, the receivers' patching). If the delta took more than
-    :data:`DECLINE_SHARE` of the full transfer, deltas do not pay: the reason, else
-    ``None``. Syncs under :data:`DECLINE_MIN_BYTES` are not judged."""
-    if tensor_bytes < DECLINE_MIN_BYTES:
-        return None
-    if not delta:
-        moving = transport_seconds(report)
-        baseline.dense_seconds_per_byte = moving / tensor_bytes if moving > 0 else None
-        return None
-    if baseline.dense_seconds_per_byte is None or baseline.judged:
-        return None
-    baseline.judged = True
-    full = baseline.dense_seconds_per_byte * tensor_bytes
-    if report.seconds <= DECLINE_SHARE * full:
-        return None
-    return (
-        f"deltas do not pay on this channel: a delta sync took {report.seconds:.3f} s where "
-        f"moving the whole model takes {full:.3f} s; syncs go dense until a full sync is "
-        "asked for"
-    )
+    return baseline.verdict.measure
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

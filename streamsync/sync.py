@@ -13,7 +13,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from streamsync._delta import DeltaRun, choose, decline
+from streamsync._delta import DeltaRun, choose
 from streamsync._log import log
 from streamsync._replay import BucketPlans
 from streamsync.adapters.bucket import Bucketer
@@ -207,10 +207,13 @@ async def _send_delta(
     async with _aborting(sender, sync_id):
         await sender.wait_ready(timeout=timeout)
         held = await sender.begin(sync_id, timeout=timeout)
+    verdict = baseline.verdict
     if full:
-        baseline.declined, baseline.judged = None, False  # asked for: measure again
-    if baseline.declined is not None:
-        # A delta costs more than it saves on this channel: plain dense syncs.
+        verdict.retry()
+    declined = verdict.declines()
+    if declined is not None:
+        # Deltas do not pay here, or a dense sync is timed: plain dense syncs.
+        baseline.drop()
         report = await _send(
             _buckets(stream, pipeline, Bucketer(size)),
             sender,
@@ -219,9 +222,9 @@ async def _send_delta(
             checksum=checksum,
             begun=True,
         )
+        verdict.record(report, report.nbytes, kind="dense", sync_id=sync_id)
         return msgspec.structs.replace(
-            report,
-            delta=DeltaReport(full_reason=baseline.declined, dense=report.tensors),
+            report, delta=DeltaReport(full_reason=declined, dense=report.tensors)
         )
     why = choose(baseline, held, full=full)
     base = baseline.version if why is None else None
@@ -243,8 +246,10 @@ def _delta_done(run: DeltaRun, report: SyncReport, why: str | None) -> SyncRepor
     """Keep what a delta-tracked sync sent as the next baseline (unless deltas do not pay
     here) and complete its report."""
     baseline, base = run.baseline, run.base
-    baseline.declined = decline(baseline, report, run.tensor_bytes, delta=base is not None)
-    if baseline.declined is None:
+    declined = baseline.verdict.record(
+        report, run.tensor_bytes, kind="full" if base is None else "delta", sync_id=report.sync_id
+    )
+    if declined is None:
         run.commit(report.sync_id)
     else:
         baseline.drop()  # the recorded copy would never be used
@@ -266,7 +271,7 @@ def _delta_done(run: DeltaRun, report: SyncReport, why: str | None) -> SyncRepor
         nbytes=run.tensor_bytes,
         delta=DeltaReport(
             base=base,
-            full_reason=baseline.declined or why,
+            full_reason=declined or why,
             unchanged=run.unchanged,
             sparse=run.sparse,
             dense=run.dense,

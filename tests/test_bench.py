@@ -459,7 +459,8 @@ def test_bench_delta_against_dense(tmp_path: Path, capsys: pytest.CaptureFixture
     assert (
         main([*args, "--bucket-bytes", "1MiB", "--transport", "zmq+tcp", "--json", str(out)]) == 0
     )
-    assert "scan GB/s" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "scan GB/s" in table and "  2/2 " in table
     data = json.loads(out.read_text())
     assert data["schema"] == "streamsync.cli.bench.delta/1"
     assert {(r["lr"], r["transport"]) for r in data["rows"]} == {
@@ -471,7 +472,8 @@ def test_bench_delta_against_dense(tmp_path: Path, capsys: pytest.CaptureFixture
         first, *steady = row["steps"]
         assert first["full_reason"] is not None
         for step in steady:
-            assert step["full_reason"] is None and 0 < step["changed_fraction"] < 0.5
+            assert step["full_reason"] is None and step["base"] is not None
+            assert 0 < step["changed_fraction"] < 0.5
             assert step["delta_wire_bytes"] < step["dense_wire_bytes"]
 
 

@@ -403,59 +403,139 @@ def test_the_fused_cast_gives_torchs_bf16_bits() -> None:
     assert patches.diff_cast(with_nan, base.view(torch.uint8)) == patches.UNCAST
 
 
-def test_a_channel_declines_deltas_that_take_longer_than_moving_everything() -> None:
-    """The first full sync records what moving the model costs; the first delta after it
-    is timed whole: slower than 0.9 of that, and the channel declines deltas (with both
-    times in the reason); faster, and it keeps them. Small syncs are not judged."""
-    from streamsync._delta import DECLINE_MIN_BYTES, Baseline, decline
+def test_a_sync_costs_its_whole_seconds_delta_or_dense() -> None:
+    from streamsync._delta import sync_cost
 
-    size = 2 * DECLINE_MIN_BYTES
+    report = ss.SyncReport(
+        sync_id=1,
+        side="send",
+        tensors=1,
+        nbytes=1 << 20,
+        buckets=1,
+        seconds=0.4,
+        phases={"source": 0.1, "send": 0.25, "end": 0.05},
+    )
+    assert sync_cost(report, True) == sync_cost(report, False) == 0.4
 
-    def report(seconds: float, send: float = 0.0, end: float = 0.0) -> Any:
-        return ss.SyncReport(
-            sync_id=1,
-            side="send",
-            tensors=1,
-            nbytes=size,
-            buckets=1,
-            seconds=seconds,
-            phases={"send": send, "end": end},
+
+def costs(deltas: list[float], dense: float = 1.0, **kw: Any) -> Any:
+    """A verdict whose syncs cost as scripted: each plain dense one ``dense`` seconds, the
+    deltas ``deltas`` in turn (every sync counts, however small)."""
+    from streamsync._delta import Verdict
+
+    left = iter(deltas)
+    kw.setdefault("min_bytes", 0)
+    return Verdict(cost=lambda report, delta: next(left) if delta else dense, **kw)
+
+
+async def delta_syncs(
+    tx: Any, rx: Any, trainer: torch.nn.Module, engine: torch.nn.Module, seeds: range, **kw: Any
+) -> list[Any]:
+    """Train and sync with ``delta=True`` once per seed; each sync bit-exact; the reports."""
+    out = []
+    for s in seeds:
+        step(trainer, s)
+        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True, **kw)
+        assert same(trainer, engine)
+        out.append(sent)
+    return out
+
+
+def fulls(sent: list[Any]) -> list[int]:
+    return [i for i, r in enumerate(sent) if r.delta.base is None]
+
+
+#: A new channel: a full sync, a cold delta, two warm ones; then a dense sync timed, a full
+#: one recording a baseline again, a cold delta; the next delta is judged.
+TIMED, REBASED, JUDGED = 4, 5, 7
+
+
+async def test_cold_syncs_are_not_judged() -> None:
+    """The first delta on each baseline (here five times a dense sync) is not counted, nor
+    is a full sync that records a baseline: the channel times a plain dense one. The warm
+    deltas pay, after the first full sync and after one asked for."""
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        script = [5.0, 0.5, 0.85, 5.0, 0.85, 0.85, 5.0, 0.5, 0.5]
+        tx.state.baseline.verdict = costs(script)
+        sent = await delta_syncs(tx, rx, trainer, engine, range(9))
+        assert fulls(sent) == [0, TIMED, REBASED]
+        assert sent[TIMED].delta.full_reason == "timing a dense sync to judge deltas against"
+        assert sent[TIMED].delta.dense == 4
+        assert sent[REBASED].delta.full_reason == (
+            "recording a baseline again after a dense sync timed"
         )
+        assert all(r.delta.full_reason is None for r in sent[1:TIMED] + sent[REBASED + 1 :])
+        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
+        assert sent.delta.full_reason == "a full sync was asked for"
+        sent = await delta_syncs(tx, rx, trainer, engine, range(9, 12))
+        assert all(r.delta.base is not None and r.delta.full_reason is None for r in sent)
+        assert tx.state.baseline.verdict.declined is None
 
-    for delta_s, declined in [(0.5, True), (0.2, False)]:
-        baseline = Baseline()
-        assert decline(baseline, report(0.4, send=0.25, end=0.05), size, delta=False) is None
-        why = decline(baseline, report(delta_s), size, delta=True)
-        assert (why is not None) == declined, why
-        if why:
-            assert "0.500 s" in why and "0.300 s" in why
-        # Judged once: a later, slower delta does not change the verdict.
-        assert decline(baseline, report(9.0), size, delta=True) is None
-    small = Baseline()
-    assert decline(small, report(0.4, send=0.3), DECLINE_MIN_BYTES - 1, delta=False) is None
-    assert decline(small, report(9.0), DECLINE_MIN_BYTES - 1, delta=True) is None
+
+async def test_a_channel_declines_deltas_that_cost_more_in_steady_state() -> None:
+    """Warm deltas over 0.9 of a dense sync: the delta that tips the median carries the
+    reason, with both figures, and the syncs after it go dense and untracked. Syncs under
+    16 MiB are not judged."""
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        tx.state.baseline.verdict = costs([0.2, 0.95, 0.95, 0.2, 0.95], probe_after=3)
+        sent = await delta_syncs(tx, rx, trainer, engine, range(11))
+        assert fulls(sent) == [0, TIMED, REBASED, 8, 9, 10]
+        why = sent[JUDGED].delta.full_reason
+        assert why is not None and "do not pay" in why, why
+        assert "0.950 s" in why and "1.000 s" in why and "next 3 syncs" in why
+        assert sent[JUDGED - 1].delta.full_reason is None
+        for r in sent[JUDGED + 1 :]:
+            assert r.delta.full_reason == why and r.delta.dense == 4
+            assert r.wire_bytes >= r.nbytes
+        assert tx.state.baseline.nbytes == 0  # declined: no copy kept
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        tx.state.baseline.verdict = costs([9.0] * 5, min_bytes=16 << 20)
+        sent = await delta_syncs(tx, rx, trainer, engine, range(6))
+        assert fulls(sent) == [0]
+
+
+async def test_a_declined_channel_probes_again_after_a_back_off() -> None:
+    """Declined, a channel sends ``probe_after`` dense syncs, then a full one that records a
+    baseline and deltas on it; a probe that does not pay doubles the wait, one that pays
+    keeps deltas on and resets it."""
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        script = [0.2, 0.95, 0.95, 0.2, 0.95, 3.0, 2.0, 2.0, 3.0, 0.3, 0.3, 0.3]
+        verdict = costs(script, probe_after=2)
+        tx.state.baseline.verdict = verdict
+        sent = await delta_syncs(tx, rx, trainer, engine, range(23))
+        assert fulls(sent) == [0, TIMED, REBASED, 8, 9, 10, 14, 15, 16, 17, 18]
+        assert "next 2 syncs" in str(sent[JUDGED].delta.full_reason)
+        assert sent[10].delta.full_reason == "trying deltas again after 2 dense syncs"
+        assert "next 4 syncs" in str(sent[13].delta.full_reason)
+        assert "2.000 s" in str(sent[13].delta.full_reason)
+        assert sent[18].delta.full_reason == "trying deltas again after 4 dense syncs"
+        assert all(r.delta.full_reason is None for r in sent[19:])
+        assert verdict.backoff == 2 and verdict.declined is None
 
 
 async def test_a_declined_channel_sends_dense_syncs_until_a_full_one_is_asked_for() -> None:
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
-        kept = tx.state.baseline
-        assert kept.version is not None
-        kept.declined = "deltas do not pay on this channel (as measured)"
-        kept.drop()
-        for s in range(2):
-            step(trainer, s)
-            sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
-            assert sent.delta.full_reason == kept.declined and sent.delta.dense == 4
-            assert sent.wire_bytes >= sent.nbytes and same(trainer, engine)
-        step(trainer, 5)
-        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
-        assert sent.delta.full_reason == "a full sync was asked for"
-        step(trainer, 6)
-        sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
-        assert sent.delta.full_reason is None and same(trainer, engine)
+        tx.state.baseline.verdict = costs([2.0] * 5 + [0.1] * 3, probe_after=100)
+        sent = await delta_syncs(tx, rx, trainer, engine, range(10))
+        declined = sent[JUDGED].delta.full_reason
+        assert declined is not None and "do not pay" in declined
+        for r in sent[JUDGED + 1 :]:
+            assert r.delta.full_reason == declined and r.delta.dense == 4
+        step(trainer, 10)
+        got, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
+        assert got.delta.full_reason == "a full sync was asked for"
+        sent = await delta_syncs(tx, rx, trainer, engine, range(11, 14))
+        assert all(r.delta.full_reason is None and r.delta.base is not None for r in sent)
 
 
 async def test_the_receiver_keeps_its_models_version_and_not_the_model() -> None:

@@ -163,6 +163,7 @@ async def _trajectory(
                     "delta_seconds": t2 - t1,
                     "dense_wire_bytes": plain.wire_bytes,
                     "delta_wire_bytes": patched.wire_bytes,
+                    "base": info.base,
                     "full_reason": info.full_reason,
                     "sparse": info.sparse,
                     "dense": info.dense,
@@ -204,14 +205,15 @@ def _median(values: list[float]) -> float:
 
 
 def format_delta(data: dict[str, Any]) -> str:
-    """The table, per trajectory: the steps that went as deltas (wire and time against the
-    dense sync of the same step) and what a user gets from step 2 on, after the channel
-    judged the first delta (declined: dense syncs)."""
+    """The table, per trajectory: how many steps went as deltas, their wire and time against
+    the dense sync of the same step, and what a user gets from step 2 on, after the first,
+    cold delta (a declined channel sends dense syncs)."""
     lines = [
         f"delta against dense, {human(data['size'])} bf16 on the wire (medians; ratios are "
         "delta / dense of the same step, measured side by side)",
         f"{'lr':>7} {'transport':<11}{'rx':>3} {'changed':>8} {'wire':>7} {'delta':>7} "
-        f"{'as used':>8} {'dense s':>8} {'delta s':>8} {'scan GB/s':>10} {'declined':>9}  ok",
+        f"{'as used':>8} {'dense s':>8} {'delta s':>8} {'scan GB/s':>10} {'deltas':>7} "
+        f"{'declined':>9}  ok",
     ]
     for row in data["rows"]:
         steady = [s for s in row["steps"] if s["step"]]
@@ -227,11 +229,12 @@ def format_delta(data: dict[str, Any]) -> str:
             f"{_median([s['delta_seconds'] / s['dense_seconds'] for s in later]):>8.3f} "
             f"{_median([s['dense_seconds'] for s in steady]):>8.3f} "
             f"{_median([s['delta_seconds'] for s in patched]):>8.3f} {_median(scans):>10.2f} "
+            f"{sum(s['base'] is not None for s in steady):>3}/{len(steady):<3} "
             f"{'yes' if declined else 'no':>9}  "
             f"{'yes' if row['verified'] else 'NO ' + '; '.join(row['errors'])}"
         )
     lines.append(
-        "wire, delta: the steps sent as deltas; as used: steps 2.. (after the first delta "
-        "was judged; a declined channel sends dense syncs)"
+        "wire, delta: the steps sent as deltas; as used: steps 2.. (after the first, cold "
+        "delta; a declined channel sends dense syncs); deltas: steps sent as deltas"
     )
     return "\n".join(lines)
