@@ -41,13 +41,6 @@ class WorkerExtension:
 
         return WorkerState()
 
-    def _streamsync_models(self) -> WorkerModels:
-        from streamsync.vllm.sink import model_instances
-        from streamsync.vllm.worker_sink import WorkerModels
-
-        worker: Any = self  # vLLM's worker, which this class is mixed into
-        return WorkerModels(model_instances(worker), worker.vllm_config, self.streamsync_state)
-
     def streamsync_receive(self, endpoint: str, options: Any = None) -> dict[str, Any]:
         """Receive one sync from ``endpoint`` into every model instance of this worker.
 
@@ -58,7 +51,7 @@ class WorkerExtension:
         from streamsync.vllm.worker_sink import worker_sink
 
         def sink(opts: WorkerOptions) -> Sink:
-            return worker_sink(self._streamsync_models(), opts)
+            return worker_sink(_models(self), opts)
 
         return self.streamsync_receivers.handle(endpoint, options, sink).to_wire()
 
@@ -73,8 +66,17 @@ class WorkerExtension:
         sharded channel opens; learned at the first ask and when the layout changes)."""
         from streamsync.vllm.slices import worker_needs
 
-        return [needs.to_wire() for needs in worker_needs(self._streamsync_models())]
+        return [needs.to_wire() for needs in worker_needs(_models(self))]
 
     def streamsync_close(self, endpoint: str | None = None) -> int:
         """Close this worker's receivers (all, or the one for ``endpoint``); returns how many."""
         return self.streamsync_receivers.close(endpoint)
+
+
+def _models(extension: WorkerExtension) -> WorkerModels:
+    """What the worker ``extension`` is mixed into serves, with its state."""
+    from streamsync.vllm.sink import model_instances
+    from streamsync.vllm.worker_sink import WorkerModels
+
+    worker: Any = extension  # vLLM's worker, which the extension is mixed into
+    return WorkerModels(model_instances(worker), worker.vllm_config, extension.streamsync_state)
