@@ -55,6 +55,11 @@ def _load_only_the_boxes(worker: Any, tensors: dict[str, torch.Tensor]) -> int:
     return kept
 
 
+def _kept(worker: Any) -> int:
+    """On a worker: the identity of the needs it keeps for its main model."""
+    return id(worker.streamsync_state.needs["main"])
+
+
 def _nbytes(shape: tuple[int, ...], itemsize: int = 4) -> int:
     return prod(shape) * itemsize
 
@@ -77,10 +82,12 @@ def test_each_worker_of_a_tp2_engine_says_what_it_reads(
         start = time.perf_counter()
         llm.collective_rpc("streamsync_needs")  # learns
         learned_s = time.perf_counter() - start
+        kept_first = llm.collective_rpc(_kept)
         after = engine_outputs(llm, PROMPTS)
         assert after.tokens == before.tokens and after.max_logprob_diff(before) == 0
         with WeightSync(llm, f"shm://needs-tp-{os.getpid()}", sharded=True) as sync:
             needs: dict[str, Needs] = dict(sync.needs)
+            assert llm.collective_rpc(_kept) == kept_first  # the same layout: not learned again
             assert sorted(needs) == ["worker0.main", "worker1.main"]
             by_worker = [{n.name: n for n in needs[f"worker{w}.main"].needs} for w in (0, 1)]
             assert all(set(b) == set(shapes) for b in by_worker)
