@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from math import prod
+from typing import Any
 
 import msgspec
 import pytest
@@ -39,6 +41,9 @@ EXPERT = (("unsqueeze", (0,), ()), ("__getitem__", (0,), ()), ("narrow", (0, 16,
         ),
         ((4, 6), [(("t", (), ()), ("narrow", (0, 2, 2), ()))], Box((0, 2), (4, 4))),
         ((10,), [()], Box((0,), (10,))),
+        # A flat view of rows 1 and 2.
+        ((4, 6), [(("view", (-1,), ()), ("narrow", (0, 6, 12), ()))], Box((1, 0), (3, 6))),
+        ((4, 6), [(("reshape", (3, 8), ()), ("__getitem__", (2,), ()))], Box((2, 0), (4, 6))),
         ((10,), [(("narrow", (0, 3, 0), ()),)], None),
         ((), [()], Box((), ())),
     ],
@@ -47,6 +52,48 @@ def test_the_box_a_chain_reads(
     shape: tuple[int, ...], chains: list[tuple[object, ...]], box: Box | None
 ) -> None:
     assert read_box(shape, chains) == box
+
+
+@st.composite
+def chains(
+    draw: st.DrawFn,
+) -> tuple[tuple[int, ...], tuple[tuple[str, tuple[int, ...], tuple[()]], ...]]:
+    """A shape and a chain of the views vLLM's loaders take: transposes, narrows, an
+    unsqueeze and an int index."""
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    now, chain = list(shape), []
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["narrow", "t", "unsqueeze", "index", "flat"]))
+        dims = len(now)
+        if op == "narrow":
+            d = draw(st.integers(0, dims - 1))
+            start = draw(st.integers(0, now[d] - 1))
+            length = draw(st.integers(1, now[d] - start))
+            chain.append(("narrow", (d, start, length), ()))
+            now[d] = length
+        elif op == "t" and dims == 2:
+            chain.append(("t", (), ()))
+            now.reverse()
+        elif op == "unsqueeze":
+            chain.append(("unsqueeze", (0,), ()))
+            now.insert(0, 1)
+        elif op == "index" and dims > 1:
+            chain.append(("__getitem__", (draw(st.integers(0, now[0] - 1)),), ()))
+            now.pop(0)
+        elif op == "flat":
+            chain.append(("reshape", (-1,), ()))
+            now = [prod(now)]
+    return shape, tuple(chain)
+
+
+@settings(max_examples=200, deadline=None)
+@given(chains())
+def test_the_box_is_the_bounding_box_of_the_elements_read(case: tuple[Any, Any]) -> None:
+    shape, chain = case
+    flat = replay(torch.arange(prod(shape)).view(shape), chain).reshape(-1)
+    coords = torch.stack(torch.unravel_index(flat, shape), dim=-1)
+    want = Box(tuple(coords.min(0).values.tolist()), tuple((coords.max(0).values + 1).tolist()))
+    assert read_box(shape, [chain]) == want
 
 
 def test_a_need_is_whole_when_its_box_is_all_of_the_tensor() -> None:

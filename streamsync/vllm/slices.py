@@ -18,7 +18,6 @@ import glob
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from math import prod
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,23 +77,27 @@ def replay(tensor: torch.Tensor, chain: Sequence[tuple[str, Any, Any]]) -> torch
 
 
 def read_box(shape: tuple[int, ...], chains: Sequence[Any]) -> Box | None:
-    """The bounding box of the elements ``chains`` read of a tensor of ``shape``, found by
-    replaying each on an index tensor; ``None`` if they read nothing."""
-    numel = prod(shape)
-    index = torch.arange(numel, dtype=torch.int32 if numel < 2**31 else torch.int64)
-    index = index.view(shape)
-    strides = [prod(shape[d + 1 :]) for d in range(len(shape))]
-    lo, hi = list(shape), [0] * len(shape)
+    """The bounding box of the elements ``chains`` read of a tensor of ``shape``; ``None``
+    if they read nothing. Each chain is replayed, per dimension, on that dimension's index
+    broadcast to ``shape``: views of it hold no memory, and only a chain that views it
+    flat makes one dimension's index whole."""
+    lo, hi, read = list(shape), [0] * len(shape), False
     for chain in chains:
-        flat = replay(index, chain).reshape(-1)
-        if not flat.numel():
-            continue
-        for d, (n, stride) in enumerate(zip(shape, strides, strict=True)):
-            coord = flat.div(stride, rounding_mode="floor").remainder(n)
+        for d, n in enumerate(shape):
+            axis = [1] * len(shape)
+            axis[d] = n
+            coord = torch.arange(n).view(axis).expand(shape)
+            try:
+                coord = replay(coord, chain)
+            except RuntimeError:  # a view the broadcast strides cannot take
+                coord = replay(coord.contiguous(), chain)
+            if not coord.numel():
+                break
+            read = True
             lo[d], hi[d] = min(lo[d], int(coord.min())), max(hi[d], int(coord.max()) + 1)
-    if any(a >= b for a, b in zip(lo, hi, strict=True)) and shape:
-        return None
-    return Box(tuple(lo), tuple(hi)) if shape else Box((), ())
+        else:
+            read = read or not shape
+    return Box(tuple(lo), tuple(hi)) if read else None
 
 
 def need_of(name: str, dtype: str, shape: tuple[int, ...], chains: Sequence[Any]) -> Need | None:
