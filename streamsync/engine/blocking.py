@@ -5,7 +5,7 @@ are read, and CUDA work issued, where the trainer runs.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,6 +19,7 @@ from streamsync.report import SyncReport
 
 if TYPE_CHECKING:
     from streamsync.engine.channel import EngineChannel
+    from streamsync.engine.messages import Needs
 
 T = TypeVar("T")
 
@@ -65,6 +66,11 @@ class BlockingWeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def needs(self) -> Mapping[str, Needs]:
+        """:attr:`EngineChannel.needs <streamsync.engine.channel.EngineChannel.needs>`."""
+        return self.channel.needs
 
     def _run(self, form: str, call: Callable[[], Awaitable[T]], instead: str | None = None) -> T:
         return run_blocking(self.channel.clients, form, call, instead=instead)

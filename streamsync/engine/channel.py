@@ -6,6 +6,7 @@ receive and concludes the sync (:mod:`.rounds`).
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
@@ -17,10 +18,10 @@ import msgspec
 
 from streamsync._log import log, warn
 from streamsync.engine.blocking import BlockingWeightSync, run_blocking
-from streamsync.engine.clients import EngineClient, FactsClient
+from streamsync.engine.clients import EngineClient, FactsClient, NeedsClient
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
-from streamsync.engine.messages import EngineFacts, WorkerOptions, sending_to
+from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, sending_to
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.errors import (
     ClosedError,
@@ -49,6 +50,7 @@ _WEIGHT_SYNC_KEYWORDS = (
     "timeout",
     "checksum",
     "worker_options",
+    "sharded",
 )
 
 
@@ -93,6 +95,7 @@ class EngineChannel:
         worker_options: WorkerOptions | Mapping[str, Any] | None = None,
         require_all: bool = True,
         delta: bool = False,
+        sharded: bool = False,
         **transport_options: Any,
     ) -> None:
         #: Whether the channel was given several engines (its report names ``engine<e>.``).
@@ -128,6 +131,15 @@ class EngineChannel:
         self._loras = ChannelLoras(self)
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
+        #: Ask each worker what it reads of each checkpoint tensor when the channel opens
+        #: (:attr:`needs`). Every worker still receives every tensor whole.
+        self.sharded = sharded
+        if sharded and not all(isinstance(c, NeedsClient) for c in self.clients):
+            raise ConfigError(
+                "WeightSync(sharded=True): an engine client cannot say what its workers "
+                "read (no needs()); open the channel without sharded=True"
+            )
+        self._needs: dict[str, Needs] = {}
 
     @property
     def worker_options(self) -> WorkerOptions:
@@ -249,7 +261,35 @@ class EngineChannel:
             self._sender = await HostedSender.open_on(self._loop, self.endpoint, options)
             self._open.append(self._sender.sender)
             self.facts = await self._hello()
+            if self.sharded:
+                self._needs = await self._ask_needs()
         return self._sender
+
+    @property
+    def needs(self) -> Mapping[str, Needs]:
+        """What each worker's model instance reads of each checkpoint tensor, by its name in
+        a report's ``instances`` (``worker<w>.<instance>``), as the workers told it when the
+        channel opened (empty without ``sharded=True``); workers of one layout share one
+        tuple of needs. They are learned and kept only: every worker still receives every
+        tensor whole."""
+        return types.MappingProxyType(self._needs)
+
+    async def _ask_needs(self) -> dict[str, Needs]:
+        """Each worker's needs, asked once per opening; an engine whose answer fails is
+        left out, with a warning, as with the hello."""
+        told = await self._each_client(
+            "engine.needs_failed", lambda client: cast("NeedsClient", client).needs()
+        )
+        found: dict[str, Needs] = {}
+        by_layout: dict[str, Needs] = {}
+        for e, workers in enumerate(told):
+            for w, instances in enumerate(workers or ()):
+                for needs in instances:
+                    seen = by_layout.setdefault(needs.layout, needs)
+                    where = f"engine{e}.worker{w}" if self.fanout else f"worker{w}"
+                    name = f"{where}.{needs.instance}"
+                    found[name] = msgspec.structs.replace(seen, instance=name)
+        return found
 
     async def _hello(self) -> tuple[EngineFacts, ...]:
         """Each engine's facts, asked once per opening; an engine whose hello fails (it may

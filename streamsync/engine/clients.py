@@ -1,13 +1,13 @@
 """How a channel reaches an inference engine: the :class:`EngineClient` protocol, and the
 protocols of clients that can do more (:class:`LoopBoundClient`, :class:`FactsClient`,
-:class:`LoraClient`). vLLM's clients are in :mod:`streamsync.vllm.client`.
+:class:`NeedsClient`, :class:`LoraClient`). vLLM's clients are in :mod:`streamsync.vllm.client`.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
+from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
 
 __all__ = ["EngineClient"]
 
@@ -51,6 +51,16 @@ class FactsClient(EngineClient, Protocol):
 
     async def hello(self) -> EngineFacts:
         """The engine's facts."""
+
+
+@runtime_checkable
+class NeedsClient(EngineClient, Protocol):
+    """A client whose workers say what they read of each checkpoint tensor: a channel
+    opened with ``sharded=True`` asks once when it opens."""
+
+    async def needs(self) -> list[list[Needs]]:
+        """Per worker (by rank), the :class:`~streamsync.engine.messages.Needs` of each of
+        its model instances."""
 
 
 @runtime_checkable

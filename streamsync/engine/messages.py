@@ -1,6 +1,7 @@
 """The messages of the engine seam's RPC: what an engine tells the trainer of itself when a
 channel opens (:class:`EngineFacts`, its hello), what the trainer tells every worker for one
-sync (:class:`WorkerOptions`) and what each worker answers (:class:`WorkerResult`). All are
+sync (:class:`WorkerOptions`), what each worker answers (:class:`WorkerResult`), and what
+each worker reads of each checkpoint tensor (:class:`Needs`, for a sharded channel). All are
 versioned msgspec structs that cross the engine's RPC as plain values (``to_wire`` /
 ``from_wire``), never pickled; an error crosses as its kind (class name) and message, mapped
 back to the class by :func:`streamsync.errors.error_class`.
@@ -32,7 +33,7 @@ __all__ = ["WorkerOptions", "WorkerResult"]
 
 #: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
 #: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.
-WORKER_PROTOCOL = 4
+WORKER_PROTOCOL = 5
 
 
 class Versioned(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +95,45 @@ class EngineFacts(Versioned, frozen=True, kw_only=True):
 #: around its send: the adapters of its pipeline decide from them (``expand_moe("auto")``).
 #: Empty outside a channel's sync (a plain :func:`~streamsync.send`).
 sending_to: ContextVar[tuple[EngineFacts, ...]] = ContextVar("streamsync_sending_to", default=())
+
+
+class Box(msgspec.Struct, frozen=True, array_like=True):
+    """Elements ``start[d]:stop[d]`` of each dimension ``d`` of one checkpoint tensor."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Its length along each dimension."""
+        return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+
+class Need(msgspec.Struct, frozen=True, array_like=True):
+    """What one worker reads of one checkpoint tensor: ``box`` of it, or (``box`` ``None``)
+    all of it, because its loader reads it whole or because the recording fakes could not
+    follow the loader (``why_whole`` then says which op, for the report)."""
+
+    name: str
+    #: The checkpoint shape and dtype the worker learned against.
+    shape: tuple[int, ...]
+    dtype: str
+    box: Box | None
+    why_whole: str = ""
+
+
+class Needs(Versioned, frozen=True, kw_only=True):
+    """One model instance's reads on one worker, learned from the engine's own loaders: a
+    tensor the worker does not read has no :class:`Need`. Workers of one ``layout`` (DP
+    replicas of one TP rank) read the same slices."""
+
+    what: ClassVar[str] = "worker {rank}'s needs"
+    #: ``"main"`` or ``"drafter"`` on the worker; the channel's key names the worker too.
+    instance: str
+    #: Digest of what decides the slices: the model's class and parameters, its TP and PP
+    #: rank and size, quantization and the checkpoint's names, shapes and dtypes.
+    layout: str
+    needs: tuple[Need, ...]
 
 
 class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

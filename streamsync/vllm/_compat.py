@@ -6,6 +6,9 @@
 - The layerwise reload's records (``LAYERWISE_INFO``): the tensors a half-loaded layer
   holds, and putting an aborted layer back (``_place_kernel_tensors``).
 - The CPU build's MoE prepack kernel (``vllm._custom_ops``).
+- The recording fakes of ``sharded_rdt`` and its engine's helpers that stamp each loader
+  and restore the model after a dry run (``_install_recording_stamps``,
+  ``_restore_after_dry_run``): what each worker's loaders read of each checkpoint tensor.
 
 Importing it raises :class:`~streamsync.errors.UnsupportedVersionError` on a vLLM outside
 :data:`TESTED`, the versions this code was read against and tested with.
@@ -150,6 +153,65 @@ def put_back(model: torch.nn.Module) -> None:
     original = getattr(model, "_original_do_torchao_reload", None)
     if original is not None:
         model._do_torchao_reload = original
+
+
+# Recording fakes --------------------------------------------------------------------------
+
+#: An op chain as the fakes record it: ``(op, args, kwargs)`` per view op, in order.
+OpChain = tuple[tuple[str, tuple[Any, ...], tuple[tuple[str, Any], ...]], ...]
+
+
+def recorded_reads(
+    model: torch.nn.Module, manifest: dict[str, tuple[str, tuple[int, ...]]]
+) -> tuple[dict[str, list[OpChain]], dict[str, str]]:
+    """Drive ``model.load_weights`` over recording fakes of ``manifest`` (name: dtype,
+    shape), as ``sharded_rdt``'s bake does, one name at a time so a loader the fakes cannot
+    follow costs only that name. Returns per name the op chains its loaders copy from, and
+    the names that cannot be learned, with why. Nothing is loaded: the layers go to meta
+    and are put back, whatever happens."""
+    from vllm.distributed.weight_transfer.sharded_rdt_engine import (
+        ShardedRDTWeightTransferEngine,
+    )
+    from vllm.distributed.weight_transfer.sharded_rdt_fake import BakeSink, FakeRDTTensor
+
+    layerwise = _layerwise()
+    if not is_recorded(model):
+        layerwise.record_metadata_for_reloading(model)
+    device = next(model.parameters()).device
+    # The engine class lends its bake helpers; nothing of its transfer side is touched.
+    bake = object.__new__(ShardedRDTWeightTransferEngine)
+    bake.model, bake.device = model, device
+    recorder, whole = BakeSink(), {}
+    layerwise.initialize_layerwise_reload(model)
+    try:
+        bake._install_recording_stamps(model, recorder)
+        for name, (dtype, shape) in manifest.items():
+            fake = FakeRDTTensor(
+                name=name,
+                shape=torch.Size(shape),
+                dtype=getattr(torch, dtype),
+                device=device,
+                sink=recorder,
+            )
+            try:
+                model.load_weights([(name, fake)])  # type: ignore[operator]
+            except Exception as exc:  # the fakes refuse an op: NotImplementedError
+                whole[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    finally:
+        bake._restore_after_dry_run(model)
+    chains: dict[str, list[OpChain]] = {}
+    for copies in recorder.copies_by_layer.values():
+        if any(c is None for c in copies):  # a copy no loader's stamp can attribute
+            for c in copies:
+                if c is not None:
+                    whole.setdefault(c.src[0], "a copy_ outside the parameter's loader")
+            continue
+        for c in copies:
+            if c is not None:
+                chains.setdefault(c.src[0], []).append(c.src[1])
+    for name in recorder.copied_names - chains.keys():
+        whole.setdefault(name, "a copy_ outside the parameter's loader")
+    return {n: c for n, c in chains.items() if n not in whole}, whole
 
 
 # CPU kernels ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from streamsync.engine.blocking import BlockingWeightSync
 from streamsync.engine.channel import EngineChannel
 from streamsync.engine.clients import EngineClient
 from streamsync.engine.kept import update_engine
-from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
+from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
 from streamsync.engine.rounds import several
 from streamsync.errors import ConfigError, LoraError
 from streamsync.pipeline import AdapterLike
@@ -32,6 +32,7 @@ from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 _RECEIVE = "streamsync_receive"
 _CLOSE = "streamsync_close"
 _HELLO = "streamsync_hello"
+_NEEDS = "streamsync_needs"
 
 
 def _lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> Any:
@@ -109,6 +110,11 @@ class VllmClient:
     async def hello(self) -> EngineFacts:
         """The engine's facts, as its first worker tells them."""
         return EngineFacts.from_wire((await self._rpc(_HELLO))[0])
+
+    async def needs(self) -> list[list[Needs]]:
+        """What each worker's model instances read of each checkpoint tensor, by rank."""
+        raw = await self._rpc(_NEEDS)
+        return [[Needs.from_wire(n, rank=rank) for n in one] for rank, one in enumerate(raw)]
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         raw = await self._rpc(_RECEIVE, endpoint, options.to_wire())

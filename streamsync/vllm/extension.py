@@ -22,6 +22,7 @@ from streamsync.sink import Sink
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import WorkerState
+    from streamsync.vllm.worker_sink import WorkerModels
 
 
 class WorkerExtension:
@@ -47,15 +48,10 @@ class WorkerExtension:
         it (by class name, with the partial report), so a failed sync never takes the
         engine down and the trainer re-raises it.
         """
-        from streamsync.vllm.sink import model_instances
-        from streamsync.vllm.worker_sink import WorkerModels, worker_sink
+        from streamsync.vllm.worker_sink import worker_sink
 
         def sink(opts: WorkerOptions) -> Sink:
-            worker: Any = self  # vLLM's worker, which this class is mixed into
-            models = WorkerModels(
-                model_instances(worker), worker.vllm_config, self.streamsync_state
-            )
-            return worker_sink(models, opts)
+            return worker_sink(_models(self), opts)
 
         return self.streamsync_receivers.handle(endpoint, options, sink).to_wire()
 
@@ -64,6 +60,23 @@ class WorkerExtension:
         (asked once when a trainer's channel opens)."""
         return EngineFacts.here().to_wire()
 
+    def streamsync_needs(self) -> list[dict[str, Any]]:
+        """What each model instance of this worker reads of each checkpoint tensor, as
+        :class:`~streamsync.engine.messages.Needs` in plain values (asked once when a
+        sharded channel opens; learned at the first ask and when the layout changes)."""
+        from streamsync.vllm.slices import worker_needs
+
+        return [needs.to_wire() for needs in worker_needs(_models(self))]
+
     def streamsync_close(self, endpoint: str | None = None) -> int:
         """Close this worker's receivers (all, or the one for ``endpoint``); returns how many."""
         return self.streamsync_receivers.close(endpoint)
+
+
+def _models(extension: WorkerExtension) -> WorkerModels:
+    """What the worker ``extension`` is mixed into serves, with its state."""
+    from streamsync.vllm.sink import model_instances
+    from streamsync.vllm.worker_sink import WorkerModels
+
+    worker: Any = extension  # vLLM's worker, which the extension is mixed into
+    return WorkerModels(model_instances(worker), worker.vllm_config, extension.streamsync_state)

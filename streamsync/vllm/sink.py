@@ -42,6 +42,7 @@ from streamsync.report import LoadResult
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
 if TYPE_CHECKING:
+    from streamsync.engine.messages import Needs
     from streamsync.vllm.lora import LoraStore
 
 
@@ -58,6 +59,8 @@ class WorkerState:
     copies: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: The adapter versions staged on this worker (made at its first adapter sync).
     lora: LoraStore | None = None
+    #: What each instance reads of each checkpoint tensor (a sharded channel's).
+    needs: dict[str, Needs] = field(default_factory=dict)
 
 
 @dataclass
