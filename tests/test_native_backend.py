@@ -291,3 +291,53 @@ def test_a_worker_error_crosses_http_as_data(worker: tuple[Any, FakeVllmModel]) 
     assert type(error) is ss.UnknownTensorError
     assert "model.no_such.weight" in str(error) and "streamsync-result" not in str(error)
     assert error.report is not None and error.report == failure.report
+
+
+def test_sharded_init_asks_the_workers_needs(worker: tuple[Any, FakeVllmModel]) -> None:
+    """``StreamsyncInitInfo(sharded=True)`` asks every worker's needs through the client's
+    ``collective_rpc`` when the channel opens, keyed as ``EngineChannel.needs`` keys them,
+    with workers of one layout sharing one tuple; the next sync still sends everything."""
+    from streamsync.engine.messages import Box, Need, Needs
+
+    engine, model = worker
+    told = [
+        Needs(
+            instance="main",
+            layout="tp0",
+            needs=(Need("a", (4, 2), "float32", Box((0, 0), (2, 2))),),
+        ),
+        Needs(
+            instance="main",
+            layout="tp0",
+            needs=(Need("a", (4, 2), "float32", Box((0, 0), (2, 2))),),
+        ),
+        Needs(instance="main", layout="tp1", needs=(Need("a", (4, 2), "float32", None, "why"),)),
+    ]
+    asked: list[str] = []
+
+    class Rpc(InProcessClient):
+        def collective_rpc(self, method: str) -> list[Any]:
+            asked.append(method)
+            return [over_json([needs.to_wire()]) for needs in told]
+
+    client = Rpc(engine)
+    plain = trainer(client, None)
+    assert dict(plain.needs) == {} and asked == []
+    plain.shutdown()
+    sender = trainer(client, None, sharded=True)
+    try:
+        assert asked == ["streamsync_needs"]
+        needs = sender.needs
+        assert sorted(needs) == ["worker0.main", "worker1.main", "worker2.main"]
+        assert needs["worker0.main"].needs is needs["worker1.main"].needs
+        assert needs["worker0.main"].needs == told[0].needs
+        assert needs["worker2.main"].needs == told[2].needs
+        assert needs["worker2.main"].instance == "worker2.main"
+        with pytest.raises(TypeError):
+            needs["worker0.main"] = told[0]  # type: ignore[index]
+        weights = fake_state_dict(seed=3)
+        sender.send_weights(weights)
+        assert sender.last_report.tensors == len(weights)
+        assert torch.equal(model.named_weights()["lm_head.weight"], weights["lm_head.weight"])
+    finally:
+        sender.shutdown()

@@ -21,7 +21,7 @@ from streamsync import errors
 from streamsync._log import log
 from streamsync.engine.blocking import BlockingWeightSync
 from streamsync.engine.channel import EngineChannel
-from streamsync.engine.messages import EngineFacts, WorkerOptions, WorkerResult
+from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
     LoraError,
@@ -33,6 +33,7 @@ from streamsync.errors import (
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
+from streamsync.vllm.extension import WorkerExtension
 from streamsync.vllm.native.worker import TransferInit
 from streamsync.vllm.server import BACKEND, call
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
@@ -68,6 +69,11 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: Delta syncs (see :func:`streamsync.send`): each ``send_weights`` moves only what
     #: changed since the last.
     delta: bool = False
+    #: Ask each worker, when the channel opens, what it reads of each checkpoint tensor
+    #: (:attr:`StreamsyncTrainerEngine.needs`), through the server's ``/collective_rpc``:
+    #: start it with ``--worker-extension-cls streamsync.vllm.WorkerExtension`` too. Every
+    #: worker still receives every tensor whole.
+    sharded: bool = False
 
 
 class _VllmClient:
@@ -81,6 +87,14 @@ class _VllmClient:
     async def hello(self) -> EngineFacts:
         """The engine's facts: its ``get_version()``, else the server's ``/version``."""
         return await anyio.to_thread.run_sync(engine_facts, self.client, abandon_on_cancel=True)
+
+    async def needs(self) -> list[list[Needs]]:
+        """What each worker's model instances read of each checkpoint tensor, by rank."""
+        method = WorkerExtension.streamsync_needs.__name__
+        raw = await anyio.to_thread.run_sync(
+            _collective_rpc, self.client, method, abandon_on_cancel=True
+        )
+        return [[Needs.from_wire(n, rank=rank) for n in one] for rank, one in enumerate(raw)]
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         # The workers receive from the endpoint of init_weight_transfer_engine.
@@ -147,6 +161,25 @@ def _http(client: Any, method: str, route: str, **kwargs: Any) -> Any:
         return None
     timeout = getattr(client, "timeout", DEFAULT_TIMEOUT)
     return call(str(base_url).rstrip("/"), method, route, timeout=timeout, **kwargs)
+
+
+def _collective_rpc(client: Any, method: str) -> list[Any]:
+    """Each worker's answer to ``method`` of :class:`~streamsync.vllm.WorkerExtension`: the
+    client's ``collective_rpc(method)``, else the server's ``POST /collective_rpc``."""
+    rpc = getattr(client, "collective_rpc", None)
+    if callable(rpc):
+        return list(rpc(method))
+    needs = "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls streamsync.vllm.WorkerExtension"
+    what = f"{method} on every worker (POST /collective_rpc; the server needs {needs})"
+    response = _http(
+        client, "POST", "collective_rpc", json={"method": method}, needs=needs, what=what
+    )
+    if response is None:
+        raise ConfigError(
+            f"{type(client).__name__} has no collective_rpc method (nor a base_url to post "
+            f"/collective_rpc to): it cannot ask the workers {method}"
+        )
+    return list(response.json()["results"])
 
 
 def _lora_route(client: Any, action: str, name: str, path: str | None) -> None:
@@ -277,11 +310,19 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             timeout=init_info.timeout,
             worker_options=init_info.worker_options,
             delta=init_info.delta,
+            sharded=init_info.sharded,
             **transport,
         )
         self._sync: BlockingWeightSync | None = None
         #: The sender's report of the last :meth:`send_weights`.
         self.last_report: SyncReport | None = None
+
+    @property
+    def needs(self) -> Mapping[str, Needs]:
+        """What each worker's model instance reads of each checkpoint tensor, as
+        :attr:`EngineChannel.needs <streamsync.engine.channel.EngineChannel.needs>` gives
+        it (empty without ``StreamsyncInitInfo(sharded=True)``)."""
+        return self.channel.needs
 
     @classmethod
     def trainer_init(
