@@ -204,6 +204,36 @@ def test_moe_server_three_updates_with_the_expander(tmp_path: Path) -> None:
         stop_server(server)
 
 
+def test_sharded_init_asks_the_servers_worker_what_it_reads(tmp_path: Path) -> None:
+    """``StreamsyncInitInfo(sharded=True)`` on a TP=1 server with the worker extension: its
+    one worker reads every checkpoint tensor it loads whole, learned from its loaders, and
+    the syncs that follow serve the trainer's weights."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from streamsync.vllm.slices import checkpoint_manifest
+
+    trainer = build_tiny_model(tmp_path / "model", "dense", seed=0)
+    extension = ("--worker-extension-cls", "streamsync.vllm.WorkerExtension")
+    server = start_server(tmp_path / "model", tmp_path, *extension)
+    try:
+        engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, sharded=True)
+        try:
+            assert list(engine.needs) == ["worker0.main"]
+            needs = {need.name: need for need in engine.needs["worker0.main"].needs}
+            manifest = checkpoint_manifest(str(tmp_path / "model"))
+            assert "model.embed_tokens.weight" in needs
+            assert "model.layers.0.self_attn.q_proj.weight" in needs
+            assert set(needs) <= set(manifest)
+            for name, need in needs.items():
+                assert (need.dtype, need.shape) == manifest[name], name
+                assert need.box is None and need.why_whole == "", need
+            three_steps(server, trainer, engine, seed=90)
+        finally:
+            engine.shutdown()
+    finally:
+        stop_server(server)
+
+
 def spec_counts(server: Server) -> tuple[float, float]:
     """(drafted, accepted) tokens so far, from the server's Prometheus metrics."""
     text = requests.get(f"{server.url}/metrics", timeout=60).text
@@ -347,7 +377,8 @@ def test_same_trainer_code_against_an_in_process_async_llm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The trainer code of the server tests, on an ``AsyncLLM`` in this process through
-    ``AsyncLLMWeightSyncClient`` (its engine core and worker are processes of their own)."""
+    ``AsyncLLMWeightSyncClient`` (its engine core and worker are processes of their own),
+    which asks the workers' needs through the engine's ``collective_rpc``."""
     import uuid
 
     from vllm import AsyncEngineArgs, SamplingParams
@@ -370,6 +401,7 @@ def test_same_trainer_code_against_an_in_process_async_llm(
         max_num_seqs=4,
         seed=0,
         weight_transfer_config=WeightTransferConfig(backend="streamsync"),
+        worker_extension_cls="streamsync.vllm.WorkerExtension",  # for sharded=True
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -392,11 +424,12 @@ def test_same_trainer_code_against_an_in_process_async_llm(
         # Trainer code: blocking, on this thread; the client runs the engine's calls on its
         # loop.
         engine = WeightTransferTrainerFactory.trainer_init(
-            StreamsyncInitInfo(rank=0, bucket_bytes=256 << 10),
+            StreamsyncInitInfo(rank=0, bucket_bytes=256 << 10, sharded=True),
             client=client,
             source=ModuleSource(trainer),
         )
         try:
+            assert list(engine.needs) == ["worker0.main"]  # asked through collective_rpc
             for step in range(3):
                 perturb(trainer, seed=900 + step)
                 want = reference_outputs(trainer).tokens

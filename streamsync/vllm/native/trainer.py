@@ -510,6 +510,10 @@ class AsyncLLMWeightSyncClient:
         ``/get_world_size`` tells."""
         return int(self.llm.vllm_config.parallel_config.world_size_across_dp)
 
+    def collective_rpc(self, method: str) -> list[Any]:
+        """Each worker's answer to ``method`` (the server's ``/collective_rpc``)."""
+        return list(self._run(method, lambda: self.llm.collective_rpc(method)))
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
