@@ -341,3 +341,65 @@ def test_sharded_init_asks_the_workers_needs(worker: tuple[Any, FakeVllmModel]) 
         assert torch.equal(model.named_weights()["lm_head.weight"], weights["lm_head.weight"])
     finally:
         sender.shutdown()
+
+
+@pytest.mark.parametrize("extension", [True, False])
+def test_sharded_init_asks_a_server_through_collective_rpc(
+    worker: tuple[Any, FakeVllmModel], extension: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without the client's own ``collective_rpc``, the needs are asked with the server's
+    ``POST /collective_rpc``; a server that has no such route leaves them out with a
+    warning that says how to start it."""
+    import http.server
+    import logging
+    import threading
+
+    import msgspec
+    import vllm
+
+    from streamsync.engine.messages import Need, Needs
+
+    told = Needs(instance="main", layout="tp0", needs=(Need("a", (2,), "float32", None),))
+    bodies: list[Any] = []
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def answer(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self.answer(200, {"version": vllm.__version__})
+
+        def do_POST(self) -> None:
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            if extension:
+                self.answer(200, {"results": [[told.to_wire()]]})
+            else:
+                self.answer(404, {"detail": "Not Found"})
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client = InProcessClient(worker[0])
+    client.base_url = f"http://127.0.0.1:{httpd.server_address[1]}"  # type: ignore[attr-defined]
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamsync"):
+            sender = trainer(client, None, sharded=True)
+        sender.shutdown()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert bodies == [{"method": "streamsync_needs"}]
+    if extension:
+        assert dict(sender.needs) == {
+            "worker0.main": msgspec.structs.replace(told, instance="worker0.main")
+        }
+    else:
+        assert dict(sender.needs) == {}
+        assert "engine.needs_failed" in caplog.text
+        assert "--worker-extension-cls streamsync.vllm.WorkerExtension" in caplog.text
