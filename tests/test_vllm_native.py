@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -223,7 +224,7 @@ def test_sharded_init_asks_the_servers_worker_what_it_reads(tmp_path: Path) -> N
             manifest = checkpoint_manifest(str(tmp_path / "model"))
             assert "model.embed_tokens.weight" in needs
             assert "model.layers.0.self_attn.q_proj.weight" in needs
-            assert set(needs) <= set(manifest)
+            assert set(needs) == set(manifest) == set(trainer.state_dict())
             for name, need in needs.items():
                 assert (need.dtype, need.shape) == manifest[name], name
                 assert need.box is None and need.why_whole == "", need
@@ -343,8 +344,9 @@ def test_tied_model_and_tied_drafter_from_module_source_and_weight_source(
 
 def test_tensor_parallel_server_learns_its_workers(tmp_path: Path) -> None:
     """``--tensor-parallel-size 2`` (one core per worker): the trainer asks the server how
-    many workers receive, a wrong explicit count is refused by name, and three syncs of a
-    tied model reach both workers."""
+    many workers receive, a wrong explicit count is refused by name, each worker says it
+    reads its half of a TP-split tensor and all of a replicated one (``sharded=True``), and
+    three syncs of a tied model reach both workers."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     import streamsync as ss
@@ -356,15 +358,26 @@ def test_tensor_parallel_server_learns_its_workers(tmp_path: Path) -> None:
         "--tensor-parallel-size",
         "2",
         *PREFIX_CACHE,
+        "--worker-extension-cls",
+        "streamsync.vllm.WorkerExtension",
         env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
     try:
         assert server.get("get_world_size") == {"world_size": 2}
         with pytest.raises(ss.ConfigError, match=r"receivers=1\) but the engine at .* has 2"):
             trainer_engine(server, ModuleSource(trainer), receivers=1)
-        engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10)
+        engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, sharded=True)
         try:
             assert engine.receivers == 2
+            assert sorted(engine.needs) == ["worker0.main", "worker1.main"]
+            assert engine.needs["worker0.main"].layout != engine.needs["worker1.main"].layout
+            split, replicated = "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"
+            by_worker = [{n.name: n for n in engine.needs[f"worker{w}.main"].needs} for w in (0, 1)]
+            boxes = [b[split].box for b in by_worker]
+            assert None not in boxes and boxes[0] != boxes[1]
+            half = prod(by_worker[0][split].shape) // 2
+            assert [prod(b.shape) for b in boxes] == [half, half]  # type: ignore[union-attr]
+            assert [b[replicated].box for b in by_worker] == [None, None]
             tied_steps(server, trainer, engine, seed=700)
             assert engine.last_report.receivers == 2
         finally:
