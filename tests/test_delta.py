@@ -474,6 +474,42 @@ async def test_cold_syncs_are_not_judged() -> None:
         assert tx.state.baseline.verdict.declined is None
 
 
+def storage(tx: Any) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each tensor of the sender's baseline: its bytes and where they live."""
+    held = tx.state.baseline.tensors.items()
+    return {name: (raw, raw.data_ptr()) for name, (_, _, raw) in held}
+
+
+def same_storage(now: dict[str, Any], before: dict[str, Any]) -> bool:
+    return now.keys() == before.keys() and all(
+        now[name][0] is raw and now[name][1] == ptr for name, (raw, ptr) in before.items()
+    )
+
+
+async def test_a_full_sync_records_its_baseline_into_the_old_ones_storage() -> None:
+    """A full sync that replaces a baseline records into its storage (no fresh memory to
+    fault in), also across the dense sync timed before a baseline is recorded again, and
+    holds no more than one baseline (a declined channel frees it: the test below)."""
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        tx.state.baseline.verdict = costs([5.0, 0.5, 0.85, 5.0, 0.85, 0.85])
+        sent = await delta_syncs(tx, rx, trainer, engine, range(1))
+        first, size = storage(tx), sent[0].nbytes
+        assert len(first) == 4 and tx.state.baseline.nbytes == size
+        sent += await delta_syncs(tx, rx, trainer, engine, range(1, TIMED + 1))
+        assert fulls(sent) == [0, TIMED] and sent[TIMED].delta.dense == 4
+        assert tx.state.baseline.nbytes == size  # the timed dense sync kept the storage
+        sent = await delta_syncs(tx, rx, trainer, engine, range(TIMED + 1, REBASED + 1))
+        assert sent[0].delta.full_reason == "recording a baseline again after a dense sync timed"
+        assert same_storage(storage(tx), first) and tx.state.baseline.nbytes == size
+        for s in (10, 11):
+            step(trainer, s)
+            sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
+            assert sent.delta.base is None and same(trainer, engine)
+            assert same_storage(storage(tx), first) and tx.state.baseline.nbytes == size
+
+
 async def test_a_channel_declines_deltas_that_cost_more_in_steady_state() -> None:
     """Warm deltas over 0.9 of a dense sync: the delta that tips the median carries the
     reason, with both figures, and the syncs after it go dense and untracked. Syncs under
