@@ -227,8 +227,7 @@ class DeltaRun:
         default_factory=dict
     )
     _patches: dict[str, patches.Patch] = field(default_factory=dict)
-    #: The old baseline's storage this full sync records into; what it does not reuse is
-    #: freed with the run.
+    #: The old baseline's storage this full sync records into.
     _spare: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
         default_factory=dict
     )
@@ -293,12 +292,14 @@ class DeltaRun:
         spare = self._spare.pop(name, None)
         if spare is not None and spare[0] == wire_dtype and spare[1] == shape:
             raw = spare[2]
-        elif tensor.dtype == wire_dtype and tensor.data_ptr() != given:
-            # Already a copy of its own (from another device, or made contiguous).
-            raw = _bytes(tensor)
-            self._pending[name] = (wire_dtype, shape, raw)
-            return raw
         else:
+            # No old storage fits (none yet, or the layout changed): what is left of it is
+            # freed now, so that the sync never holds more than the larger of two baselines.
+            self._spare.clear()
+            if tensor.dtype == wire_dtype and tensor.data_ptr() != given:
+                # Already a copy of its own (from another device, or made contiguous).
+                self._pending[name] = (wire_dtype, shape, _bytes(tensor))
+                return _bytes(tensor)
             raw = torch.empty(tensor.numel() * wire_dtype.itemsize, dtype=torch.uint8)
         copy_tensors([(raw.view(wire_dtype), tensor.reshape(-1))])
         self._pending[name] = (wire_dtype, shape, raw)
