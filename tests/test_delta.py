@@ -510,6 +510,39 @@ async def test_a_full_sync_records_its_baseline_into_the_old_ones_storage() -> N
             assert same_storage(storage(tx), first) and tx.state.baseline.nbytes == size
 
 
+def test_a_full_sync_on_a_new_layout_frees_the_old_storage_first() -> None:
+    """Tensors that fit their old storage (name, dtype, shape) are recorded into it, bit
+    exact; the first that does not frees the rest, so two baselines are never held."""
+    from streamsync._delta import Baseline, DeltaRun
+
+    def raw(numel: int) -> torch.Tensor:
+        return torch.zeros(numel * 2, dtype=torch.uint8)
+
+    kept, other, gone = raw(8), raw(8), raw(16)
+    baseline = Baseline(version=3)
+    baseline.tensors = {
+        "kept": (torch.bfloat16, (8,), kept),
+        "other": (torch.bfloat16, (8,), other),
+        "gone": (torch.bfloat16, (16,), gone),
+    }
+    refs = [weakref.ref(t) for t in (other, gone)]
+    del other, gone
+    run = DeltaRun(baseline, None, 1 << 20, cast=lambda name, dtype: torch.bfloat16)
+    assert baseline.version is None and not baseline.tensors
+    builder = BucketBuilder(1 << 20, cast=run.cast)
+    source = torch.randn(8)
+    run.place(builder, "kept", source)
+    assert all(ref() is not None for ref in refs)
+    run.place(builder, "new", torch.randn(4))
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    run.commit(4)
+    got = baseline.tensors["kept"][2]
+    assert got is kept
+    assert torch.equal(got.view(torch.int16), source.to(torch.bfloat16).view(torch.int16))
+    assert baseline.version == 4 and baseline.nbytes == (8 + 4) * 2
+
+
 async def test_a_channel_declines_deltas_that_cost_more_in_steady_state() -> None:
     """Warm deltas over 0.9 of a dense sync: the delta that tips the median carries the
     reason, with both figures, and the syncs after it go dense and untracked. Syncs under
