@@ -57,8 +57,9 @@ class Verdict:
     """Whether deltas pay on a channel, judged on its steady state: the median cost per byte
     of its last :data:`WINDOW` deltas against that of its last plain dense syncs. The first
     delta on each new baseline is cold (caches, first-touch page faults) and not counted; a
-    full sync that records a baseline is not a dense sync's cost (keeping the copy costs up
-    to several times the transfer), so a channel with none yet sends one to time. Declined,
+    full sync that records a baseline is not a dense sync's cost (it also copies the baseline,
+    and the first on a sender faults its memory in), so a channel with none yet sends one
+    to time. Declined,
     the channel sends dense syncs, and after a back-off records a baseline to try deltas
     again."""
 
