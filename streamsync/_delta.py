@@ -6,9 +6,8 @@ applied) of the last sync every member confirmed, one host copy per tensor. A sy
 diffs against it (when every member holds its version) or is full; either way the tensors
 it sends become the next baseline only once every member confirmed the sync
 (:meth:`DeltaRun.commit`): a failed sync leaves the baseline where it was, except that a full
-sync drops the old baseline first and records the new one into the old one's storage where
-name, dtype and shape match (fresh memory costs page faults that can exceed the transfer),
-so it holds no more memory than the old baseline did.
+sync drops the old baseline first. It records into the old one's storage where name, dtype
+and shape match (fresh memory's page faults can cost more than the transfer).
 """
 
 from __future__ import annotations
@@ -57,11 +56,10 @@ class Verdict:
     """Whether deltas pay on a channel, judged on its steady state: the median cost per byte
     of its last :data:`WINDOW` deltas against that of its last plain dense syncs. The first
     delta on each new baseline is cold (caches, first-touch page faults) and not counted; a
-    full sync that records a baseline is not a dense sync's cost (it also copies the baseline,
-    and the first on a sender faults its memory in), so a channel with none yet sends one
-    to time. Declined,
-    the channel sends dense syncs, and after a back-off records a baseline to try deltas
-    again."""
+    full sync that records a baseline is not a dense sync's cost (it also copies the
+    baseline, and the first on a sender faults its memory in), so a channel with none yet
+    sends one to time. Declined, the channel sends dense syncs, and after a back-off records
+    a baseline to try deltas again."""
 
     #: What a finished sync cost (the seam tests inject costs through).
     cost: Callable[[Any, bool], float] = sync_cost
