@@ -160,6 +160,27 @@ async def test_a_failed_delta_leaves_the_baseline_and_the_next_sync_is_full() ->
         assert same(trainer, engine)
 
 
+async def test_a_failed_full_sync_over_the_old_storage_leaves_no_baseline() -> None:
+    """A full sync overwrites the old baseline's storage: failed, it leaves no baseline, and
+    the next sync is full, then deltas on it, all bit-exact."""
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}?slot_bytes=4096"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        step(trainer, 0)
+        await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True, bucket_bytes=4096)
+        step(trainer, 1, fraction=0.2)
+        sent, _ = await sync(tx, rx, trainer, FailingSink(engine), delta="full", bucket_bytes=4096)
+        assert isinstance(sent, ss.ReceiverFailedError)
+        assert tx.state.baseline.version is None and not tx.state.baseline.tensors
+        for s in (2, 3):
+            step(trainer, s)
+            sent, _ = await sync(
+                tx, rx, trainer, ss.ModuleSink(engine), delta=True, bucket_bytes=4096
+            )
+            assert same(trainer, engine)
+            assert (sent.delta.base is None) == (s == 2), sent.delta
+
+
 async def test_a_receiver_absent_from_a_sync_gets_a_full_one_when_back() -> None:
     trainer = model()
     engines = [model().to(torch.bfloat16) for _ in range(2)]
