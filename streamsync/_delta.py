@@ -6,11 +6,13 @@ applied) of the last sync every member confirmed, one host copy per tensor. A sy
 diffs against it (when every member holds its version) or is full; either way the tensors
 it sends become the next baseline only once every member confirmed the sync
 (:meth:`DeltaRun.commit`): a failed sync leaves the baseline where it was, except that a full
-sync drops the old baseline first (its memory is needed for the new one).
+sync drops the old baseline first. It records into the old one's storage where name, dtype
+and shape match (fresh memory's page faults can cost more than the transfer).
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import deque
@@ -20,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from streamsync._copies import clone
+from streamsync._copies import copy_tensors
 from streamsync._log import log
 from streamsync.wire import patch as patches
 from streamsync.wire.bucket import BucketBuilder, CastRule
@@ -54,10 +56,10 @@ class Verdict:
     """Whether deltas pay on a channel, judged on its steady state: the median cost per byte
     of its last :data:`WINDOW` deltas against that of its last plain dense syncs. The first
     delta on each new baseline is cold (caches, first-touch page faults) and not counted; a
-    full sync that records a baseline is not a dense sync's cost (keeping the copy costs up
-    to several times the transfer), so a channel with none yet sends one to time. Declined,
-    the channel sends dense syncs, and after a back-off records a baseline to try deltas
-    again."""
+    full sync that records a baseline is not a dense sync's cost (it also copies the
+    baseline, and the first on a sender faults its memory in), so a channel with none yet
+    sends one to time. Declined, the channel sends dense syncs, and after a back-off records
+    a baseline to try deltas again."""
 
     #: What a finished sync cost (the seam tests inject costs through).
     cost: Callable[[Any, bool], float] = sync_cost
@@ -162,13 +164,21 @@ class Baseline:
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
         default_factory=dict
     )
+    #: A dropped baseline's storage, kept for the next full sync to record into.
+    spare: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
+        default_factory=dict
+    )
 
     @property
     def nbytes(self) -> int:
-        """Host bytes the baseline holds."""
-        return sum(raw.numel() for _, _, raw in self.tensors.values())
+        """Host bytes the baseline holds, its storage kept for reuse included."""
+        held = itertools.chain(self.tensors.values(), self.spare.values())
+        return sum(raw.numel() for _, _, raw in held)
 
-    def drop(self) -> None:
+    def drop(self, *, keep: bool = False) -> None:
+        """Forget the version; ``keep``: its storage stays for the next full sync to reuse,
+        else it is freed."""
+        self.spare = {**self.spare, **self.tensors} if keep else {}
         self.version = None
         self.tensors = {}
 
@@ -216,10 +226,16 @@ class DeltaRun:
         default_factory=dict
     )
     _patches: dict[str, patches.Patch] = field(default_factory=dict)
+    #: The old baseline's storage this full sync records into.
+    _spare: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if self.base is None:
-            self.baseline.drop()  # a full sync: its tensors become the whole new baseline
+            # A full sync: its tensors become the whole new baseline.
+            self.baseline.drop(keep=True)
+            self._spare, self.baseline.spare = self.baseline.spare, {}
 
     def place(self, builder: BucketBuilder, name: str, tensor: torch.Tensor) -> Any:
         """Place ``tensor`` in ``builder``: whole, as a patch, or not at all (unchanged)."""
@@ -258,13 +274,35 @@ class DeltaRun:
                 self._patches[name] = found
                 pieces = self._pieces(found, tensor.numel(), itemsize)
                 return builder.add_patch(name, wire_dtype, shape, pieces)
-        if to is not None:
-            tensor = tensor.to(to)
         self.dense += 1
-        # The baseline keeps its own copy, unless this tensor is already one (a cast's).
-        raw = _bytes(tensor) if tensor.data_ptr() != given else clone(_bytes(tensor))
+        raw = self._record(name, tensor, given, wire_dtype, shape)
+        return builder.add(name, raw.view(wire_dtype).view(shape))
+
+    def _record(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        given: int,
+        wire_dtype: torch.dtype,
+        shape: tuple[int, ...],
+    ) -> torch.Tensor:
+        """The baseline's copy of ``tensor`` as sent (cast to ``wire_dtype`` on the copy
+        pool), in the old baseline's storage where it fits; the bucket is filled from it."""
+        spare = self._spare.pop(name, None)
+        if spare is not None and spare[0] == wire_dtype and spare[1] == shape:
+            raw = spare[2]
+        else:
+            # No old storage fits (none yet, or the layout changed): what is left of it is
+            # freed now, so that the sync never holds more than the larger of two baselines.
+            self._spare.clear()
+            if tensor.dtype == wire_dtype and tensor.data_ptr() != given:
+                # Already a copy of its own (from another device, or made contiguous).
+                self._pending[name] = (wire_dtype, shape, _bytes(tensor))
+                return _bytes(tensor)
+            raw = torch.empty(tensor.numel() * wire_dtype.itemsize, dtype=torch.uint8)
+        copy_tensors([(raw.view(wire_dtype), tensor.reshape(-1))])
         self._pending[name] = (wire_dtype, shape, raw)
-        return builder.add(name, tensor)
+        return raw
 
     def _pieces(
         self, found: patches.Patch, numel: int, itemsize: int

@@ -212,8 +212,9 @@ async def _send_delta(
         verdict.retry()
     declined = verdict.declines()
     if declined is not None:
-        # Deltas do not pay here, or a dense sync is timed: plain dense syncs.
-        baseline.drop()
+        # Deltas do not pay here (the baseline is freed), or a dense sync is timed (its
+        # storage is kept for the full sync that follows to record into).
+        baseline.drop(keep=verdict.declined is None)
         report = await _send(
             _buckets(stream, pipeline, Bucketer(size)),
             sender,

@@ -160,6 +160,27 @@ async def test_a_failed_delta_leaves_the_baseline_and_the_next_sync_is_full() ->
         assert same(trainer, engine)
 
 
+async def test_a_failed_full_sync_over_the_old_storage_leaves_no_baseline() -> None:
+    """A full sync overwrites the old baseline's storage: failed, it leaves no baseline, and
+    the next sync is full, then deltas on it, all bit-exact."""
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}?slot_bytes=4096"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        step(trainer, 0)
+        await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True, bucket_bytes=4096)
+        step(trainer, 1, fraction=0.2)
+        sent, _ = await sync(tx, rx, trainer, FailingSink(engine), delta="full", bucket_bytes=4096)
+        assert isinstance(sent, ss.ReceiverFailedError)
+        assert tx.state.baseline.version is None and not tx.state.baseline.tensors
+        for s in (2, 3):
+            step(trainer, s)
+            sent, _ = await sync(
+                tx, rx, trainer, ss.ModuleSink(engine), delta=True, bucket_bytes=4096
+            )
+            assert same(trainer, engine)
+            assert (sent.delta.base is None) == (s == 2), sent.delta
+
+
 async def test_a_receiver_absent_from_a_sync_gets_a_full_one_when_back() -> None:
     trainer = model()
     engines = [model().to(torch.bfloat16) for _ in range(2)]
@@ -472,6 +493,75 @@ async def test_cold_syncs_are_not_judged() -> None:
         sent = await delta_syncs(tx, rx, trainer, engine, range(9, 12))
         assert all(r.delta.base is not None and r.delta.full_reason is None for r in sent)
         assert tx.state.baseline.verdict.declined is None
+
+
+def storage(tx: Any) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each tensor of the sender's baseline: its bytes and where they live."""
+    held = tx.state.baseline.tensors.items()
+    return {name: (raw, raw.data_ptr()) for name, (_, _, raw) in held}
+
+
+def same_storage(now: dict[str, Any], before: dict[str, Any]) -> bool:
+    return now.keys() == before.keys() and all(
+        now[name][0] is raw and now[name][1] == ptr for name, (raw, ptr) in before.items()
+    )
+
+
+async def test_a_full_sync_records_its_baseline_into_the_old_ones_storage() -> None:
+    """A full sync that replaces a baseline records into its storage (no fresh memory to
+    fault in), also across the dense sync timed before a baseline is recorded again, and
+    holds no more than one baseline (a declined channel frees it: the test below)."""
+    trainer, engine = model(), model().to(torch.bfloat16)
+    url = f"memory://delta-{next(_names)}"
+    async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
+        tx.state.baseline.verdict = costs([5.0, 0.5, 0.85, 5.0, 0.85, 0.85])
+        sent = await delta_syncs(tx, rx, trainer, engine, range(1))
+        first, size = storage(tx), sent[0].nbytes
+        assert len(first) == 4 and tx.state.baseline.nbytes == size
+        sent += await delta_syncs(tx, rx, trainer, engine, range(1, TIMED + 1))
+        assert fulls(sent) == [0, TIMED] and sent[TIMED].delta.dense == 4
+        assert tx.state.baseline.nbytes == size  # the timed dense sync kept the storage
+        sent = await delta_syncs(tx, rx, trainer, engine, range(TIMED + 1, REBASED + 1))
+        assert sent[0].delta.full_reason == "recording a baseline again after a dense sync timed"
+        assert same_storage(storage(tx), first) and tx.state.baseline.nbytes == size
+        for s in (10, 11):
+            step(trainer, s)
+            sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
+            assert sent.delta.base is None and same(trainer, engine)
+            assert same_storage(storage(tx), first) and tx.state.baseline.nbytes == size
+
+
+def test_a_full_sync_on_a_new_layout_frees_the_old_storage_first() -> None:
+    """Tensors that fit their old storage (name, dtype, shape) are recorded into it, bit
+    exact; the first that does not frees the rest, so two baselines are never held."""
+    from streamsync._delta import Baseline, DeltaRun
+
+    def raw(numel: int) -> torch.Tensor:
+        return torch.zeros(numel * 2, dtype=torch.uint8)
+
+    kept, other, gone = raw(8), raw(8), raw(16)
+    baseline = Baseline(version=3)
+    baseline.tensors = {
+        "kept": (torch.bfloat16, (8,), kept),
+        "other": (torch.bfloat16, (8,), other),
+        "gone": (torch.bfloat16, (16,), gone),
+    }
+    refs = [weakref.ref(t) for t in (other, gone)]
+    del other, gone
+    run = DeltaRun(baseline, None, 1 << 20, cast=lambda name, dtype: torch.bfloat16)
+    assert baseline.version is None and not baseline.tensors
+    builder = BucketBuilder(1 << 20, cast=run.cast)
+    source = torch.randn(8)
+    run.place(builder, "kept", source)
+    assert all(ref() is not None for ref in refs)
+    run.place(builder, "new", torch.randn(4))
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    run.commit(4)
+    got = baseline.tensors["kept"][2]
+    assert got is kept
+    assert torch.equal(got.view(torch.int16), source.to(torch.bfloat16).view(torch.int16))
+    assert baseline.version == 4 and baseline.nbytes == (8 + 4) * 2
 
 
 async def test_a_channel_declines_deltas_that_cost_more_in_steady_state() -> None:
