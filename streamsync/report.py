@@ -94,6 +94,15 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     #: Bytes that crossed the transport (``nbytes`` of a delta sync counts the tensors it
     #: represents, unchanged ones included).
     wire_bytes: int = 0
+    #: Sender of an engine channel: the bytes each worker received (named as in
+    #: ``instances``, less the model instance: ``worker<w>``, ``engine<e>.worker<w>``).
+    worker_bytes: dict[str, int] = {}
+    #: Sender: the bytes each trainer rank sent (a plain trainer is rank 0).
+    rank_bytes: dict[int, int] = {}
+    #: Sender of a sharded channel: tensors sent whole to some worker for want of a learned
+    #: slice (the engine's checkpoint does not name them, or their loader could not be
+    #: followed).
+    unsliced: tuple[str, ...] = ()
     #: Sender of a delta-tracked sync: how it travelled (see :class:`DeltaReport`).
     delta: DeltaReport | None = None
     #: Sender of a LoRA adapter sync: what was installed (see :class:`LoraReport`).

@@ -81,7 +81,7 @@ class ThreadEngine:
 
     def _worker_receive(self, rank: int, endpoint: str, options: Any) -> dict[str, Any]:
         # The worker side, as an engine extension writes it.
-        def sink(opts: WorkerOptions) -> ss.Sink:
+        def sink(opts: WorkerOptions, route: object) -> ss.Sink:
             if opts.quirks:
                 raise ss.ConfigError(f"unknown quirk {opts.quirks[0]!r}; known: none")
             return (FinalizeFails if rank in self.fail_finalize else MainSink)(self.modules[rank])
@@ -446,7 +446,7 @@ class SinkFailsOnce(ThreadEngine):
     def _worker_receive(self, rank: int, endpoint: str, options: Any) -> dict[str, Any]:
         if self.fail:
 
-            def sink(opts: WorkerOptions) -> ss.Sink:
+            def sink(opts: WorkerOptions, route: object) -> ss.Sink:
                 raise ss.ConfigError("no sink this time")
 
             return self.workers[rank].handle(endpoint, options, sink).to_wire()
@@ -512,7 +512,7 @@ async def test_a_worker_receive_waits_for_the_one_still_running_on_its_channel()
         options = WorkerOptions(timeout=20, sync_id=sync_id)
         thread = threading.Thread(
             target=lambda: results.append(
-                worker.handle(url, options, lambda opts: ss.ModuleSink(target))
+                worker.handle(url, options, lambda opts, route: ss.ModuleSink(target))
             )
         )
         thread.start()
@@ -705,7 +705,7 @@ class DeltaEngine(ThreadEngine):
     """A ``ThreadEngine`` whose workers build their sink from the options they are told."""
 
     def _worker_receive(self, rank: int, endpoint: str, options: Any) -> dict[str, Any]:
-        def sink(opts: WorkerOptions) -> ss.Sink:
+        def sink(opts: WorkerOptions, route: object) -> ss.Sink:
             return DeltaSink(self.modules[rank], delta=opts.delta)
 
         return self.workers[rank].handle(endpoint, options, sink).to_wire()
@@ -807,7 +807,7 @@ def sync_into_worker(
             async def worker() -> None:
                 options = WorkerOptions(timeout=20)
                 sink = Seeing(target)
-                handle = partial(workers.handle, endpoint, options, lambda _: sink)
+                handle = partial(workers.handle, endpoint, options, lambda _, __: sink)
                 results.append(await anyio.to_thread.run_sync(handle))
 
             async with anyio.create_task_group() as tg:

@@ -17,18 +17,29 @@ import anyio.to_thread
 import msgspec
 
 from streamsync._log import log, warn
+from streamsync.adapters.bucket import Bucketer
 from streamsync.engine.blocking import BlockingWeightSync, run_blocking
 from streamsync.engine.clients import EngineClient, FactsClient, NeedsClient
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, sending_to
 from streamsync.engine.rounds import SyncRound, each, several
+from streamsync.engine.routes import (
+    RoutePlan,
+    combined,
+    derive_endpoint,
+    plan_routes,
+    routes_for,
+    send_routes,
+    split_cast,
+)
 from streamsync.errors import (
     ClosedError,
     ConfigError,
     ReceiverFailedError,
     StreamsyncError,
     SyncTimeoutError,
+    describe,
 )
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
@@ -36,6 +47,7 @@ from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
 from streamsync.transports import check_options
 from streamsync.transports.base import Sender
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.frames import Abort
 
 __all__ = ["EngineChannel"]
 
@@ -127,17 +139,26 @@ class EngineChannel:
         # and kept across reopenings until aclose; _open is what its finalizer closes.
         self._loop: EventLoopThread | None = None
         self._sender: HostedSender | None = None
+        #: A sharded channel's routes (empty: one sender, everything to every worker), with
+        #: one sender each (the first is ``_sender``).
+        self._plans: list[RoutePlan] = []
+        self._senders: list[HostedSender] = []
         self._open: list[Sender] = []
         self._loras = ChannelLoras(self)
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
         #: Ask each worker what it reads of each checkpoint tensor when the channel opens
-        #: (:attr:`needs`). Every worker still receives every tensor whole.
+        #: (:attr:`needs`), and send each worker only that.
         self.sharded = sharded
         if sharded and not all(isinstance(c, NeedsClient) for c in self.clients):
             raise ConfigError(
                 "WeightSync(sharded=True): an engine client cannot say what its workers "
                 "read (no needs()); open the channel without sharded=True"
+            )
+        if sharded and not require_all:
+            raise ConfigError(
+                "WeightSync(sharded=True) needs require_all=True: a sharded sync sends each "
+                "worker its own slices, so it cannot complete without one"
             )
         self._needs: dict[str, Needs] = {}
 
@@ -208,12 +229,15 @@ class EngineChannel:
                     await anyio.to_thread.run_sync(self._stop)
 
     async def _close_both(self) -> None:
-        url = self.url  # what the workers connected to (a port 0 resolved)
+        # What the workers connected to (a port 0 resolved): each route's endpoint.
+        urls = [self.url, *(plan.endpoint for plan in self._plans[1:])]
         await self._close_sender()
+
+        async def close(client: EngineClient) -> int:
+            return sum([await client.close_receivers(url) for url in urls])
+
         # An engine that shut down first, or whose RPC fails, is warned of.
-        closed = await self._each_client(
-            "engine.close_receivers_failed", lambda client: client.close_receivers(url)
-        )
+        closed = await self._each_client("engine.close_receivers_failed", close)
         log("engine.close", endpoint=self.endpoint, receivers=closed)
 
     async def _each_client(
@@ -234,10 +258,10 @@ class EngineChannel:
         return answers
 
     async def _close_sender(self) -> None:
-        """Close the sender (the loop thread keeps running; the next sync reopens it)."""
-        sender, self._sender = self._sender, None
+        """Close the senders (the loop thread keeps running; the next sync reopens them)."""
+        senders, self._senders, self._sender = self._senders, [], None
         try:
-            if sender is not None:
+            for sender in senders:
                 await sender.aclose()
         finally:
             self._open.clear()
@@ -253,17 +277,37 @@ class EngineChannel:
             if self._loop is None:
                 self._loop = EventLoopThread(f"streamsync-channel {self.endpoint}")
                 self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
-            options = {
-                "receivers": self.receivers,
-                "slot_bytes": self.bucket_bytes,
-                **self._transport_options,
-            }
-            self._sender = await HostedSender.open_on(self._loop, self.endpoint, options)
-            self._open.append(self._sender.sender)
             self.facts = await self._hello()
             if self.sharded:
                 self._needs = await self._ask_needs()
+                self._plans = self._route()
+            for i, plan in enumerate(self._plans or [None]):
+                options = {
+                    "receivers": self.receivers if plan is None else len(plan.workers),
+                    "slot_bytes": self.bucket_bytes,
+                    **self._transport_options,
+                }
+                endpoint = derive_endpoint(self.endpoint, i)
+                sender = await HostedSender.open_on(self._loop, endpoint, options)
+                self._open.append(sender.sender)
+                self._senders.append(sender)
+                if plan is not None:
+                    plan.endpoint = str(getattr(sender.sender, "url", endpoint))
+            self._sender = self._senders[0]
         return self._sender
+
+    def _workers(self, e: int) -> list[str]:
+        """Engine ``e``'s workers, by rank, named as in a report."""
+        where = f"engine{e}." if self.fanout else ""
+        return [f"{where}worker{w}" for w in range(self.clients[e].receivers)]
+
+    def _route(self) -> list[RoutePlan]:
+        """The routes of a sharded channel: none when every worker reads everything."""
+        workers = [w for e in range(len(self.clients)) for w in self._workers(e)]
+        plans = plan_routes(workers, self._needs)
+        sliced = len(plans) > 1 or any(plan.slices for plan in plans)
+        log("engine.routes", endpoint=self.endpoint, routes=[p.workers for p in plans])
+        return plans if sliced else []
 
     @property
     def needs(self) -> Mapping[str, Needs]:
@@ -304,8 +348,9 @@ class EngineChannel:
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every worker has joined the channel (``timeout``: the channel's); raises
         why one was refused (a wrong secret, more workers than ``receivers``)."""
-        sender = await self._ensure_sender()
-        await sender.wait_ready(timeout=self.timeout if timeout is None else timeout)
+        await self._ensure_sender()
+        for sender in self._senders:
+            await sender.wait_ready(timeout=self.timeout if timeout is None else timeout)
 
     def engine_index(self, e: int) -> int | None:
         """The index errors name for engine ``e`` (``exc.engine``): ``None`` with one."""
@@ -350,7 +395,8 @@ class EngineChannel:
         )
         sync = SyncRound.of(len(self.clients))
         await self._run(sync, sender, options, weights, pipeline, mode)
-        if sync.report is None and sync.send_error is None and not await sender.settle():
+        settled = [await one.settle() for one in self._senders]
+        if sync.report is None and sync.send_error is None and not all(settled):
             # Cancelled (an engine failed first), and a call still runs on the channel's
             # loop: the sender's state is unknown, so it goes.
             await self._close_sender()
@@ -417,15 +463,24 @@ class EngineChannel:
                     receivers = [c.receivers for c in self.clients]
                     await sync.joined(sender, receivers, within=self.timeout / 2)
                 try:
-                    sync.report = await sends(
-                        weights,
-                        sender,
-                        pipeline=pipeline,
+                    send_one = partial(
+                        sends,
                         bucket_bytes=self.bucket_bytes,
                         timeout=self.timeout,
                         checksum=self.checksum,
                         sync_id=options.sync_id,
                     )
+                    if self._plans:
+                        assert options.sync_id is not None  # set by sync_round
+                        sync.report = await self._send_routes(
+                            weights,
+                            pipeline,
+                            send_one,
+                            sliced=options.lora is None,
+                            sync_id=options.sync_id,
+                        )
+                    else:
+                        sync.report = await send_one(weights, sender, pipeline=pipeline)
                 except StreamsyncError as exc:
                     sync.send_error = exc
                     if isinstance(exc, ClosedError):
@@ -435,6 +490,33 @@ class EngineChannel:
                     tg.cancel_scope.cancel()
         finally:
             sending_to.reset(told)
+
+    async def _send_routes(
+        self,
+        weights: Any,
+        pipeline: AdapterLike | None,
+        send_one: Callable[..., Awaitable[SyncReport]],
+        *,
+        sliced: bool,
+        sync_id: int,
+    ) -> SyncReport:
+        """One sync over every route of a sharded channel: the pipeline once, a trailing
+        cast fused into each route's packing copy, each route's cut of every tensor."""
+        head, tail = split_cast(pipeline, lambda stage: stage.fuse(Bucketer(1)) is not None)
+        try:  # every worker joins before the first tensor is cut, so each hears an abort
+            for sender in self._senders:
+                await sender.wait_ready(timeout=self.timeout)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                for sender in self._senders:
+                    await sender.abort(Abort(sync_id, describe(exc)))
+            raise
+
+        async def one(r: int, stream: Any) -> SyncReport:
+            return await send_one(stream, self._senders[r], pipeline=tail)
+
+        reports = await send_routes(weights, self._plans, head, one, sliced=sliced)
+        return combined(reports, self._plans)
 
     def _late(self, e: int) -> StreamsyncError:
         where = "the engine" if not self.fanout else f"engine {e}"
@@ -461,6 +543,9 @@ class EngineChannel:
         where = "the engine" if not self.fanout else f"engine {e}"
         error: StreamsyncError | None = None
         try:
+            if self._plans:
+                routes = routes_for(self._plans, self._workers(e))
+                options = msgspec.structs.replace(options, routes=routes)
             with anyio.fail_after(limit):
                 sync.results[e] = list(await client.start_receive(self.url, options))
         except TimeoutError:

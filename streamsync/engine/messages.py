@@ -33,7 +33,7 @@ __all__ = ["WorkerOptions", "WorkerResult"]
 
 #: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
 #: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.
-WORKER_PROTOCOL = 5
+WORKER_PROTOCOL = 6
 
 
 class Versioned(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,6 +136,15 @@ class Needs(Versioned, frozen=True, kw_only=True):
     needs: tuple[Need, ...]
 
 
+class Route(msgspec.Struct, frozen=True, array_like=True):
+    """Where one worker of a sharded channel receives from, and the layouts (of its model
+    instances' :class:`Needs`) the trainer cut its slices for: a worker whose layout is not
+    among them refuses the sync rather than load slices cut for another layout."""
+
+    endpoint: str
+    layouts: tuple[str, ...]
+
+
 class LoraTarget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What a LoRA adapter sync is for: the sync's tensors are the adapter's, built into one
     version of adapter ``name`` on every worker (``EngineChannel.update_lora``)."""
@@ -176,6 +185,9 @@ class WorkerOptions(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=
     #: sync is still queued on the worker's receiver (one given up before this worker
     #: began it) is skipped, not taken for this sync.
     sync_id: int | None = None
+    #: A sharded channel's: per worker rank, where it receives its slices from (set by the
+    #: channel); empty: every worker receives everything from the receive's endpoint.
+    routes: tuple[Route, ...] = ()
 
     @classmethod
     def coerce(cls, options: WorkerOptions | Mapping[str, Any] | None) -> WorkerOptions:

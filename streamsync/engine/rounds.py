@@ -135,9 +135,17 @@ class SyncRound:
         named in ``absent``."""
         assert self.report is not None
         instances: dict[str, LoadResult] = {}
+        worker_bytes: dict[str, int] = {}
         for e, results in enumerate(self.results):
-            instances.update(_instances(f"engine{e}." if fanout else "", results))
-        merged = msgspec.structs.replace(self.report, instances=instances)
+            prefix = f"engine{e}." if fanout else ""
+            instances.update(_instances(prefix, results))
+            for rank, result in enumerate(results):
+                if result.report is not None:
+                    worker_bytes[f"{prefix}worker{rank}"] = result.report.wire_bytes
+        rank_bytes = self.report.rank_bytes or {0: self.report.wire_bytes}
+        merged = msgspec.structs.replace(
+            self.report, instances=instances, worker_bytes=worker_bytes, rank_bytes=rank_bytes
+        )
         if absent:
             gone = tuple(f"engine {e}: {type(err).__name__}: {err}" for e, err in absent.items())
             merged = msgspec.structs.replace(merged, absent=(*merged.absent, *gone))

@@ -20,8 +20,8 @@ import torch
 
 from streamsync._log import log, warn
 from streamsync.engine.loops import EventLoopThread
-from streamsync.engine.messages import WorkerOptions, WorkerResult
-from streamsync.errors import EndOfStream, PeerBrokenError, StreamsyncError
+from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
+from streamsync.errors import ConfigError, EndOfStream, PeerBrokenError, StreamsyncError
 from streamsync.report import SyncReport
 from streamsync.sink import AbortableSink, Sink
 from streamsync.sync import DEFAULT_TIMEOUT, receive
@@ -45,7 +45,8 @@ class WorkerReceivers:
     :meth:`handle` and :meth:`close` are plain (blocking) methods for the worker's RPC
     handlers; :meth:`shutdown` closes everything and stops the loop. ``device``: the
     worker's device, made current on the loop's thread (by ``select``) before any sink
-    runs there.
+    runs there. ``rank``: the worker's rank in its engine, which picks its route in a
+    sharded sync.
     """
 
     def __init__(
@@ -54,7 +55,9 @@ class WorkerReceivers:
         *,
         device: torch.device | None = None,
         select: Callable[[torch.device], None] = select_device,
+        rank: int = 0,
     ) -> None:
+        self.rank = rank
         setup = None if device is None else partial(select, device)
         self._loop = EventLoopThread(name, setup=setup)
         self._receivers: dict[str, Receiver] = {}
@@ -62,16 +65,23 @@ class WorkerReceivers:
         self._turns: dict[str, anyio.Lock] = {}
 
     def handle(
-        self, endpoint: str, options: Any, make_sink: Callable[[WorkerOptions], Sink]
+        self,
+        endpoint: str,
+        options: Any,
+        make_sink: Callable[[WorkerOptions, Route | None], Sink],
     ) -> WorkerResult:
         """The worker side of one sync, as every engine's RPC handler runs it: ``options``
         from their wire form (a :class:`WorkerOptions` passes as it is), the sink
-        ``make_sink`` builds for them, then one receive from ``endpoint`` into it. A
-        streamsync error in any step is returned in the result (with its partial report),
-        not raised: the engine stays up."""
+        ``make_sink`` builds for them and this worker's route (a sharded sync's, else
+        ``None``), then one receive from ``endpoint`` (the route's, when there is one) into
+        it. A streamsync error in any step is returned in the result (with its partial
+        report), not raised: the engine stays up."""
         try:
             opts = WorkerOptions.from_wire(options)
-            sink = make_sink(opts)
+            route = self._route(opts)
+            if route is not None:
+                endpoint = route.endpoint
+            sink = make_sink(opts, route)
         except StreamsyncError as exc:
             receiver = self._receivers.get(endpoint)
             if receiver is not None:
@@ -114,6 +124,17 @@ class WorkerReceivers:
             self._abort(sink, endpoint)
             raise
         return WorkerResult.succeeded(report)
+
+    def _route(self, options: WorkerOptions) -> Route | None:
+        """This worker's route in a sharded sync (``None`` in any other)."""
+        if not options.routes:
+            return None
+        if self.rank >= len(options.routes):
+            raise ConfigError(
+                f"worker {self.rank}: the trainer planned routes for {len(options.routes)} "
+                "workers of this engine; reopen the channel so it learns this engine's workers"
+            )
+        return options.routes[self.rank]
 
     def _abort(self, sink: Sink, endpoint: str) -> None:
         # On the loop thread, where the sink's other phases ran.

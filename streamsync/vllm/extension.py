@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from streamsync.engine.messages import EngineFacts, WorkerOptions
+from streamsync.engine.messages import EngineFacts, Route, WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.sink import Sink
 
@@ -32,7 +32,10 @@ class WorkerExtension:
     def streamsync_receivers(self) -> WorkerReceivers:
         """This worker's receivers, kept across syncs; they load on the worker's device."""
         device = getattr(self, "device", None)
-        return WorkerReceivers(device=device if isinstance(device, torch.device) else None)
+        return WorkerReceivers(
+            device=device if isinstance(device, torch.device) else None,
+            rank=int(getattr(self, "rank", 0)),
+        )
 
     @functools.cached_property
     def streamsync_state(self) -> WorkerState:
@@ -50,8 +53,8 @@ class WorkerExtension:
         """
         from streamsync.vllm.worker_sink import worker_sink
 
-        def sink(opts: WorkerOptions) -> Sink:
-            return worker_sink(_models(self), opts)
+        def sink(opts: WorkerOptions, route: Route | None) -> Sink:
+            return worker_sink(_models(self), opts, route)
 
         return self.streamsync_receivers.handle(endpoint, options, sink).to_wire()
 

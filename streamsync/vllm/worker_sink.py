@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from streamsync.engine.messages import WorkerOptions
-from streamsync.errors import LoraError
+from streamsync.engine.messages import Route, WorkerOptions
+from streamsync.engine.routes import Slices, slices_of
+from streamsync.errors import ConfigError, LoraError
 
 if TYPE_CHECKING:
     from streamsync.sink import Sink
@@ -28,10 +29,11 @@ class WorkerModels:
     state: WorkerState
 
 
-def worker_sink(models: WorkerModels, options: WorkerOptions) -> Sink:
+def worker_sink(models: WorkerModels, options: WorkerOptions, route: Route | None = None) -> Sink:
     """The sink for one sync into ``models``: a :class:`~streamsync.vllm.lora.LoraSink` on the
     main model for an adapter sync, else a :class:`~streamsync.vllm.sink.VllmSink` on the
-    instances ``options`` target, with the lifecycle, quirks and delta it names."""
+    instances ``options`` target, with the lifecycle, quirks and delta it names, and the
+    slices ``route`` (a sharded sync's) brings them."""
     from streamsync.vllm.lifecycles import choose_lifecycle
     from streamsync.vllm.lora import LoraEngine, LoraSink
     from streamsync.vllm.quirks import quirks_by_name
@@ -56,4 +58,19 @@ def worker_sink(models: WorkerModels, options: WorkerOptions) -> Sink:
         quirks=quirks_by_name(options.quirks) if options.quirks is not None else None,
         delta=options.delta,
         state=models.state,
+        slices=None if route is None else _slices(models, route),
     )
+
+
+def _slices(models: WorkerModels, route: Route) -> Slices:
+    """What a sharded sync brings this worker: the slices of the needs it told the trainer,
+    refused if the worker's layout changed since (a reload, another quantization)."""
+    found = [models.state.needs.get(inst.name) for inst in models.instances]
+    for inst, needs in zip(models.instances, found, strict=True):
+        if needs is None or needs.layout not in route.layouts:
+            raise ConfigError(
+                f"model instance {inst.name!r}: the trainer cut this sync's slices for a "
+                "layout this worker no longer has (or never told it); reopen the channel so "
+                "it learns the worker's needs again"
+            )
+    return slices_of(n for n in found if n is not None)

@@ -70,7 +70,9 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
     def init_transfer_engine(self, init_info: TransferInit) -> None:
         if self._receivers is not None:  # a new trainer replaces the old one
             self._receivers.shutdown()
-        self._receivers = WorkerReceivers(f"streamsync-vllm-worker{self.rank}", device=self.device)
+        self._receivers = WorkerReceivers(
+            f"streamsync-vllm-worker{self.rank}", device=self.device, rank=self.rank
+        )
         self._init = init_info
         try:
             self._receivers.open(init_info.endpoint, init_info.transport, timeout=init_info.timeout)
