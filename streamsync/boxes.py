@@ -33,11 +33,6 @@ def box_union(a: Box, b: Box) -> Box:
     )
 
 
-def box_shape(box: Box) -> tuple[int, ...]:
-    """The shape of the data a box holds."""
-    return tuple(stop - start for start, stop in zip(box.start, box.stop, strict=True))
-
-
 def slices_of(needs: Iterable[Needs]) -> dict[str, tuple[Box, tuple[int, ...]]]:
     """One worker's slices, from the :class:`Needs` of its model instances: per name, the
     bounding box of the instances' boxes. A name some instance reads whole (box ``None``),
@@ -65,5 +60,5 @@ def slices_of(needs: Iterable[Needs]) -> dict[str, tuple[Box, tuple[int, ...]]]:
     return {
         name: (box, shapes[name])
         for name, box in boxes.items()
-        if box is not None and (box.start != (0,) * len(box.start) or box.stop != shapes[name])
+        if box is not None and box.shape != shapes[name]
     }

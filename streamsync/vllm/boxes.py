@@ -23,7 +23,6 @@ from torch.utils._pytree import tree_flatten
 
 # Slices and slices_of are the trainer's too: defined without vLLM, re-exported here.
 from streamsync.boxes import Slices as Slices
-from streamsync.boxes import box_shape
 from streamsync.boxes import box_union as box_union
 from streamsync.boxes import slices_of as slices_of
 from streamsync.engine.messages import Box
@@ -243,10 +242,10 @@ def wrap(tensors: Sequence[NamedTensor], slices: Slices) -> list[NamedTensor]:
         found = slices.get(name)
         if found is not None and tuple(tensor.shape) != found[1]:
             box, whole = found
-            if tuple(tensor.shape) != box_shape(box):
+            if tuple(tensor.shape) != box.shape:
                 raise ShapeMismatchError(
                     f"tensor {name!r}: received shape {list(tensor.shape)}, but this worker "
-                    f"receives box {_box_text(box)} (shape {list(box_shape(box))}) of it or "
+                    f"receives box {_box_text(box)} (shape {list(box.shape)}) of it or "
                     f"the whole (shape {list(whole)})"
                 )
             tensor = BoxTensor(name, tensor, box.start, whole)
