@@ -16,6 +16,7 @@ import torch
 from streamsync._copies import clone
 from streamsync.errors import ConfigError, ReceiverFailedError, UnsupportedVersionError
 from streamsync.pipeline import NamedTensor
+from streamsync.vllm.boxes import BoxTensor
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance
@@ -82,10 +83,11 @@ class LayerwiseReload:
         return loaded
 
     def _own(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` if this lifecycle copied it already, else its copy."""
+        """``tensor`` if this lifecycle copied it already, else its copy (of a received box,
+        a BoxTensor around a copy of the box)."""
         if id(tensor) in self._owned:
             return tensor
-        owned = clone(tensor)
+        owned = tensor.clone() if isinstance(tensor, BoxTensor) else clone(tensor)
         self._owned[id(owned)] = owned
         return owned
 

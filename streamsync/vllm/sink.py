@@ -39,9 +39,11 @@ from streamsync.errors import (
 )
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
+from streamsync.vllm.boxes import BoxTensor, data_of, wrap
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
 if TYPE_CHECKING:
+    from streamsync.boxes import Slices
     from streamsync.engine.messages import Needs
     from streamsync.vllm.lora import LoraStore
 
@@ -103,11 +105,15 @@ Fingerprint = tuple[torch.dtype, tuple[int, ...], int]
 
 
 def _fingerprint(tensor: torch.Tensor) -> Fingerprint:
-    data = tensor.detach().contiguous()
+    """The fingerprint of the data received of ``tensor`` (of a :class:`BoxTensor`, its box
+    and the data in it)."""
+    data = data_of(tensor).detach().contiguous()
     if data.device.type != "cpu":
         data = data.cpu()
-    raw = data.reshape(-1).view(torch.uint8).numpy().data
-    return data.dtype, tuple(data.shape), int(xxhash.xxh3_64_intdigest(raw))
+    digest = xxhash.xxh3_64(data.reshape(-1).view(torch.uint8).numpy().data)
+    if isinstance(tensor, BoxTensor):
+        digest.update(repr(tensor.box).encode())
+    return data.dtype, tuple(tensor.shape), digest.intdigest()
 
 
 def _with_ties(inst: ModelInstance, tensors: list[NamedTensor]) -> list[NamedTensor]:
@@ -263,7 +269,12 @@ class _Tracked(list[NamedTensor]):
 
 
 class VllmSink:
-    """A sink that applies each sync to every model instance of one vLLM worker."""
+    """A sink that applies each sync to every model instance of one vLLM worker.
+
+    ``slices`` (a sharded channel's, :func:`~streamsync.boxes.slices_of`): the box of each
+    tensor this worker receives only in part; such a tensor reaches the loaders as a
+    :class:`~streamsync.vllm.boxes.BoxTensor` of the whole shape (a delta's kept copy is
+    the box)."""
 
     def __init__(
         self,
@@ -274,6 +285,7 @@ class VllmSink:
         quirks: Sequence[Any] | None = None,
         delta: bool = False,
         state: WorkerState | None = None,
+        slices: Slices | None = None,
     ) -> None:
         if not instances:
             raise ConfigError("VllmSink needs at least one model instance")
@@ -294,6 +306,8 @@ class VllmSink:
             self._copies = None
             self.state.copies.pop(main, None)  # a full sync without tracking: they go stale
         self._received: set[str] = set()
+        #: The box of each tensor this worker receives only in part (a sharded channel's).
+        self.slices = slices
 
     @property
     def version(self) -> int | None:
@@ -359,6 +373,8 @@ class VllmSink:
                     self._buffers.append((name, clone(tensor)))  # a view: keep a copy
                 else:
                     params.append((name, tensor))
+            if self.slices:
+                params = wrap(params, self.slices)
             for inst in self.instances:
                 offered = _with_ties(inst, params)
                 inst.offered.update(n for n, _ in offered)
