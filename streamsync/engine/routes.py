@@ -26,39 +26,13 @@ import anyio
 import msgspec
 import torch
 
-from streamsync.engine.messages import Box, Needs, Route
+from streamsync.boxes import Slices, slices_of
+from streamsync.engine.messages import Needs, Route
 from streamsync.errors import ShapeMismatchError, root_cause
 from streamsync.pipeline import AdapterLike, Chain, reading
 from streamsync.report import SyncReport
 
-#: Per checkpoint name, the box one worker receives and the tensor's whole shape.
-Slices = Mapping[str, tuple[Box, tuple[int, ...]]]
-
 _TCP_SCHEMES = ("zmq+tcp", "torch+gloo", "torch+nccl")
-
-
-def box_union(a: Box, b: Box) -> Box:
-    """The bounding box of ``a`` and ``b``."""
-    return Box(
-        tuple(map(min, a.start, b.start)),
-        tuple(map(max, a.stop, b.stop)),
-    )
-
-
-def slices_of(needs: Iterable[Needs]) -> dict[str, tuple[Box, tuple[int, ...]]]:
-    """One worker's slices, from the :class:`Needs` of its model instances: per name the
-    bounding box of what its instances read; a name one of them reads whole is not in it."""
-    boxes: dict[str, tuple[Box, tuple[int, ...]]] = {}
-    whole: set[str] = set()
-    for one in needs:
-        for need in one.needs:
-            if need.box is None:
-                whole.add(need.name)
-                continue
-            seen = boxes.get(need.name)
-            box = need.box if seen is None else box_union(seen[0], need.box)
-            boxes[need.name] = (box, need.shape)
-    return {name: found for name, found in boxes.items() if name not in whole}
 
 
 @dataclass

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from streamsync.boxes import Slices, slices_of
 from streamsync.engine.messages import Route, WorkerOptions
-from streamsync.engine.routes import Slices, slices_of
 from streamsync.errors import ConfigError, LoraError
 
 if TYPE_CHECKING:
