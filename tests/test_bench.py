@@ -635,6 +635,32 @@ def test_the_source_forms_time_each_form_in_every_round(
         assert 0 < low <= mid <= high, row
 
 
+def test_capacity_model_takes_the_busiest_nic(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python benchmarks/capacity.py``: today every worker takes the whole model, sharded
+    sends one copy per engine over M NICs, a delta w of it; a sync takes the busiest NIC's
+    bytes, sender or engine side."""
+    capacity = _lab("capacity")
+    llama, kimi = capacity.MODELS
+    rate = 45e9
+    modes = {m.name: m for m in capacity.modes((8, 64), 0.065, 8)}
+    today, sharded = modes["full fan-out, 1 NIC (today)"], modes["sharded, M = 64"]
+    assert capacity.seconds(today, llama, 8, rate) == pytest.approx(8 * 8 * 140e9 / rate)
+    assert sharded.sender(llama.nbytes, 512) == pytest.approx(512 * 140e9 / 64)
+    assert capacity.seconds(sharded, llama, 8, rate) == pytest.approx(140e9 / 8 / rate)
+    delta, dense = modes["sharded + delta, M = 8"], modes["sharded, M = 8"]
+    assert capacity.seconds(delta, kimi, 64, rate) == pytest.approx(
+        0.065 * capacity.seconds(dense, kimi, 64, rate)
+    )
+    # One NIC per engine node: it takes the whole model, more than a sender NIC sends.
+    one_nic = {m.name: m for m in capacity.modes((64,), 0.065, 1)}["sharded, M = 64"]
+    assert capacity.seconds(one_nic, llama, 8, rate) == pytest.approx(140e9 / rate)
+    capacity.main([])
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith(("| 70B bf16 → ", "| 1T FP8 → "))]
+    assert len(rows) == len(capacity.MODELS) * len(capacity.ENGINES)
+    assert all(row.count(" | ") == len(modes) for row in rows)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_shm_against_verls_path_in_one_run(tmp_path: Path) -> None:
