@@ -17,7 +17,6 @@ import anyio.to_thread
 import msgspec
 
 from streamsync._log import log, warn
-from streamsync.adapters.bucket import Bucketer
 from streamsync.engine.blocking import BlockingWeightSync, run_blocking
 from streamsync.engine.clients import EngineClient, FactsClient, NeedsClient
 from streamsync.engine.loops import EventLoopThread, HostedSender
@@ -502,7 +501,7 @@ class EngineChannel:
     ) -> SyncReport:
         """One sync over every route of a sharded channel: the pipeline once, a trailing
         cast fused into each route's packing copy, each route's cut of every tensor."""
-        head, tail = split_cast(pipeline, lambda stage: stage.fuse(Bucketer(1)) is not None)
+        head, tail = split_cast(pipeline)
         try:  # every worker joins before the first tensor is cut, so each hears an abort
             for sender in self._senders:
                 await sender.wait_ready(timeout=self.timeout)

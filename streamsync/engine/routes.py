@@ -26,11 +26,13 @@ import anyio
 import msgspec
 import torch
 
+from streamsync.adapters.bucket import Bucketer
 from streamsync.boxes import Slices, slices_of
 from streamsync.engine.messages import Needs, Route
 from streamsync.errors import ShapeMismatchError, root_cause
-from streamsync.pipeline import AdapterLike, Chain, reading
+from streamsync.pipeline import Adapter, AdapterLike, Chain, reading
 from streamsync.report import SyncReport
+from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 _TCP_SCHEMES = ("zmq+tcp", "torch+gloo", "torch+nccl")
 
@@ -105,17 +107,15 @@ def derive_endpoint(endpoint: str, index: int) -> str:
     return f"{parts.scheme}://{target}.{index}{query}"
 
 
-def split_cast(
-    pipeline: AdapterLike | None, fuses: Callable[[Any], bool]
-) -> tuple[AdapterLike | None, AdapterLike | None]:
+def split_cast(pipeline: AdapterLike | None) -> tuple[AdapterLike | None, AdapterLike | None]:
     """``pipeline`` as what runs once before the cut and what each route runs after it: a
-    trailing stage ``fuses`` accepts (a cast, fused into each route's packing copy)."""
+    trailing stage that fuses into the bucketer's packing copy (a cast)."""
     if pipeline is None:
         return None, None
     parts = Chain(pipeline).parts
-    if parts and fuses(parts[-1]):
-        head = Chain(*parts[:-1]) if len(parts) > 1 else None
-        return head, parts[-1]
+    last = parts[-1] if parts else None
+    if isinstance(last, Adapter) and last.fuse(Bucketer(DEFAULT_BUCKET_BYTES)) is not None:
+        return (Chain(*parts[:-1]) if len(parts) > 1 else None), last
     return pipeline, None
 
 

@@ -30,6 +30,7 @@ import xxhash
 from streamsync._copies import clone, copy_tensors
 from streamsync._log import log
 from streamsync.adapters.split_buffers import BufferRouter
+from streamsync.engine.messages import Box
 from streamsync.errors import (
     ConfigError,
     ReceiverFailedError,
@@ -39,7 +40,7 @@ from streamsync.errors import (
 )
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.vllm.boxes import BoxTensor, data_of, wrap
+from streamsync.vllm.boxes import BoxTensor, wrap
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class ModelInstance:
     #: (found at the first prepare).
     tied: dict[str, tuple[str, ...]] | None = None
     #: Names loaded in this sync as another name's tie, with the fingerprint of the bytes.
-    tied_loaded: dict[str, tuple[str, Fingerprint]] = field(default_factory=dict)
+    tied_loaded: dict[str, tuple[str, Fingerprint, Box | None]] = field(default_factory=dict)
 
 
 def checkpoint_name(name: str) -> str:
@@ -104,15 +105,22 @@ def tied_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
 Fingerprint = tuple[torch.dtype, tuple[int, ...], int]
 
 
-def _fingerprint(tensor: torch.Tensor) -> Fingerprint:
-    """The fingerprint of the data received of ``tensor`` (of a :class:`BoxTensor`, its box
-    and the data in it)."""
-    data = data_of(tensor).detach().contiguous()
+def _fingerprint(tensor: torch.Tensor, box: Box | None = None) -> Fingerprint:
+    """The fingerprint of the data received of ``tensor``: of a :class:`BoxTensor`, its box
+    and the data in it; of a whole tensor seen through ``box`` (a tied partner that arrived
+    as that box), the same."""
+    if isinstance(tensor, BoxTensor):
+        box, data = tensor.box, tensor.received
+    elif box is not None:
+        data = tensor[tuple(map(slice, box.start, box.stop))]
+    else:
+        data = tensor
+    data = data.detach().contiguous()
     if data.device.type != "cpu":
         data = data.cpu()
     digest = xxhash.xxh3_64(data.reshape(-1).view(torch.uint8).numpy().data)
-    if isinstance(tensor, BoxTensor):
-        digest.update(repr(tensor.box).encode())
+    if box is not None:
+        digest.update(repr(box).encode())
     return data.dtype, tuple(tensor.shape), digest.intdigest()
 
 
@@ -125,8 +133,8 @@ def _with_ties(inst: ModelInstance, tensors: list[NamedTensor]) -> list[NamedTen
     for name, tensor in tensors:
         earlier = inst.tied_loaded.get(name)
         if earlier is not None:
-            first, digest = earlier
-            if _fingerprint(tensor) != digest:
+            first, digest, box = earlier
+            if _fingerprint(tensor, box) != digest:
                 raise ReceiverFailedError(
                     f"model instance {inst.name!r} ties {name!r} to {first!r} (one parameter), "
                     f"but the sync carried different values under the two names"
@@ -138,7 +146,11 @@ def _with_ties(inst: ModelInstance, tensors: list[NamedTensor]) -> list[NamedTen
             digest = _fingerprint(tensor)
             for other in others:
                 out.append((other, tensor))
-                inst.tied_loaded[other] = (name, digest)
+                inst.tied_loaded[other] = (
+                    name,
+                    digest,
+                    tensor.box if isinstance(tensor, BoxTensor) else None,
+                )
     return out
 
 
