@@ -69,10 +69,14 @@ class SliceSink:
             kept = self.store[name] = torch.empty(shape, dtype=dtype)
         return kept
 
+    fail = False
+
     def prepare(self) -> None:
         self.loaded = set()
 
     def load(self, tensors: Any) -> None:
+        if self.fail:
+            raise ss.ReceiverFailedError("this worker's loader broke")
         for name, tensor in tensors:
             if self.store.get(name) is not tensor:
                 self.store[name] = tensor.clone()
@@ -93,6 +97,7 @@ class SlicedEngine(ThreadEngine):
         self.stores: list[dict[str, torch.Tensor]] = [{}, {}]
         self.versions: list[dict[str, int | None]] = [{}, {}]
         self.routes: list[Route | None] = [None, None]
+        self.failing: set[int] = set()  # ranks whose sink fails at its first bucket
 
     async def needs(self) -> list[list[Needs]]:
         told = [rpc([needs_of(w, self.layouts[w]).to_wire()]) for w in range(2)]
@@ -101,7 +106,9 @@ class SlicedEngine(ThreadEngine):
     def _worker_receive(self, rank: int, endpoint: str, options: Any) -> dict[str, Any]:
         def sink(opts: WorkerOptions, route: Route | None) -> ss.Sink:
             self.routes[rank] = route
-            return SliceSink(self.stores[rank], self.versions[rank])
+            sink = SliceSink(self.stores[rank], self.versions[rank])
+            sink.fail = rank in self.failing
+            return sink
 
         return self.workers[rank].handle(endpoint, options, sink).to_wire()
 
@@ -220,3 +227,24 @@ def test_a_trainer_tensor_of_another_shape_fails_by_name(engine: SlicedEngine) -
         with pytest.raises(ss.ShapeMismatchError, match=r"'rows'.*\[6, 4\].*\[8, 4\]"):
             sync.update(bad)
         assert sync.update(weights(1)).complete
+
+
+def test_a_worker_that_fails_fails_the_sync_on_every_route_and_the_next_is_full(
+    engine: SlicedEngine,
+) -> None:
+    endpoint = f"shm://routes-fail-{os.getpid()}"
+    with EngineChannel(engine, endpoint, sharded=True, delta=True, timeout=20) as sync:
+        sync.update(weights(0))
+        assert sync.update(weights(1)).delta.base is not None  # type: ignore[union-attr]
+        engine.failing = {1}
+        with pytest.raises(ss.ReceiverFailedError, match=r"worker 1 .*loader broke") as info:
+            sync.update(weights(2))
+        assert info.value.report is not None and not info.value.report.complete
+        # Worker 0's route may have completed before worker 1's failure reached it; the
+        # sync still failed, and no route keeps a baseline the next sync could diff against.
+        engine.failing = set()
+        after = sync.update(weights(3))
+        assert after.delta is not None and after.delta.base is None  # full: versions in doubt
+        for rank in (0, 1):
+            for name, tensor in expected(weights(3), rank).items():
+                assert torch.equal(engine.stores[rank][name], tensor), (rank, name)

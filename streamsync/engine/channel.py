@@ -514,7 +514,14 @@ class EngineChannel:
         async def one(r: int, stream: Any) -> SyncReport:
             return await send_one(stream, self._senders[r], pipeline=tail)
 
-        reports = await send_routes(weights, self._plans, head, one, sliced=sliced)
+        try:
+            reports = await send_routes(weights, self._plans, head, one, sliced=sliced)
+        except BaseException:
+            # A route that completed holds a worker one sync ahead of the others: the next
+            # sync is full on every route.
+            for sender in self._senders:
+                sender.state.baseline.drop()
+            raise
         return combined(reports, self._plans)
 
     def _late(self, e: int) -> StreamsyncError:
