@@ -22,6 +22,7 @@ from streamsync.engine.clients import EngineClient, FactsClient, NeedsClient
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, sending_to
+from streamsync.engine.ranks import Exchange, Ranks, shard_stream
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.engine.routes import (
     RoutePlan,
@@ -107,6 +108,7 @@ class EngineChannel:
         require_all: bool = True,
         delta: bool = False,
         sharded: bool = False,
+        ranks: Ranks | None = None,
         **transport_options: Any,
     ) -> None:
         #: Whether the channel was given several engines (its report names ``engine<e>.``).
@@ -142,6 +144,7 @@ class EngineChannel:
         #: one sender each (the first is ``_sender``).
         self._plans: list[RoutePlan] = []
         self._senders: list[HostedSender] = []
+        self._by_route: dict[int, HostedSender] = {}
         self._open: list[Sender] = []
         self._loras = ChannelLoras(self)
         #: What each engine that says so told of itself when the channel opened.
@@ -153,6 +156,13 @@ class EngineChannel:
             raise ConfigError(
                 "WeightSync(sharded=True): an engine client cannot say what its workers "
                 "read (no needs()); open the channel without sharded=True"
+            )
+        #: The trainer ranks of a collective sharded sync, of which this is rank 0.
+        self.ranks = ranks
+        if ranks is not None and (not sharded or ranks.rank != 0):
+            raise ConfigError(
+                f"WeightSync(ranks=...): rank 0 drives the engine, with sharded=True; rank "
+                f"{ranks.rank} takes part with RankPeer(ranks, endpoint)"
             )
         if sharded and not require_all:
             raise ConfigError(
@@ -259,6 +269,7 @@ class EngineChannel:
     async def _close_sender(self) -> None:
         """Close the senders (the loop thread keeps running; the next sync reopens them)."""
         senders, self._senders, self._sender = self._senders, [], None
+        self._by_route = {}
         try:
             for sender in senders:
                 await sender.aclose()
@@ -280,7 +291,11 @@ class EngineChannel:
             if self.sharded:
                 self._needs = await self._ask_needs()
                 self._plans = self._route()
+                if self.ranks is not None:
+                    await self.ranks.share_plans(self._plans)
             for i, plan in enumerate(self._plans or [None]):
+                if self.ranks is not None and not self.ranks.owns(i):
+                    continue
                 options = {
                     "receivers": self.receivers if plan is None else len(plan.workers),
                     "slot_bytes": self.bucket_bytes,
@@ -290,8 +305,11 @@ class EngineChannel:
                 sender = await HostedSender.open_on(self._loop, endpoint, options)
                 self._open.append(sender.sender)
                 self._senders.append(sender)
+                self._by_route[i] = sender
                 if plan is not None:
                     plan.endpoint = str(getattr(sender.sender, "url", endpoint))
+            if self.ranks is not None:
+                await self.ranks.share_endpoints(self._plans)
             self._sender = self._senders[0]
         return self._sender
 
@@ -306,7 +324,7 @@ class EngineChannel:
         plans = plan_routes(workers, self._needs)
         sliced = len(plans) > 1 or any(plan.slices for plan in plans)
         log("engine.routes", endpoint=self.endpoint, routes=[p.workers for p in plans])
-        return plans if sliced else []
+        return plans if sliced or self.ranks is not None else []
 
     @property
     def needs(self) -> Mapping[str, Needs]:
@@ -393,13 +411,30 @@ class EngineChannel:
             options, timeout=timeout, sync_id=sync_id, delta=self.delta
         )
         sync = SyncRound.of(len(self.clients))
-        await self._run(sync, sender, options, weights, pipeline, mode)
+        exchange = None
+        if self.ranks is not None:
+            if options.lora is not None:
+                raise ConfigError("a LoRA adapter syncs from one trainer, not from ranks")
+            await self.ranks.sync_id(sync_id)
+            exchange = self.ranks.exchange(self._plans)
+            weights = shard_stream(weights)
+        await self._run(sync, sender, options, weights, pipeline, mode, exchange)
         settled = [await one.settle() for one in self._senders]
         if sync.report is None and sync.send_error is None and not all(settled):
             # Cancelled (an engine failed first), and a call still runs on the channel's
             # loop: the sender's state is unknown, so it goes.
             await self._close_sender()
-        return await self._conclude(sync, after=options.lora is None)
+        if exchange is None:
+            return await self._conclude(sync, after=options.lora is None)
+        assert self.ranks is not None
+        await exchange.drain(weights, split_cast(pipeline or self.pipeline)[0])
+        try:
+            report = await self._conclude(sync)
+        except BaseException as exc:
+            await self.ranks.outcome(0, exc)  # raises the root cause over every rank
+            raise
+        sent = await self.ranks.outcome(report.wire_bytes, None)
+        return msgspec.structs.replace(report, rank_bytes=sent)
 
     async def update_lora(
         self,
@@ -444,10 +479,12 @@ class EngineChannel:
         weights: Any,
         pipeline: AdapterLike | None,
         delta: bool | Literal["full"],
+        exchange: Exchange | None = None,
     ) -> None:
-        """The send beside every engine's receive; a failure that dooms the sync cancels
-        the rest (see :meth:`_receive`). An adapter sync (``options.lora``) is sent aside
-        (:func:`~streamsync.sync.send_aside`), through ``pipeline`` only."""
+        """The send beside every engine's receive (``exchange``: a collective sync's cut); a
+        failure that dooms the sync cancels the rest (see :meth:`_receive`). An adapter sync
+        (``options.lora``) is sent aside (:func:`~streamsync.sync.send_aside`), through
+        ``pipeline`` only."""
         if options.lora is None:
             pipeline = pipeline if pipeline is not None else self.pipeline
             sends: Callable[..., Awaitable[SyncReport]] = partial(send, delta=delta)
@@ -477,6 +514,7 @@ class EngineChannel:
                             send_one,
                             sliced=options.lora is None,
                             sync_id=options.sync_id,
+                            exchange=exchange,
                         )
                     else:
                         sync.report = await send_one(weights, sender, pipeline=pipeline)
@@ -498,6 +536,7 @@ class EngineChannel:
         *,
         sliced: bool,
         sync_id: int,
+        exchange: Exchange | None,
     ) -> SyncReport:
         """One sync over every route of a sharded channel: the pipeline once, a trailing
         cast fused into each route's packing copy, each route's cut of every tensor."""
@@ -505,24 +544,32 @@ class EngineChannel:
         try:  # every worker joins before the first tensor is cut, so each hears an abort
             for sender in self._senders:
                 await sender.wait_ready(timeout=self.timeout)
-        except BaseException as exc:
+        except BaseException as exc:  # (a collective sync's exchange is drained after)
             with anyio.CancelScope(shield=True):
                 for sender in self._senders:
                     await sender.abort(Abort(sync_id, describe(exc)))
             raise
 
         async def one(r: int, stream: Any) -> SyncReport:
-            return await send_one(stream, self._senders[r], pipeline=tail)
+            return await send_one(stream, self._by_route[r], pipeline=tail)
 
         try:
-            reports = await send_routes(weights, self._plans, head, one, sliced=sliced)
+            reports = await send_routes(
+                weights,
+                self._plans,
+                head,
+                one,
+                sliced=sliced,
+                cut=exchange,
+                routes=sorted(self._by_route),
+            )
         except BaseException:
             # A route that completed holds a worker one sync ahead of the others: the next
             # sync is full on every route.
             for sender in self._senders:
                 sender.state.baseline.drop()
             raise
-        return combined(reports, self._plans)
+        return combined(reports, [self._plans[g] for g in sorted(self._by_route)])
 
     def _late(self, e: int) -> StreamsyncError:
         where = "the engine" if not self.fanout else f"engine {e}"

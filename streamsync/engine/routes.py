@@ -16,8 +16,17 @@ kind (``SyncReport.unsliced``).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -127,6 +136,10 @@ async def _stream(weights: Any) -> AsyncIterator[Any]:
         yield item
 
 
+#: Per tensor, each route's piece (``None``: not sent from this process).
+Cut = Callable[[str, torch.Tensor], Awaitable[list[torch.Tensor | None]]]
+
+
 async def send_routes(
     weights: Any,
     plans: list[RoutePlan],
@@ -134,26 +147,46 @@ async def send_routes(
     send_one: Callable[[int, AsyncIterable[Any]], Awaitable[SyncReport]],
     *,
     sliced: bool = True,
+    cut: Cut | None = None,
+    routes: Sequence[int] | None = None,
 ) -> list[SyncReport]:
-    """One sync over every route: ``pipeline`` runs once on ``weights``; each tensor is cut
-    per route (unless not ``sliced``: an adapter goes whole to every route) and handed to
-    ``send_one(route index, that route's stream)``, all at once. A route that fails cancels
-    the others (each aborts its sync on its receivers)."""
-    reports: list[SyncReport | None] = [None] * len(plans)
-    streams = [anyio.create_memory_object_stream[Any](1) for _ in plans]
+    """One sync over ``routes`` (default: all): ``pipeline`` runs once on ``weights``; each
+    tensor is cut per route (unless not ``sliced``: an adapter goes whole to every route)
+    and handed to ``send_one(route index, that route's stream)``, all at once. A route that
+    fails cancels the others (each aborts its sync on its receivers).
+
+    ``cut``: a collective cut (:meth:`~streamsync.engine.ranks.Ranks.cutter`), which every
+    rank runs for every tensor in one order: it runs to the end of the stream whatever
+    fails, so that no other rank waits for this one."""
+    routes = range(len(plans)) if routes is None else routes
+    streams = {g: anyio.create_memory_object_stream[Any](1) for g in routes}
+    collective = cut is not None
     for plan in plans:
         plan.unsliced = set()
 
+    async def local(name: str, tensor: torch.Tensor) -> list[torch.Tensor | None]:
+        return [plan.cut(name, tensor) if sliced else tensor for plan in plans]
+
     async def produce() -> None:
         chain = Chain(pipeline) if pipeline is not None else Chain()
+        pieces_of = cut or local
         try:
-            async with reading(chain(_stream(weights))) as items:
-                async for name, tensor in items:
-                    for plan, (tx, _) in zip(plans, streams, strict=True):
-                        await tx.send((name, plan.cut(name, tensor) if sliced else tensor))
+            with anyio.CancelScope(shield=collective):
+                async with reading(chain(_stream(weights))) as items:
+                    async for name, tensor in items:
+                        pieces = await pieces_of(name, tensor)
+                        for g, (tx, _) in streams.items():
+                            if pieces[g] is not None:
+                                # A route whose send failed is gone: the others go on.
+                                with contextlib.suppress(
+                                    anyio.BrokenResourceError, anyio.ClosedResourceError
+                                ):
+                                    await tx.send((name, pieces[g]))
         finally:
-            for tx, _ in streams:
+            for tx, _ in streams.values():
                 tx.close()
+
+    reports: list[SyncReport | None] = [None] * len(plans)
 
     async def route(r: int) -> None:
         async def items() -> AsyncIterator[Any]:
@@ -176,7 +209,7 @@ async def send_routes(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(guarded, produce)
-        for r in range(len(plans)):
+        for r in routes:
             tg.start_soon(guarded, route, r)
     cause = root_cause(errors)
     if cause is not None:

@@ -1,0 +1,123 @@
+"""Collective sharded syncs without vLLM: two trainer processes over gloo, their tensors
+split in two along dim 0 (as FSDP2 splits them), into two thread workers hosted by rank 0.
+Each rank sends the route it owns; every worker receives exactly its slices. The same from
+FSDP2 into a real TP=2 engine is in ``test_vllm_ranks.py``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _shards(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's DTensors of ``full``: rows split in two (``Shard(0)``), ``norm`` kept
+    whole on both (``Replicate``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    return {
+        name: distribute_tensor(t, mesh, [Replicate() if name == "norm" else Shard(0)])
+        for name, t in full.items()
+    }
+
+
+def _worker(rank: int, port: int, out_dir: str, fail: bool) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    sys.path.insert(0, str(Path(__file__).parent))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        import anyio
+        from test_routes import SlicedEngine, weights
+
+        import streamsync as ss
+        from streamsync.engine.channel import EngineChannel
+        from streamsync.engine.ranks import RankPeer, Ranks
+
+        out: dict[str, Any] = {"reports": [], "errors": []}
+        if rank == 0:
+            engine = SlicedEngine()
+            for r, worker in enumerate(engine.workers):
+                worker.rank = r
+            if fail:
+                engine.failing = {1}
+            try:
+                endpoint = f"shm://ranks-{port}"
+                with EngineChannel(
+                    engine, endpoint, sharded=True, ranks=Ranks(), delta=True, timeout=20
+                ) as sync:
+                    for step in range(3):
+                        try:
+                            out["reports"].append(sync.update(_shards(weights(step))))
+                        except ss.StreamsyncError as exc:
+                            out["errors"].append(f"{type(exc).__name__}: {exc}")
+                out["stores"] = engine.stores
+            finally:
+                engine.shutdown()
+        else:
+
+            async def peer() -> None:
+                async with RankPeer(
+                    Ranks(), "zmq+tcp://127.0.0.1:0", delta=True, timeout=20
+                ) as peer:
+                    for step in range(3):
+                        try:
+                            out["reports"].append(await peer.update(_shards(weights(step))))
+                        except ss.StreamsyncError as exc:
+                            out["errors"].append(f"{type(exc).__name__}: {exc}")
+
+            anyio.run(peer)
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(tmp_path: Path, *, fail: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), fail), nprocs=WORLD, join=True)
+    load = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return load[0], load[1]
+
+
+@pytest.mark.timeout(180)
+def test_each_rank_sends_its_route_and_every_worker_gets_its_slices(tmp_path: Path) -> None:
+    from test_routes import expected, weights
+
+    rank0, rank1 = run(tmp_path)
+    assert rank0["errors"] == [] and rank1["errors"] == []
+    for rank in (0, 1):
+        for name, tensor in expected(weights(2), rank).items():
+            assert torch.equal(rank0["stores"][rank][name], tensor), (rank, name)
+    full, *deltas = rank0["reports"]
+    assert full.delta.base is None and all(r.delta.base is not None for r in deltas)
+    for mine, theirs in zip(rank0["reports"], rank1["reports"], strict=True):
+        # Rank 0 sent worker 0's route, rank 1 worker 1's; both know both.
+        assert mine.rank_bytes == theirs.rank_bytes
+        assert mine.rank_bytes[0] == mine.worker_bytes["worker0"]
+        assert mine.rank_bytes[1] == mine.worker_bytes["worker1"]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_failing_on_one_ranks_route_fails_the_sync_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    rank0, rank1 = run(tmp_path, fail=True)
+    assert len(rank0["errors"]) == len(rank1["errors"]) == 3
+    assert all("loader broke" in e for e in rank0["errors"] + rank1["errors"])

@@ -1,0 +1,158 @@
+"""A collective sharded sync from a 2-rank FSDP2 trainer over gloo into a real TP=2 CPU vLLM
+engine: rank 0 drives the engine (``WeightSync(..., sharded=True, ranks=Ranks())``), rank 1
+takes part (``RankPeer``); each rank sends the routes it owns, and the engine then serves
+exactly what a plain full sync of the same weights gives it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.vllm
+
+WORLD = 2
+STEPS = 3
+
+
+def new_weights(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """The trainer's weights after ``step`` (the same on every rank): a few percent of each
+    tensor's elements move."""
+    gen = torch.Generator().manual_seed(100 + step)
+    out = {}
+    for name, tensor in full.items():
+        picked = torch.rand(tensor.shape, generator=gen) < 0.03
+        out[name] = tensor + picked * torch.randn(tensor.shape, generator=gen) * 0.05
+    return out
+
+
+def set_shards(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Each DTensor parameter's local shard from ``full`` (FSDP2 splits dim 0 in chunks)."""
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for name, param in model.state_dict(keep_vars=True).items():
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                chunk = -(-full[name].shape[0] // WORLD)
+                local.copy_(full[name][rank * chunk : rank * chunk + local.shape[0]])
+            else:
+                param.copy_(full[name])
+
+
+async def _rank1(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from streamsync.engine.ranks import RankPeer, Ranks
+
+    out: dict[str, Any] = {"rank_bytes": []}
+    ranks = Ranks()
+    async with RankPeer(ranks, "zmq+tcp://127.0.0.1:0", delta=True, timeout=60) as peer:
+        for step in range(STEPS):
+            set_shards(model, new_weights(full, step))
+            report = await peer.update(model)
+            out["rank_bytes"].append(report.rank_bytes)
+    out["assembled"] = ranks.assembled
+    return out
+
+
+def _rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], path: str) -> dict[str, Any]:
+    from vllm_harness import engine_outputs, make_llm
+
+    from streamsync.engine.ranks import Ranks
+    from streamsync.vllm import WeightSync
+
+    out: dict[str, Any] = {"reports": [], "seen": [], "want": []}
+    llm = make_llm(path, tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        endpoint, ranks = "zmq+tcp://127.0.0.1:0", Ranks()
+        with WeightSync(llm, endpoint, sharded=True, ranks=ranks, delta=True, timeout=60) as sync:
+            for step in range(STEPS):
+                set_shards(model, new_weights(full, step))
+                out["reports"].append(sync.update(model))
+                out["seen"].append(engine_outputs(llm))
+            out["needs"] = dict(sync.needs)
+        out["assembled"] = ranks.assembled
+        with WeightSync(llm, f"shm://ranks-plain-{os.getpid()}") as plain:
+            for step in range(STEPS):
+                plain.update(new_weights(full, step))
+                out["want"].append(engine_outputs(llm))
+    finally:
+        # Not the harness's shutdown: it destroys the default process group, the trainer's.
+        llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def _worker(rank: int, port: int, path: str, out_dir: str, done: Any) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        import anyio
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+        full = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        out = _rank0(model, full, path) if rank == 0 else anyio.run(_rank1, model, full)
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        done.wait(120)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    os._exit(0)  # as test_fsdp_source: no gloo teardown in interpreter finalisation
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(600)
+def test_two_fsdp2_ranks_sync_a_tp2_engine(tmp_path: Path) -> None:
+    from streamsync.boxes import slices_of
+    from streamsync.testing.models import build_tiny_model
+
+    path = tmp_path / "model"
+    build_tiny_model(path, "dense", seed=0)
+    spawn = mp.get_context("spawn")
+    done = spawn.Barrier(WORLD)
+    args = (_free_port(), str(path), str(tmp_path), done)
+    mp.spawn(_worker, args=args, nprocs=WORLD, join=True)
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    for got, want in zip(rank0["seen"], rank0["want"], strict=True):
+        assert got.tokens == want.tokens and got.max_logprob_diff(want) == 0
+    assert rank0["seen"][0].tokens != rank0["seen"][-1].tokens or (
+        rank0["seen"][0].max_logprob_diff(rank0["seen"][-1]) > 0
+    )
+    full, *deltas = rank0["reports"]
+    assert full.delta is not None and full.delta.base is None
+    assert all(r.delta is not None and r.delta.base is not None for r in deltas)
+    # Each rank sent one route (one worker's slices); both ranks see every rank's bytes.
+    for report, told in zip(rank0["reports"], rank1["rank_bytes"], strict=True):
+        assert report.rank_bytes == told and set(told) == {0, 1}
+        assert told[0] == report.worker_bytes["worker0"]
+        assert told[1] == report.worker_bytes["worker1"]
+    assert all(sum(r.worker_bytes.values()) < sum(full.worker_bytes.values()) for r in deltas)
+    # No rank held a whole tensor that a worker reads in part: each assembled that worker's
+    # box (half of it), beside its own shard.
+    needs = rank0["needs"]
+    for w, rank in ((0, rank0), (1, rank1)):
+        slices = slices_of([n for k, n in needs.items() if k.startswith(f"worker{w}.")])
+        assert slices, "each worker reads part of the TP-split tensors"
+        for name, (box, shape) in slices.items():
+            assert rank["assembled"][name] == prod(box.shape) < prod(shape), name
