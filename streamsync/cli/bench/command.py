@@ -359,7 +359,7 @@ def _run_sharded(args: argparse.Namespace) -> int:
     data["command"] = _command_line(args)
     sys.stdout.write(format_sharded(data) + "\n")
     _write_json(args, data)
-    return 0 if all(r["verified"] for r in data["rows"]) else 1
+    return 0 if all(r["verified"] is not False for r in data["rows"]) else 1
 
 
 def _write_json(args: argparse.Namespace, data: dict[str, Any]) -> None:

@@ -128,11 +128,10 @@ def run_sharded_bench(
             rows = []
             for transport in config.transports:
                 rows += _transport_rows(config, transport, llms, trained, note)
-    sizes = {n: t.numel() * 2 for n, t in master.items()}
     return {
         "schema": SCHEMA,
         "model": config.kind,
-        "model_bytes": sum(sizes.values()),
+        "model_bytes": sum(t.numel() for t in master.values()) * torch.bfloat16.itemsize,
         "engines": config.engines,
         "tp": TP,
         "runs": config.runs,
@@ -268,7 +267,7 @@ def _transport_rows(
     rows = []
     for mode, done in runs.items():
         row = {**_row(transport, mode, done), "bound_bytes": bound.worker_bytes}
-        row["verified"] = verified.get(mode, True)
+        row["verified"] = verified.get(mode)  # None: the reference
         row["replicated_bytes"] = bound.replicated_bytes
         if mode == "sharded+delta":
             row["changed_fraction"] = changed
@@ -280,6 +279,9 @@ def _transport_rows(
 def _span(values: list[float], spec: str = ".3f") -> str:
     low, high = min(values), max(values)
     return format(low, spec) if low == high else f"{low:{spec}}-{high:{spec}}"
+
+
+_VERIFIED = {True: "yes", False: "NO", None: "reference"}
 
 
 def format_sharded(data: dict[str, Any]) -> str:
@@ -309,7 +311,7 @@ def format_sharded(data: dict[str, Any]) -> str:
             f"| {r['max_worker_bytes'] / mib:.1f} | {r['all_workers_bytes'] / mib:.1f} "
             f"| {r['rank_bytes'] / mib:.1f} "
             f"| {r['bound_bytes'] / mib:.1f} | {r['max_worker_bytes'] / r['bound_bytes']:.3f} "
-            f"| {'yes' if r['verified'] else 'NO'} |"
+            f"| {_VERIFIED[r['verified']]} |"
         )
     changed = [f for r in rows for f in r.get("changed_fraction", ())]
     if changed:
