@@ -447,6 +447,8 @@ def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
     assert "--slots 2" in line
     args.slots = None
     assert "--slots" not in _command_line(args)
+    args.sharded, args.engines = True, 2
+    assert "--sharded --engines 2" in _command_line(args)
 
 
 @pytest.mark.slow
@@ -705,3 +707,158 @@ def test_the_package_leaves_the_lab_out() -> None:
         assert not any(f"import {n}" in text or f"bench.{n}" in text for n in lab), source
     with pytest.raises(SystemExit):
         main(["bench", "--per-tensor"])
+
+
+def _needs(instance: str, boxes: dict[str, Any]) -> Any:
+    """One model instance's needs: per name, ``(shape, box or None)``."""
+    from streamsync.engine.messages import Box, Need, Needs
+
+    return Needs(
+        instance=instance,
+        layout=instance,
+        needs=tuple(
+            Need(name, shape, "bfloat16", None if box is None else Box(*box))
+            for name, (shape, box) in boxes.items()
+        ),
+    )
+
+
+def test_the_sharded_bound_splits_what_each_worker_reads_in_part() -> None:
+    """``bench --sharded``'s bound: replicated are the tensors every worker reads whole; a
+    tensor one worker reads whole and another in part is split, and a drafter that reads a
+    split tensor whole makes it whole for its worker."""
+    from streamsync.cli.bench.sharded import bound_of
+
+    q, norm, emb = ((8, 4), None), ((4,), None), ((16, 4), None)
+    halves = [((0, 0), (4, 4)), ((4, 0), (8, 4))]
+    needs = {
+        f"worker{w}.main": _needs(
+            f"w{w}",
+            {
+                "q": (q[0], halves[w]),
+                "norm": norm,
+                "emb": emb if w else ((16, 4), ((0, 0), (8, 4))),
+            },
+        )
+        for w in (0, 1)
+    }
+    sizes = {"q": 64, "norm": 8, "emb": 128}
+    bound = bound_of(needs, sizes, 2)
+    assert (bound.model_bytes, bound.replicated_bytes) == (200, 8)
+    assert bound.worker_bytes == (200 - 8) // 2 + 8
+    # A drafter on worker 1 reading q whole: no longer split on worker 1, still not
+    # replicated (worker 0 reads half of it).
+    needs["worker1.drafter"] = _needs("d1", {"q": q})
+    assert bound_of(needs, sizes, 2).replicated_bytes == 8
+    needs["worker0.drafter"] = _needs("d0", {"q": q})
+    assert bound_of(needs, sizes, 2).replicated_bytes == 8 + 64
+
+
+def _sharded_rows() -> list[dict[str, Any]]:
+    mib = 1 << 20
+    row = {
+        "transport": "zmq+tcp",
+        "bound_bytes": 193 * mib,
+        "replicated_bytes": 74 << 10,
+        "phases_s": {"end": 0.25},
+    }
+    return [
+        {
+            **row,
+            "mode": "full",
+            "seconds": [1.2, 1.0, 1.1],
+            "max_worker_bytes": 386 * mib,
+            "all_workers_bytes": 772 * mib,
+            "rank_bytes": 386 * mib,
+            "verified": None,
+        },
+        {
+            **row,
+            "mode": "sharded",
+            "seconds": [0.5, 0.6, 0.55],
+            "max_worker_bytes": 193 * mib,
+            "all_workers_bytes": 386 * mib,
+            "rank_bytes": 386 * mib,
+            "verified": True,
+        },
+        {
+            **row,
+            "mode": "sharded+delta",
+            "seconds": [0.3, 0.3, 0.3],
+            "max_worker_bytes": 19 * mib + mib // 2,
+            "all_workers_bytes": 39 * mib,
+            "rank_bytes": 39 * mib,
+            "verified": False,
+            "changed_fraction": [0.05, 0.0625],
+        },
+    ]
+
+
+def test_the_sharded_table_gives_ranges_bytes_and_both_verdicts() -> None:
+    from streamsync.cli.bench.sharded import format_sharded
+
+    data = {
+        "model": "dense-400m",
+        "model_bytes": 386 << 20,
+        "engines": 2,
+        "tp": 2,
+        "runs": 3,
+        "lr": 1e-5,
+        "targets": {"bytes": 1.05, "seconds": 0.6},
+        "rows": _sharded_rows(),
+    }
+    table = format_sharded(data)
+    assert "into 2 TP=2 CPU vLLM engines: dense-400m" in table and "(74 KiB replicated)" in table
+    assert (
+        "| zmq+tcp | full | 1.000-1.200 | 0.250 | 386.0 | 772.0 | 386.0 | 193.0 | 2.000 "
+        "| reference |" in table
+    )
+    assert (
+        "| zmq+tcp | sharded | 0.500-0.600 | 0.250 | 193.0 | 386.0 | 386.0 | 193.0 | 1.000 | yes |"
+        in table
+    )
+    assert (
+        "| zmq+tcp | sharded+delta | 0.300 | 0.250 | 19.5 | 39.0 | 39.0 | 193.0 | 0.101 | NO |"
+        in table
+    )
+    assert "changed: 5.00%-6.25%" in table
+    assert (
+        "zmq+tcp: bytes per worker / bound 1.000 (target <= 1.05: met); seconds sharded / "
+        "full 0.50 (medians; target <= 0.60: met)" in table
+    )
+    data["rows"][1]["seconds"] = [0.9]
+    assert "full 0.82 (medians; target <= 0.60: MISSED)" in format_sharded(data)
+
+
+def test_bench_sharded_refuses_options_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--sharded", "--transport", "shm"]) == 2
+    assert main(["bench", "--sharded", "--runs", "0"]) == 2
+    assert "runs over zmq+tcp, torch+gloo" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--sharded", "--engines", "3"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_sharded_bench_sends_each_worker_half_into_a_tp2_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from streamsync.cli.bench.sharded import ShardedConfig, format_sharded, run_sharded_bench
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    config = ShardedConfig(kind="dense", runs=1, transports=("zmq+tcp",))
+    data = run_sharded_bench(config)
+    rows = {row["mode"]: row for row in data["rows"]}
+    assert list(rows) == ["full", "sharded", "sharded+delta"]
+    assert all(len(row["seconds"]) == 1 for row in rows.values()), rows
+    full, sharded, delta = rows.values()
+    assert full["verified"] is None and sharded["verified"] and delta["verified"]
+    # The tiny model: k/v (one kv head) and the norms replicated, the rest split in two.
+    assert sharded["max_worker_bytes"] == sharded["bound_bytes"] < full["max_worker_bytes"]
+    assert full["max_worker_bytes"] == full["rank_bytes"] == data["model_bytes"]
+    assert sharded["rank_bytes"] == data["model_bytes"] + sharded["replicated_bytes"] > 0
+    assert 0 < delta["max_worker_bytes"] < sharded["max_worker_bytes"]
+    assert not sharded["unsliced"]
+    assert "| zmq+tcp | sharded |" in format_sharded(data)

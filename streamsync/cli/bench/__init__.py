@@ -55,6 +55,7 @@ The package, by concern:
 ``engine``             ``--vllm``: ``update_weights`` against vLLM's ``reload_weights``
 ``harness``            :func:`run_bench`: measures and returns plain data
 ``delta``, ``lora``    ``--delta``, ``--lora``: delta and LoRA adapter syncs against full ones
+``sharded``            ``--sharded``: each TP worker sent its slices, against the full fan-out
 ``fanout``             ``--receivers``: one sender to several receiver processes
 ``report``, ``plot``   the Markdown table, the chart
 ``command``            ``streamsync bench``: options, table on stdout, ``--json``, ``--plot``

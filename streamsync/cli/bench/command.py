@@ -144,6 +144,20 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--rank", type=int, default=8, help="the adapter's rank for --lora (default 8)"
     )
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="sharded syncs instead: the demo's ~400 MiB Qwen3 into --engines TP=2 CPU vLLM "
+        "engines, each worker sent only its slices, against the full fan-out, alternating; "
+        "then sharded delta syncs; over zmq+tcp and torch+gloo (needs the vllm extra)",
+    )
+    parser.add_argument(
+        "--engines",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="TP=2 engines of --sharded (default 1)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="draw GB/s against the bounds")
     parser.set_defaults(run=run)
@@ -168,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_delta(args)
     if args.lora:
         return _run_lora(args)
+    if args.sharded:
+        return _run_sharded(args)
     if args.receivers:
         return _run_fanout(args)
     for name in args.transport or ():
@@ -319,6 +335,33 @@ def _run_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_sharded(args: argparse.Namespace) -> int:
+    from streamsync.cli.bench.sharded import SHARDED_TRANSPORTS, ShardedConfig
+
+    transports = tuple(dict.fromkeys(args.transport or SHARDED_TRANSPORTS))
+    others = [t for t in transports if t not in SHARDED_TRANSPORTS]
+    if others or args.runs < 1 or importlib.util.find_spec("vllm") is None:
+        sys.stderr.write(
+            f"streamsync bench --sharded: runs over {', '.join(SHARDED_TRANSPORTS)} with "
+            "--runs 1 or more, and needs vLLM (pip install 'streamsync[vllm]')\n"
+        )
+        return 2
+    from streamsync.cli.bench.sharded import format_sharded, run_sharded_bench
+
+    config = ShardedConfig(
+        engines=args.engines, transports=transports, runs=args.runs, timeout=args.timeout
+    )
+
+    def progress(label: str) -> None:
+        sys.stderr.write(f"{label}\n")
+
+    data = run_sharded_bench(config, progress)
+    data["command"] = _command_line(args)
+    sys.stdout.write(format_sharded(data) + "\n")
+    _write_json(args, data)
+    return 0 if all(r["verified"] is not False for r in data["rows"]) else 1
+
+
 def _write_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """Every figure of the run to ``--json``, when it was given."""
     if args.json:
@@ -333,6 +376,8 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += [f"--scenario {s}" for s in args.scenario or ()]
     parts += [f"--delta --steps {args.steps}"] if args.delta else []
     parts += [f"--lora --rank {args.rank}"] if getattr(args, "lora", False) else []
+    sharded = getattr(args, "sharded", False)
+    parts += [f"--sharded --engines {args.engines}"] if sharded else []
     parts += [f"--receivers {','.join(map(str, args.receivers))}"] if args.receivers else []
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}"]
     parts += [f"--slots {args.slots}"] if args.slots is not None else []
