@@ -248,3 +248,17 @@ def test_a_worker_that_fails_fails_the_sync_on_every_route_and_the_next_is_full(
         for rank in (0, 1):
             for name, tensor in expected(weights(3), rank).items():
                 assert torch.equal(engine.stores[rank][name], tensor), (rank, name)
+
+
+def test_a_channel_into_tensor_parallel_workers_is_sharded_unless_told_otherwise(
+    engine: SlicedEngine,
+) -> None:
+    assert EngineChannel(engine, "shm://auto").sharded
+    assert not EngineChannel(engine, "shm://auto", sharded=False).sharded
+    assert not EngineChannel(engine, "shm://auto", require_all=False).sharded
+    single = SlicedEngine()
+    single.workers = single.workers[:1]
+    try:
+        assert not EngineChannel(single, "shm://auto").sharded  # one worker reads it all
+    finally:
+        single.shutdown()

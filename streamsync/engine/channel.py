@@ -21,7 +21,7 @@ from streamsync.engine.blocking import BlockingWeightSync, run_blocking
 from streamsync.engine.clients import EngineClient, FactsClient, NeedsClient
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
-from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, sending_to
+from streamsync.engine.messages import EngineFacts, Needs, Route, WorkerOptions, sending_to
 from streamsync.engine.ranks import Exchange, Ranks, shard_stream
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.engine.routes import (
@@ -107,7 +107,7 @@ class EngineChannel:
         worker_options: WorkerOptions | Mapping[str, Any] | None = None,
         require_all: bool = True,
         delta: bool = False,
-        sharded: bool = False,
+        sharded: bool | None = None,
         ranks: Ranks | None = None,
         **transport_options: Any,
     ) -> None:
@@ -150,9 +150,13 @@ class EngineChannel:
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
         #: Ask each worker what it reads of each checkpoint tensor when the channel opens
-        #: (:attr:`needs`), and send each worker only that.
+        #: (:attr:`needs`), and send each worker only that. By default, where an engine has
+        #: several workers (tensor parallel) and every client can ask them.
+        can_ask = all(isinstance(c, NeedsClient) for c in self.clients)
+        if sharded is None:
+            sharded = can_ask and require_all and any(c.receivers > 1 for c in self.clients)
         self.sharded = sharded
-        if sharded and not all(isinstance(c, NeedsClient) for c in self.clients):
+        if sharded and not can_ask:
             raise ConfigError(
                 "WeightSync(sharded=True): an engine client cannot say what its workers "
                 "read (no needs()); open the channel without sharded=True"
@@ -312,6 +316,12 @@ class EngineChannel:
                 await self.ranks.share_endpoints(self._plans)
             self._sender = self._senders[0]
         return self._sender
+
+    def routes(self, e: int = 0) -> tuple[Route, ...]:
+        """Where each worker of engine ``e`` receives a sharded sync from, by rank (empty
+        unless the channel, open, sends slices): what an engine that connects its workers
+        ahead of the first sync tells them."""
+        return routes_for(self._plans, self._workers(e)) if self._plans else ()
 
     def _workers(self, e: int) -> list[str]:
         """Engine ``e``'s workers, by rank, named as in a report."""

@@ -339,7 +339,10 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             engine._sync = engine.channel.__enter__()  # binds the endpoint (port 0 resolved)
             transport = {"secret": init_info.secret} if init_info.secret is not None else {}
             init = TransferInit(
-                endpoint=engine.channel.url, transport=transport, timeout=init_info.timeout
+                endpoint=engine.channel.url,
+                transport=transport,
+                timeout=init_info.timeout,
+                routes=engine.channel.routes(),
             )
             try:
                 engine.client.init_weight_transfer_engine(init.to_wire())

@@ -10,7 +10,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from streamsync._log import log, warn
-from streamsync.engine.messages import Versioned, WorkerOptions, WorkerResult
+from streamsync.engine.messages import Route, Versioned, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, StreamsyncError, describe
 from streamsync.sync import DEFAULT_TIMEOUT
@@ -29,6 +29,12 @@ class TransferInit(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=T
     transport: dict[str, Any] = msgspec.field(default_factory=dict)
     #: Seconds for the connect, and the default for each wait of a sync.
     timeout: float = DEFAULT_TIMEOUT
+    #: A sharded trainer's: per worker rank, where it receives from (instead of ``endpoint``).
+    routes: tuple[Route, ...] = ()
+
+    def endpoint_of(self, rank: int) -> str:
+        """Where worker ``rank`` connects."""
+        return self.routes[rank].endpoint if rank < len(self.routes) else self.endpoint
 
 
 class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
@@ -75,7 +81,9 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         )
         self._init = init_info
         try:
-            self._receivers.open(init_info.endpoint, init_info.transport, timeout=init_info.timeout)
+            self._receivers.open(
+                init_info.endpoint_of(self.rank), init_info.transport, timeout=init_info.timeout
+            )
         except BaseException as exc:
             self._receivers.shutdown()
             self._receivers = self._init = None
@@ -113,6 +121,10 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             self.vllm_config,
             self._state,
         )
+        if options.routes:  # a sharded sync: the slices this worker's loaders read
+            from streamsync.vllm.slices import worker_needs
+
+            worker_needs(models)
         result = receivers.handle(init.endpoint, options, partial(worker_sink, models))
         self.last_result = result
         error = result.exception(self.rank)
