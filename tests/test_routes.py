@@ -262,3 +262,12 @@ def test_a_channel_into_tensor_parallel_workers_is_sharded_unless_told_otherwise
         assert not EngineChannel(single, "shm://auto").sharded  # one worker reads it all
     finally:
         single.shutdown()
+
+
+def test_a_collective_sync_refuses_by_name_an_adapter_that_needs_whole_tensors() -> None:
+    from streamsync.adapters import cast, expand_moe, rename
+    from streamsync.engine.ranks import check_pipeline
+
+    check_pipeline(cast(torch.bfloat16) | rename({"a": "b"}))
+    with pytest.raises(ss.ConfigError, match=r"stage expand_moe\(.*runs on whole tensors"):
+        check_pipeline(rename({"a": "b"}) | expand_moe(when="always", model_type="qwen3_moe"))

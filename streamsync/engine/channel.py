@@ -22,7 +22,7 @@ from streamsync.engine.clients import EngineClient, FactsClient, NeedsClient
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import EngineFacts, Needs, Route, WorkerOptions, sending_to
-from streamsync.engine.ranks import Exchange, Ranks, shard_stream
+from streamsync.engine.ranks import Exchange, Ranks, check_pipeline, shard_stream
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.engine.routes import (
     RoutePlan,
@@ -168,6 +168,8 @@ class EngineChannel:
                 f"WeightSync(ranks=...): rank 0 drives the engine, with sharded=True; rank "
                 f"{ranks.rank} takes part with RankPeer(ranks, endpoint)"
             )
+        if ranks is not None:
+            check_pipeline(pipeline)
         if sharded and not require_all:
             raise ConfigError(
                 "WeightSync(sharded=True) needs require_all=True: a sharded sync sends each "
@@ -425,6 +427,7 @@ class EngineChannel:
         if self.ranks is not None:
             if options.lora is not None:
                 raise ConfigError("a LoRA adapter syncs from one trainer, not from ranks")
+            check_pipeline(pipeline)
             await self.ranks.sync_id(sync_id)
             exchange = self.ranks.exchange(self._plans)
             weights = shard_stream(weights)

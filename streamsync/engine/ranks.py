@@ -41,7 +41,7 @@ from streamsync.engine.routes import (
     split_cast,
 )
 from streamsync.errors import ConfigError, error_class, root_cause
-from streamsync.pipeline import AdapterLike
+from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
@@ -72,6 +72,25 @@ class Outcome(Versioned, frozen=True, kw_only=True):
     #: Class name and message of the error the rank hit; empty: it succeeded.
     error: str = ""
     message: str = ""
+
+
+#: The adapters that work on each rank's shards as on whole tensors (elementwise, or by name).
+SHARD_ADAPTERS = frozenset({"cast", "rename", "select"})
+
+
+def check_pipeline(pipeline: AdapterLike | None) -> None:
+    """Refuse, by name, a pipeline stage that needs whole tensors (``expand_moe``,
+    ``quantize_fp8``, your own) in a collective sync, where each rank holds shards."""
+    if pipeline is None:
+        return
+    for stage in Chain(pipeline).parts:
+        name = getattr(getattr(stage, "op", None), "__name__", None)
+        if name not in SHARD_ADAPTERS:
+            raise ConfigError(
+                f"pipeline stage {stage!r} runs on whole tensors; in a collective sharded "
+                f"sync each rank holds shards, so only {', '.join(sorted(SHARD_ADAPTERS))} "
+                "may run there"
+            )
 
 
 class Ranks:
@@ -373,6 +392,7 @@ class RankPeer:
     ) -> None:
         if ranks.rank == 0:
             raise ConfigError("RankPeer: rank 0 drives the engine with WeightSync(ranks=...)")
+        check_pipeline(pipeline)
         self.ranks, self.endpoint, self.pipeline = ranks, endpoint, pipeline
         self.bucket_bytes, self.timeout, self.checksum = bucket_bytes, timeout, checksum
         self.delta = delta
@@ -414,6 +434,7 @@ class RankPeer:
         its channel's ``update``): its shards of ``weights`` (an ``nn.Module`` or a mapping)
         to its routes. Raises any rank's failure, by name; returns this rank's report, with
         every rank's bytes in ``rank_bytes``."""
+        check_pipeline(pipeline)
         head, tail = split_cast(pipeline if pipeline is not None else self.pipeline)
         mode: bool | Literal["full"] = self.delta and ("full" if delta is False else True)
         sync_id = await self.ranks.sync_id(None)
