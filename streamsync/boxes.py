@@ -6,18 +6,28 @@
       -> slices_of: per name, the bounding box of the instances' boxes
            (a name some instance reads whole is sent whole, so it has no slice)
       -> trainer side: cut each tensor to its box and send it
-      -> worker side: streamsync.vllm.boxes.wrap hands the loaders a BoxTensor
+      -> worker side: wrap hands the loaders a BoxTensor of each box received
 
-Pure and free of vLLM, so the trainer and the worker compute the same slices from the same
-``Needs``.
+A worker hands ``load_weights`` a tensor it reads whole as it arrived, one it reads in part
+as a :class:`BoxTensor` around the box it received: the loaders' own ``narrow``, int index,
+``unbind`` or ``unsqueeze`` inside the box answer with the received data; outside it, or any
+other op on it, raises :class:`~streamsync.errors.ReceiverFailedError` naming the tensor.
+So the engine's own loaders stay in the path, and a wrong learned slice fails loudly rather
+than loading bytes that were never sent. Free of vLLM: the trainer and the worker compute
+the same slices from the same ``Needs``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
 
 from streamsync.engine.messages import Box, Needs
-from streamsync.errors import ShapeMismatchError
+from streamsync.errors import ReceiverFailedError, ShapeMismatchError
+from streamsync.pipeline import NamedTensor
 
 #: Checkpoint name -> (the box one worker receives of it, the whole tensor's shape).
 Slices = Mapping[str, tuple[Box, tuple[int, ...]]]
@@ -62,3 +72,227 @@ def slices_of(needs: Iterable[Needs]) -> dict[str, tuple[Box, tuple[int, ...]]]:
         for name, box in boxes.items()
         if box is not None and box.shape != shapes[name]
     }
+
+
+#: What a loader may do with a :class:`BoxTensor`, for the error messages.
+_SUPPORTED = "narrow, select, an int index, unbind, unsqueeze and clone"
+
+
+class BoxTensor(torch.Tensor):
+    """A checkpoint tensor of which this worker received only a box.
+
+    It has the whole tensor's shape, dtype and device, so shape queries answer as for the
+    whole. ``narrow``, ``select``, an int index (dim 0) and ``unbind`` inside the box, and
+    ``unsqueeze``, answer with the received data: a plain tensor when the result lies
+    within the box in every dimension, else another :class:`BoxTensor`. ``clone`` copies
+    the received data. Reading outside the box, or any other op that touches the data,
+    raises :class:`~streamsync.errors.ReceiverFailedError` naming the tensor.
+    """
+
+    _tensor_name: str
+    _start: tuple[int, ...]
+    _received: torch.Tensor
+
+    @staticmethod
+    def __new__(
+        cls, name: str, received: torch.Tensor, start: Sequence[int], shape: Sequence[int]
+    ) -> BoxTensor:
+        """``received`` (plain, of the box's shape) placed at ``start`` in a tensor of
+        ``shape``; :class:`ShapeMismatchError` when it does not fit there."""
+        start, shape = tuple(int(s) for s in start), tuple(int(n) for n in shape)
+        if isinstance(received, BoxTensor) or not (
+            len(start) == len(shape) == received.dim()
+            and all(
+                0 <= a <= a + n <= whole
+                for a, n, whole in zip(start, received.shape, shape, strict=True)
+            )
+        ):
+            stop = tuple(a + n for a, n in zip(start, received.shape, strict=False))
+            raise ShapeMismatchError(
+                f"tensor {name!r}: received data of shape {list(received.shape)} at "
+                f"{_show(start, stop)} does not fit in its whole shape {list(shape)}"
+            )
+        out: BoxTensor = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, shape, dtype=received.dtype, device=received.device
+        )
+        out._tensor_name, out._start, out._received = name, start, received
+        return out
+
+    @property
+    def tensor_name(self) -> str:
+        """The checkpoint name of the tensor."""
+        return self._tensor_name
+
+    @property
+    def received(self) -> torch.Tensor:
+        """The received data: the box of the whole tensor, as a plain tensor."""
+        return self._received
+
+    @property
+    def box(self) -> Box:
+        """Where :attr:`received` lies in the whole tensor."""
+        stop = tuple(a + n for a, n in zip(self._start, self._received.shape, strict=True))
+        return Box(self._start, stop)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (
+            f"BoxTensor({self._tensor_name!r}, shape={list(self.shape)}, "
+            f"received={_box_text(self.box)}, dtype={self.dtype})"
+        )
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        self = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        read = _READS.get(func)
+        if isinstance(self, BoxTensor) and read is not None:
+            rest = {k: v for k, v in kwargs.items() if k not in ("input", "self")}
+            return read(self, *args[1:], **rest)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Iterable[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        leaves, _ = tree_flatten((args, kwargs or {}))
+        box = next(leaf for leaf in leaves if isinstance(leaf, BoxTensor))
+        raise box._refused(f"{func} reads it")
+
+    def _refused(self, what: str) -> ReceiverFailedError:
+        return ReceiverFailedError(
+            f"tensor {self._tensor_name!r}: {what}, but this worker received only "
+            f"{_box_text(self.box)} of it (shape {list(self.shape)} as the loader holds it): "
+            f"the learned slice does not match the loader, or the loader uses an op a "
+            f"received box does not answer; inside the box it may use {_SUPPORTED}"
+        )
+
+    def narrow(self, dim: int, start: int | torch.Tensor, length: int) -> torch.Tensor:  # type: ignore[override]
+        """Elements ``start:start + length`` of dimension ``dim``."""
+        dim = _dim(dim, self.dim())
+        begin, length = int(start), int(length)
+        begin += self.shape[dim] if begin < 0 else 0
+        if not 0 <= begin <= begin + int(length) <= self.shape[dim]:
+            raise IndexError(
+                f"tensor {self._tensor_name!r}: narrow({dim}, {start}, {length}) is out of "
+                f"range for shape {list(self.shape)}"
+            )
+        low = begin - self._start[dim]
+        if low < 0 or low + length > self._received.shape[dim]:
+            end = begin + length
+            raise self._refused(f"elements {begin}:{end} of dim {dim} were read")
+        data = self._received.narrow(dim, low, length)
+        shape = (*self.shape[:dim], length, *self.shape[dim + 1 :])
+        if tuple(data.shape) == shape:
+            return data
+        start_at = (*self._start[:dim], 0, *self._start[dim + 1 :])
+        return BoxTensor(self._tensor_name, data, start_at, shape)
+
+    def select(self, dim: int, index: int) -> torch.Tensor:  # type: ignore[override]
+        """Element ``index`` of dimension ``dim``, that dimension dropped."""
+        dim, index = _dim(dim, self.dim()), int(index)
+        if not -self.shape[dim] <= index < self.shape[dim]:
+            raise IndexError(
+                f"tensor {self._tensor_name!r}: index {index} is out of range for dim {dim} "
+                f"of shape {list(self.shape)}"
+            )
+        one = self.narrow(dim, index % self.shape[dim], 1)
+        if not isinstance(one, BoxTensor):
+            return one.squeeze(dim)
+        shape = (*self.shape[:dim], *self.shape[dim + 1 :])
+        start = (*one._start[:dim], *one._start[dim + 1 :])
+        return BoxTensor(self._tensor_name, one._received.squeeze(dim), start, shape)
+
+    def unbind(self, dim: int = 0) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        """Every element of dimension ``dim`` (each must have been received)."""
+        dim = _dim(dim, self.dim())
+        return tuple(self.select(dim, i) for i in range(self.shape[dim]))
+
+    def unsqueeze(self, dim: int) -> BoxTensor:
+        """A new dimension of size 1 at ``dim``."""
+        dim = _dim(dim, self.dim() + 1)
+        shape = (*self.shape[:dim], 1, *self.shape[dim:])
+        start = (*self._start[:dim], 0, *self._start[dim:])
+        return BoxTensor(self._tensor_name, self._received.unsqueeze(dim), start, shape)
+
+    def clone(self, *, memory_format: Any = None) -> BoxTensor:  # type: ignore[override]
+        """A copy of the received data, in the same place of the same whole."""
+        return BoxTensor(self._tensor_name, self._received.clone(), self._start, self.shape)
+
+    def _getitem(self, index: Any) -> torch.Tensor:
+        if type(index) is int:
+            return self.select(0, index)
+        raise self._refused(f"index {index!r} was used (only an int index is supported)")
+
+    def _iter(self) -> Iterator[torch.Tensor]:
+        return iter(self.unbind(0))
+
+
+def _dim(dim: int, ndim: int) -> int:
+    """``dim`` in ``0..ndim-1`` (a negative one counted from the end)."""
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dimension {dim} is out of range for {ndim} dimensions")
+    return dim % ndim
+
+
+def _box_text(box: Box) -> str:
+    return _show(box.start, box.stop)
+
+
+def _show(start: Sequence[int], stop: Sequence[int]) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(start, stop, strict=False)) + "]"
+
+
+#: The ops a :class:`BoxTensor` answers itself, in their method and function forms.
+_READS: dict[Any, Callable[..., Any]] = {
+    torch.Tensor.narrow: BoxTensor.narrow,
+    torch.narrow: BoxTensor.narrow,
+    torch.Tensor.select: BoxTensor.select,
+    torch.select: BoxTensor.select,
+    torch.Tensor.unbind: BoxTensor.unbind,
+    torch.unbind: BoxTensor.unbind,
+    torch.Tensor.unsqueeze: BoxTensor.unsqueeze,
+    torch.unsqueeze: BoxTensor.unsqueeze,
+    torch.Tensor.clone: BoxTensor.clone,
+    torch.clone: BoxTensor.clone,
+    torch.Tensor.__getitem__: BoxTensor._getitem,
+    torch.Tensor.__iter__: BoxTensor._iter,
+}
+
+
+def data_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The data this worker received of ``tensor``: a :class:`BoxTensor`'s received box,
+    any other tensor itself."""
+    return tensor.received if isinstance(tensor, BoxTensor) else tensor
+
+
+def wrap(tensors: Sequence[NamedTensor], slices: Slices) -> list[NamedTensor]:
+    """``tensors`` as the loaders take them: one named in ``slices`` that arrived in its
+    box's shape as a :class:`BoxTensor` of the whole shape, any other as it is.
+
+    Raises :class:`ShapeMismatchError` for a tensor named in ``slices`` that has neither
+    its box's shape nor the whole tensor's."""
+    out: list[NamedTensor] = []
+    for name, tensor in tensors:
+        found = slices.get(name)
+        if found is not None and tuple(tensor.shape) != found[1]:
+            box, whole = found
+            if tuple(tensor.shape) != box.shape:
+                raise ShapeMismatchError(
+                    f"tensor {name!r}: received shape {list(tensor.shape)}, but this worker "
+                    f"receives box {_box_text(box)} (shape {list(box.shape)}) of it or "
+                    f"the whole (shape {list(whole)})"
+                )
+            tensor = BoxTensor(name, tensor, box.start, whole)
+        out.append((name, tensor))
+    return out

@@ -14,11 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamsync.boxes import box_union, slices_of
+from streamsync.boxes import BoxTensor, box_union, data_of, slices_of, wrap
 from streamsync.engine.messages import Box, Need, Needs
 from streamsync.errors import ReceiverFailedError, ShapeMismatchError
 from streamsync.pipeline import NamedTensor
-from streamsync.vllm.boxes import BoxTensor, data_of, wrap
 from streamsync.vllm.sink import ModelInstance, VllmSink
 
 

@@ -101,6 +101,7 @@ PUBLIC: dict[str, list[str]] = {
     "streamsync.engine.channel": ["EngineChannel"],
     "streamsync.engine.clients": ["EngineClient"],
     "streamsync.engine.messages": ["WorkerOptions", "WorkerResult"],
+    "streamsync.engine.ranks": ["RankPeer", "Ranks"],
     "streamsync.engine.worker": ["WorkerReceivers"],
 }
 

@@ -22,8 +22,8 @@ def _sink_load(worker: Any, tensors: dict[str, torch.Tensor], form: str) -> dict
     """On a worker: one sync of ``tensors`` through a ``VllmSink``, whole (``"whole"``), only
     the boxes this worker's needs name (``"boxes"``), or those boxes with one a row short
     (``"short"``, whose failure is returned, the sync aborted)."""
+    from streamsync.boxes import slices_of
     from streamsync.errors import ReceiverFailedError
-    from streamsync.vllm.boxes import slices_of
     from streamsync.vllm.sink import VllmSink, model_instances
     from streamsync.vllm.slices import worker_needs
     from streamsync.vllm.worker_sink import WorkerModels

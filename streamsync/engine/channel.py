@@ -72,6 +72,32 @@ def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
     loop.close_soon(*(sender.aclose for sender in senders))
 
 
+def _sharding(
+    clients: Sequence[EngineClient], sharded: bool | None, ranks: Ranks | None, require_all: bool
+) -> bool:
+    """Whether a channel into ``clients`` is sharded: as asked, or by default where an engine
+    has several workers (tensor parallel) and every client can ask them what they read."""
+    can_ask = all(isinstance(c, NeedsClient) for c in clients)
+    if sharded is None:
+        sharded = can_ask and require_all and any(c.receivers > 1 for c in clients)
+    if sharded and not can_ask:
+        raise ConfigError(
+            "WeightSync(sharded=True): an engine client cannot say what its workers "
+            "read (no needs()); open the channel without sharded=True"
+        )
+    if ranks is not None and (not sharded or ranks.rank != 0):
+        raise ConfigError(
+            f"WeightSync(ranks=...): rank 0 drives the engine, with sharded=True; rank "
+            f"{ranks.rank} takes part with RankPeer(ranks, endpoint)"
+        )
+    if sharded and not require_all:
+        raise ConfigError(
+            "WeightSync(sharded=True) needs require_all=True: a sharded sync sends each "
+            "worker its own slices, so it cannot complete without one"
+        )
+    return sharded
+
+
 class EngineChannel:
     """A persistent trainer-side channel into one engine, or into several from one stream
     and one sender (fan-out: pass a list of clients).
@@ -150,31 +176,12 @@ class EngineChannel:
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
         #: Ask each worker what it reads of each checkpoint tensor when the channel opens
-        #: (:attr:`needs`), and send each worker only that. By default, where an engine has
-        #: several workers (tensor parallel) and every client can ask them.
-        can_ask = all(isinstance(c, NeedsClient) for c in self.clients)
-        if sharded is None:
-            sharded = can_ask and require_all and any(c.receivers > 1 for c in self.clients)
-        self.sharded = sharded
-        if sharded and not can_ask:
-            raise ConfigError(
-                "WeightSync(sharded=True): an engine client cannot say what its workers "
-                "read (no needs()); open the channel without sharded=True"
-            )
+        #: (:attr:`needs`), and send each worker only that.
+        self.sharded = _sharding(self.clients, sharded, ranks, require_all)
         #: The trainer ranks of a collective sharded sync, of which this is rank 0.
         self.ranks = ranks
-        if ranks is not None and (not sharded or ranks.rank != 0):
-            raise ConfigError(
-                f"WeightSync(ranks=...): rank 0 drives the engine, with sharded=True; rank "
-                f"{ranks.rank} takes part with RankPeer(ranks, endpoint)"
-            )
         if ranks is not None:
             check_pipeline(pipeline)
-        if sharded and not require_all:
-            raise ConfigError(
-                "WeightSync(sharded=True) needs require_all=True: a sharded sync sends each "
-                "worker its own slices, so it cannot complete without one"
-            )
         self._needs: dict[str, Needs] = {}
 
     @property

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from streamsync._copies import clone
+from streamsync.boxes import BoxTensor
 from streamsync.errors import ConfigError, ReceiverFailedError, UnsupportedVersionError
 from streamsync.pipeline import NamedTensor
-from streamsync.vllm.boxes import BoxTensor
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance

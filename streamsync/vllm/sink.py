@@ -30,6 +30,7 @@ import xxhash
 from streamsync._copies import clone, copy_tensors
 from streamsync._log import log
 from streamsync.adapters.split_buffers import BufferRouter
+from streamsync.boxes import BoxTensor, wrap
 from streamsync.engine.messages import Box
 from streamsync.errors import (
     ConfigError,
@@ -40,7 +41,6 @@ from streamsync.errors import (
 )
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.vllm.boxes import BoxTensor, wrap
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ class VllmSink:
 
     ``slices`` (a sharded channel's, :func:`~streamsync.boxes.slices_of`): the box of each
     tensor this worker receives only in part; such a tensor reaches the loaders as a
-    :class:`~streamsync.vllm.boxes.BoxTensor` of the whole shape (a delta's kept copy is
+    :class:`~streamsync.boxes.BoxTensor` of the whole shape (a delta's kept copy is
     the box)."""
 
     def __init__(
