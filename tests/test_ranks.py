@@ -19,20 +19,29 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
+_MESH: list[Any] = []
+
+
 def _shards(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's DTensors of ``full``: rows split in two (``Shard(0)``), ``norm`` kept
-    whole on both (``Replicate``)."""
+    """This rank's DTensors of ``full``: rows split in two (``Shard(0)``, as FSDP2 splits
+    them), ``norm`` whole on both (``Replicate``); made locally, with no collective."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    mesh = init_device_mesh("cpu", (WORLD,))
-    return {
-        name: distribute_tensor(t, mesh, [Replicate() if name == "norm" else Shard(0)])
-        for name, t in full.items()
-    }
+    if not _MESH:
+        _MESH.append(init_device_mesh("cpu", (WORLD,)))
+    rank, out = dist.get_rank(), {}
+    for name, t in full.items():
+        chunk = -(-t.shape[0] // WORLD)
+        local = t if name == "norm" else t[rank * chunk : (rank + 1) * chunk].clone()
+        placement = Replicate() if name == "norm" else Shard(0)
+        out[name] = DTensor.from_local(
+            local, _MESH[0], [placement], run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return out
 
 
-def _worker(rank: int, port: int, out_dir: str, fail: bool) -> None:
+def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -50,7 +59,7 @@ def _worker(rank: int, port: int, out_dir: str, fail: bool) -> None:
             engine = SlicedEngine()
             for r, worker in enumerate(engine.workers):
                 worker.rank = r
-            if fail:
+            if fail == "worker":
                 engine.failing = {1}
             try:
                 endpoint = f"shm://ranks-{port}"
@@ -72,6 +81,9 @@ def _worker(rank: int, port: int, out_dir: str, fail: bool) -> None:
                     Ranks(), "zmq+tcp://127.0.0.1:0", delta=True, timeout=20
                 ) as peer:
                     for step in range(3):
+                        if fail == "rank" and step == 1:
+                            torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+                            os._exit(0)  # this rank dies between two syncs
                         try:
                             out["reports"].append(await peer.update(_shards(weights(step))))
                         except ss.StreamsyncError as exc:
@@ -79,7 +91,8 @@ def _worker(rank: int, port: int, out_dir: str, fail: bool) -> None:
 
             anyio.run(peer)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
+        if fail != "rank":
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -90,7 +103,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(tmp_path: Path, *, fail: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def run(tmp_path: Path, *, fail: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path), fail), nprocs=WORLD, join=True)
     load = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     return load[0], load[1]
@@ -118,6 +131,15 @@ def test_each_rank_sends_its_route_and_every_worker_gets_its_slices(tmp_path: Pa
 def test_a_worker_failing_on_one_ranks_route_fails_the_sync_on_every_rank(
     tmp_path: Path,
 ) -> None:
-    rank0, rank1 = run(tmp_path, fail=True)
+    rank0, rank1 = run(tmp_path, fail="worker")
     assert len(rank0["errors"]) == len(rank1["errors"]) == 3
     assert all("loader broke" in e for e in rank0["errors"] + rank1["errors"])
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_dies_fails_the_sync_on_the_others_by_name(tmp_path: Path) -> None:
+    rank0, rank1 = run(tmp_path, fail="rank")
+    assert len(rank0["reports"]) == len(rank1["reports"]) == 1  # the sync before it died
+    # Each later sync fails on rank 0, promptly and by name, rather than hanging.
+    assert len(rank0["errors"]) == 2
+    assert all(e.startswith("PeerBrokenError") and "a rank is gone" in e for e in rank0["errors"])

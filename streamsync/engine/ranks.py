@@ -22,8 +22,9 @@ and plain tensors (held whole by every rank); anything else is refused by name.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from typing import Any, ClassVar, Literal
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from datetime import timedelta
+from typing import Any, ClassVar, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -40,13 +41,15 @@ from streamsync.engine.routes import (
     send_routes,
     split_cast,
 )
-from streamsync.errors import ConfigError, error_class, root_cause
+from streamsync.errors import ConfigError, PeerBrokenError, error_class, root_cause
 from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 __all__ = ["RankPeer", "Ranks"]
+
+T = TypeVar("T")
 
 
 class _RouteMessage(msgspec.Struct, frozen=True, array_like=True):
@@ -94,20 +97,22 @@ def check_pipeline(pipeline: AdapterLike | None) -> None:
 
 
 class Ranks:
-    """The trainer ranks of a collective sharded sync: a ``torch.distributed`` group
-    (default: the default group), whose rank 0 drives the engine. Every rank makes one and
-    calls every step in the same order."""
+    """The trainer ranks of a collective sharded sync: the ranks of the default
+    ``torch.distributed`` group, whose rank 0 drives the engine. Every rank makes one (a
+    collective: it makes a gloo group of its own, whose every wait is bounded by
+    ``timeout`` seconds, so a rank that died fails the others' sync rather than hanging
+    it) and calls every step in the same order."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "Ranks(): a collective sharded sync runs on a torch.distributed process "
                 "group; initialise the default group first"
             )
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
         #: Per tensor, the most elements this rank assembled of it at once (a route's box):
         #: what the exchange held beyond the rank's own shards.
         self.assembled: dict[str, int] = {}
@@ -134,7 +139,7 @@ class Ranks:
             dist.broadcast(buf, src=self._global(0), group=self.group)
             return buf.numpy().tobytes()
 
-        return await anyio.to_thread.run_sync(run)
+        return await anyio.to_thread.run_sync(self._bounded, run, "a broadcast from rank 0")
 
     async def gather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, on every rank."""
@@ -151,11 +156,20 @@ class Ranks:
             dist.all_gather(bufs, mine, group=self.group)
             return [b[: int(s)].numpy().tobytes() for b, s in zip(bufs, sizes, strict=True)]
 
-        return await anyio.to_thread.run_sync(run)
+        return await anyio.to_thread.run_sync(self._bounded, run, "a gather of every rank")
+
+    def _bounded(self, fn: Callable[..., T], what: str, *args: Any) -> T:
+        """``fn(*args)``, a call on the group: a rank gone (its connection closed, or no
+        answer within the group's timeout) is a :class:`PeerBrokenError` naming ``what``."""
+        try:
+            return fn(*args)
+        except RuntimeError as exc:  # gloo's DistBackendError and its timeouts
+            raise PeerBrokenError(
+                f"trainer rank {self.rank} of {self.size}: {what} failed, a rank is gone: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from exc
 
     def _global(self, rank: int) -> int:
-        if self.group is None:
-            return rank
         return int(torch.distributed.get_global_rank(self.group, rank))
 
     async def share_plans(self, plans: list[RoutePlan] | None) -> list[RoutePlan]:
@@ -193,9 +207,12 @@ class Ranks:
             error="" if error is None else type(error).__name__,
             message="" if error is None else str(error),
         )
+        try:
+            gathered = await self.gather(msgspec.msgpack.encode(mine.to_wire()))
+        except PeerBrokenError as gone:
+            raise (error or gone) from None if error is not None else gone
         told = [
-            Outcome.from_wire(msgspec.msgpack.decode(b), rank=r)
-            for r, b in enumerate(await self.gather(msgspec.msgpack.encode(mine.to_wire())))
+            Outcome.from_wire(msgspec.msgpack.decode(b), rank=r) for r, b in enumerate(gathered)
         ]
         failures: list[BaseException | None] = []
         for one in told:
@@ -336,7 +353,14 @@ class Exchange:
 
     async def __call__(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor | None]:
         self.started = True
-        return await anyio.to_thread.run_sync(self.ranks._exchange, name, tensor, self.plans)
+        return await anyio.to_thread.run_sync(
+            self.ranks._bounded,
+            self.ranks._exchange,
+            f"the exchange of {name!r}",
+            name,
+            tensor,
+            self.plans,
+        )
 
     async def drain(self, weights: Any, pipeline: AdapterLike | None) -> None:
         """Run the exchange over ``weights`` sending nothing (this rank's sends failed
