@@ -1,7 +1,7 @@
 """A collective sharded sync from a 2-rank FSDP2 trainer over gloo into a real TP=2 CPU vLLM
 engine: rank 0 drives the engine (``WeightSync(..., sharded=True, ranks=Ranks())``), rank 1
 takes part (``RankPeer``); each rank sends the routes it owns, and the engine then serves
-exactly what a plain full sync of the same weights gives it."""
+exactly what a plain full sync of the same weights gives it. Dense, tied, and a drafter."""
 
 from __future__ import annotations
 
@@ -24,12 +24,15 @@ STEPS = 3
 
 def new_weights(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
     """The trainer's weights after ``step`` (the same on every rank): a few percent of each
-    tensor's elements move."""
+    tensor's elements move; names of one tensor (tied) stay one tensor."""
     gen = torch.Generator().manual_seed(100 + step)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
     for name, tensor in full.items():
-        picked = torch.rand(tensor.shape, generator=gen) < 0.03
-        out[name] = tensor + picked * torch.randn(tensor.shape, generator=gen) * 0.05
+        if id(tensor) not in made:
+            picked = torch.rand(tensor.shape, generator=gen) < 0.03
+            made[id(tensor)] = tensor + picked * torch.randn(tensor.shape, generator=gen) * 0.05
+        out[name] = made[id(tensor)]
     return out
 
 
@@ -62,14 +65,23 @@ async def _rank1(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-def _rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], path: str) -> dict[str, Any]:
+def _rank0(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], path: str, kind: str
+) -> dict[str, Any]:
     from vllm_harness import engine_outputs, make_llm
 
     from streamsync.engine.ranks import Ranks
     from streamsync.vllm import WeightSync
 
     out: dict[str, Any] = {"reports": [], "seen": [], "want": []}
-    llm = make_llm(path, tensor_parallel_size=2, distributed_executor_backend="mp")
+    extra: dict[str, Any] = {}
+    if kind == "drafter":
+        extra["speculative_config"] = {
+            "method": "draft_model",
+            "model": str(Path(path).parent / "draft"),
+            "num_speculative_tokens": 2,
+        }
+    llm = make_llm(path, tensor_parallel_size=2, distributed_executor_backend="mp", **extra)
     try:
         endpoint, ranks = "zmq+tcp://127.0.0.1:0", Ranks()
         with WeightSync(llm, endpoint, sharded=True, ranks=ranks, delta=True, timeout=60) as sync:
@@ -89,7 +101,7 @@ def _rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], path: str) -> 
     return out
 
 
-def _worker(rank: int, port: int, path: str, out_dir: str, done: Any) -> None:
+def _worker(rank: int, port: int, path: str, out_dir: str, done: Any, kind: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
@@ -101,12 +113,16 @@ def _worker(rank: int, port: int, path: str, out_dir: str, done: Any) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-        full = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        copies: dict[int, torch.Tensor] = {}  # tied names share one copy
+        full = {
+            n: copies.setdefault(t.data_ptr(), t.detach().clone())
+            for n, t in model.state_dict().items()
+        }
         mesh = init_device_mesh("cpu", (WORLD,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        out = _rank0(model, full, path) if rank == 0 else anyio.run(_rank1, model, full)
+        out = _rank0(model, full, path, kind) if rank == 0 else anyio.run(_rank1, model, full)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         done.wait(120)
     finally:
@@ -122,15 +138,18 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(600)
-def test_two_fsdp2_ranks_sync_a_tp2_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["dense", "tied", "drafter"])
+def test_two_fsdp2_ranks_sync_a_tp2_engine(kind: str, tmp_path: Path) -> None:
     from streamsync.boxes import slices_of
     from streamsync.testing.models import build_tiny_model
 
     path = tmp_path / "model"
-    build_tiny_model(path, "dense", seed=0)
+    build_tiny_model(path, "dense", seed=0, tied=kind == "tied")
+    if kind == "drafter":
+        build_tiny_model(tmp_path / "draft", "dense", seed=1)  # another drafter to start with
     spawn = mp.get_context("spawn")
     done = spawn.Barrier(WORLD)
-    args = (_free_port(), str(path), str(tmp_path), done)
+    args = (_free_port(), str(path), str(tmp_path), done, kind)
     mp.spawn(_worker, args=args, nprocs=WORLD, join=True)
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
