@@ -296,10 +296,11 @@ def test_a_worker_error_crosses_http_as_data(worker: tuple[Any, FakeVllmModel]) 
 def test_sharded_init_asks_the_workers_needs(worker: tuple[Any, FakeVllmModel]) -> None:
     """``StreamsyncInitInfo(sharded=True)`` asks every worker's needs through the client's
     ``collective_rpc`` when the channel opens, keyed as ``EngineChannel.needs`` keys them,
-    with workers of one layout sharing one tuple; the next sync still sends everything."""
+    with workers of one layout sharing one tuple. (What a sharded sync then sends each worker
+    is in ``test_vllm_native.py``, on a real TP=2 server.)"""
     from streamsync.engine.messages import Box, Need, Needs
 
-    engine, model = worker
+    engine, _model = worker
     told = [
         Needs(
             instance="main",
@@ -335,10 +336,6 @@ def test_sharded_init_asks_the_workers_needs(worker: tuple[Any, FakeVllmModel]) 
         assert needs["worker2.main"].instance == "worker2.main"
         with pytest.raises(TypeError):
             needs["worker0.main"] = told[0]  # type: ignore[index]
-        weights = fake_state_dict(seed=3)
-        sender.send_weights(weights)
-        assert sender.last_report.tensors == len(weights)
-        assert torch.equal(model.named_weights()["lm_head.weight"], weights["lm_head.weight"])
     finally:
         sender.shutdown()
 

@@ -87,7 +87,9 @@ def plan_routes(workers: Iterable[str], needs: Mapping[str, Needs]) -> list[Rout
     them; a worker with no needs (its engine did not say) receives everything whole."""
     per_worker: dict[str, list[Needs]] = {w: [] for w in workers}
     for instance, one in needs.items():
-        per_worker[instance.rpartition(".")[0]].append(one)
+        found = per_worker.get(instance.rpartition(".")[0])
+        if found is not None:  # a worker the channel does not count takes no part
+            found.append(one)
     routes: dict[Any, RoutePlan] = {}
     for worker, found in per_worker.items():
         slices = slices_of(found)

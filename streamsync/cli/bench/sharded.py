@@ -6,8 +6,8 @@ engines with ``tensor_parallel_size=2``, each engine core and worker in a proces
 own. Per transport, in the same run, after a warm-up of each and alternating ``runs`` times
 over the same weights:
 
-* **full**: ``WeightSync(llms, endpoint)``, every worker receives every tensor whole (the
-  fan-out a channel makes without ``sharded=True``);
+* **full**: ``WeightSync(llms, endpoint, sharded=False)``, every worker receives every
+  tensor whole (today's fan-out);
 * **sharded**: ``WeightSync(llms, endpoint, sharded=True)``, each worker receives only the
   slices its loaders read, one sender per worker layout.
 
@@ -237,7 +237,7 @@ def _transport_rows(
     opts = {"timeout": config.timeout}
     runs: dict[str, list[tuple[float, Any]]] = {"full": [], "sharded": []}
     with (
-        WeightSync(llms, url, **opts) as full,
+        WeightSync(llms, url, sharded=False, **opts) as full,
         WeightSync(llms, url, sharded=True, **opts) as sharded,
     ):
         sizes = {n: t.nbytes for n, t in trained.weights.items()}
