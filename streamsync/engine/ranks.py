@@ -31,7 +31,6 @@ import anyio.to_thread
 import msgspec
 import torch
 
-from streamsync.boxes import Slices
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.messages import Box, Versioned
 from streamsync.engine.routes import (
@@ -240,7 +239,7 @@ class Ranks:
         whole = Box((0,) * tensor.dim(), tuple(tensor.shape))
         out: list[torch.Tensor | None] = []
         for g, plan in enumerate(plans):
-            box = _box_of(plan.slices, name, tensor, plan, whole)
+            box = plan.box(name, tensor) or whole
             owner = self.owner(g)
             if boxes is None:  # every rank holds all of it
                 out.append(_narrowed(local, whole, box) if owner == self.rank else None)
@@ -274,24 +273,6 @@ class Ranks:
                 dist.recv(part, src=self._global(r), group=self.group)
                 into.copy_(part)
         return out
-
-
-def _box_of(slices: Slices, name: str, tensor: torch.Tensor, plan: RoutePlan, whole: Box) -> Box:
-    found = slices.get(name)
-    if found is None:
-        if name not in plan.read:
-            plan.unsliced.add(name)
-        return whole
-    box, shape = found
-    if tuple(tensor.shape) != shape:
-        from streamsync.errors import ShapeMismatchError
-
-        raise ShapeMismatchError(
-            f"tensor {name!r}: the trainer's shape is {list(tensor.shape)}, but workers "
-            f"{', '.join(plan.workers)} learned their slices against the engine's "
-            f"checkpoint shape {list(shape)}"
-        )
-    return box
 
 
 def _shards(name: str, tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, list[Box] | None]:

@@ -37,7 +37,7 @@ import torch
 
 from streamsync.adapters.bucket import Bucketer
 from streamsync.boxes import Slices, slices_of
-from streamsync.engine.messages import Needs, Route
+from streamsync.engine.messages import Box, Needs, Route
 from streamsync.errors import ShapeMismatchError, root_cause
 from streamsync.pipeline import Adapter, AdapterLike, Chain, reading
 from streamsync.report import SyncReport
@@ -62,13 +62,15 @@ class RoutePlan:
     #: Names this route carried whole for want of a learned slice, in the last sync.
     unsliced: set[str] = field(default_factory=set)
 
-    def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as this route receives it: its box (a view), or all of it."""
+    def box(self, name: str, tensor: torch.Tensor) -> Box | None:
+        """The box of ``tensor`` this route receives (``None``: all of it, noted in
+        :attr:`unsliced` when no need names it); a trainer shape other than the one the
+        workers learned against is refused by name."""
         found = self.slices.get(name)
         if found is None:
             if name not in self.read:
                 self.unsliced.add(name)
-            return tensor
+            return None
         box, shape = found
         if tuple(tensor.shape) != shape:
             raise ShapeMismatchError(
@@ -76,8 +78,15 @@ class RoutePlan:
                 f"{', '.join(self.workers)} learned their slices against the engine's "
                 f"checkpoint shape {list(shape)}"
             )
+        return box
+
+    def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as this route receives it: its box (a view), or all of it."""
+        box = self.box(name, tensor)
+        if box is None:
+            return tensor
         for d, (a, b) in enumerate(zip(box.start, box.stop, strict=True)):
-            if b - a != shape[d]:
+            if b - a != tensor.shape[d]:
                 tensor = tensor.narrow(d, a, b - a)
         return tensor
 
