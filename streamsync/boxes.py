@@ -19,6 +19,7 @@ the same slices from the same ``Needs``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from streamsync.engine.messages import Box, Needs
-from streamsync.errors import ReceiverFailedError, ShapeMismatchError
+from streamsync.errors import ConfigError, ReceiverFailedError, ShapeMismatchError
 from streamsync.pipeline import NamedTensor
 
 #: Checkpoint name -> (the box one worker receives of it, the whole tensor's shape).
@@ -41,6 +42,23 @@ def box_union(a: Box, b: Box) -> Box:
         tuple(map(min, a.start, b.start)),
         tuple(map(max, a.stop, b.stop)),
     )
+
+
+def box_meet(a: Box, b: Box) -> Box | None:
+    """The intersection of ``a`` and ``b``; ``None`` if empty."""
+    lo = tuple(map(max, a.start, b.start))
+    hi = tuple(map(min, a.stop, b.stop))
+    if any(x >= y for x, y in zip(lo, hi, strict=True)):
+        return None
+    return Box(lo, hi)
+
+
+def narrowed(data: torch.Tensor, held: Box, part: Box) -> torch.Tensor:
+    """``part`` (global coordinates) of ``data``, which holds box ``held``."""
+    for d, (a, b) in enumerate(zip(part.start, part.stop, strict=True)):
+        if (a, b) != (held.start[d], held.stop[d]):
+            data = data.narrow(d, a - held.start[d], b - a)
+    return data
 
 
 def slices_of(needs: Iterable[Needs]) -> dict[str, tuple[Box, tuple[int, ...]]]:
@@ -296,3 +314,98 @@ def wrap(tensors: Sequence[NamedTensor], slices: Slices) -> list[NamedTensor]:
             tensor = BoxTensor(name, tensor, box.start, whole)
         out.append((name, tensor))
     return out
+
+
+# -- the trainer side of a collective sync -------------------------------------------
+
+
+class Sharded:
+    """A sharded tensor as the ranks hold it: this rank's data and the box every rank holds
+    (``None``: none of it), in the coordinates of the whole, of shape :attr:`shape`.
+
+    What a pipeline stage of a collective sync sees for a DTensor. Indexing (ints and
+    unit-step slices, as ``expand_moe`` takes an expert or half of one) and ``to(dtype)``
+    (``cast``) act on every rank's box at once, on this rank's data as a view: each rank
+    keeps only what it holds, and the route's owner assembles each box the workers read."""
+
+    __slots__ = ("boxes", "dtype", "local", "name", "rank", "shape")
+
+    def __init__(
+        self,
+        name: str,
+        local: torch.Tensor,
+        boxes: list[Box | None],
+        shape: tuple[int, ...],
+        rank: int,
+    ) -> None:
+        self.name, self.local, self.boxes = name, local, boxes
+        self.shape, self.rank, self.dtype = torch.Size(shape), rank, local.dtype
+
+    def __repr__(self) -> str:
+        return f"Sharded({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def detach(self) -> Sharded:
+        return self
+
+    def to(self, dtype: torch.dtype) -> Sharded:
+        """Every rank's data as ``dtype`` (elementwise, so each rank casts its own)."""
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"tensor {self.name!r}: a sharded tensor converts only dtype")
+        return Sharded(self.name, self.local.to(dtype), self.boxes, tuple(self.shape), self.rank)
+
+    def __getitem__(self, index: Any) -> Sharded:
+        """Ints and unit-step slices over the leading dimensions; anything else is a
+        :class:`ConfigError` naming the tensor."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > self.dim():
+            raise IndexError(f"tensor {self.name!r}: {len(index)} indices for {self.dim()} dims")
+        lo, hi, dropped = [0] * self.dim(), list(self.shape), []
+        for d, i in enumerate(index):
+            if isinstance(i, int) and not isinstance(i, bool):
+                if not -self.shape[d] <= i < self.shape[d]:
+                    raise IndexError(f"tensor {self.name!r}: index {i} out of range on dim {d}")
+                lo[d], hi[d] = i % self.shape[d], i % self.shape[d] + 1
+                dropped.append(d)
+            elif isinstance(i, slice) and i.step in (None, 1):
+                lo[d], hi[d], _ = i.indices(self.shape[d])
+                hi[d] = max(hi[d], lo[d])
+            else:
+                raise ConfigError(
+                    f"tensor {self.name!r}: index {i!r} of a sharded tensor; a collective "
+                    "sync's stages may index it with ints and unit-step slices only"
+                )
+        chosen = Box(tuple(lo), tuple(hi))
+        keep = [d for d in range(self.dim()) if d not in dropped]
+
+        def moved(box: Box) -> Box:
+            return Box(
+                tuple(box.start[d] - lo[d] for d in keep),
+                tuple(box.stop[d] - lo[d] for d in keep),
+            )
+
+        boxes: list[Box | None] = []
+        for held in self.boxes:
+            part = None if held is None else box_meet(held, chosen)
+            boxes.append(None if part is None else moved(part))
+        held = self.boxes[self.rank]
+        part = None if held is None else box_meet(held, chosen)
+        if part is None or held is None:
+            local = self.local.new_empty((0,) * len(keep))
+        else:
+            local = narrowed(self.local, held, part)
+            for d in reversed(dropped):
+                local = local.squeeze(d)
+        shape = tuple(hi[d] - lo[d] for d in keep)
+        return Sharded(self.name, local, boxes, shape, self.rank)

@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamsync.boxes import BoxTensor, box_union, data_of, slices_of, wrap
+from streamsync.boxes import BoxTensor, Sharded, box_union, data_of, slices_of, wrap
 from streamsync.engine.messages import Box, Need, Needs
-from streamsync.errors import ReceiverFailedError, ShapeMismatchError
+from streamsync.errors import ConfigError, ReceiverFailedError, ShapeMismatchError
 from streamsync.pipeline import NamedTensor
 from streamsync.vllm.sink import ModelInstance, VllmSink
 
@@ -293,3 +293,76 @@ def test_a_sink_with_slices_hands_the_loaders_box_tensors() -> None:
         target.load([("head.weight", vocab[4:] + 1)])
     with pytest.raises(ShapeMismatchError, match=r"tensor 'embed\.weight': received shape"):
         target.load([("embed.weight", vocab[5:].clone())])
+
+
+# -- the trainer side: each rank's shards as a pipeline stage of a collective sync sees them --
+
+
+def _ranks_of(whole: torch.Tensor, dim: int, size: int) -> list[Sharded]:
+    """Every rank's :class:`Sharded` of ``whole``, split along ``dim`` as FSDP2 splits it."""
+    n, chunk = whole.shape[dim], -(-whole.shape[dim] // size)
+    boxes: list[Box | None] = []
+    for r in range(size):
+        lo, hi = [0] * whole.dim(), list(whole.shape)
+        lo[dim], hi[dim] = min(r * chunk, n), min((r + 1) * chunk, n)
+        boxes.append(Box(tuple(lo), tuple(hi)) if hi[dim] > lo[dim] else None)
+    out = []
+    for r, held in enumerate(boxes):
+        local = whole[tuple(map(slice, held.start, held.stop))] if held else whole.new_empty(0)
+        out.append(Sharded("w", local, boxes, tuple(whole.shape), r))
+    return out
+
+
+def _whole_of(shards: list[Sharded]) -> torch.Tensor:
+    """The tensor the ranks' shards make together (every element held by exactly one)."""
+    out = torch.full(tuple(shards[0].shape), float("nan"), dtype=torch.float64)
+    for one in shards:
+        held = one.boxes[one.rank]
+        if held is not None:
+            out[tuple(map(slice, held.start, held.stop))] = one.local.double()
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=2, max_size=3),
+    size=st.integers(1, 4),
+    data=st.data(),
+)
+def test_indexing_a_sharded_tensor_indexes_every_ranks_shard(
+    shape: list[int], size: int, data: st.DataObject
+) -> None:
+    whole = torch.arange(prod(shape), dtype=torch.float64).reshape(shape)
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    index: list[Any] = []
+    for n in shape[: data.draw(st.integers(1, len(shape)))]:
+        if data.draw(st.booleans()):
+            index.append(data.draw(st.integers(-n, n - 1)))
+        else:
+            a = data.draw(st.integers(0, n))
+            index.append(slice(a, data.draw(st.integers(a, n))))
+    shards = [s[tuple(index)] for s in _ranks_of(whole, dim, size)]
+    want = whole[tuple(index)]
+    assert all(tuple(s.shape) == tuple(want.shape) for s in shards)
+    if want.numel():
+        assert torch.equal(_whole_of(shards), want)
+
+
+def test_a_sharded_tensor_refuses_by_name_an_index_it_cannot_follow() -> None:
+    shard = _ranks_of(torch.zeros(4, 4), 0, 2)[0]
+    with pytest.raises(ConfigError, match=r"tensor 'w': index slice\(None, None, 2\)"):
+        shard[:, ::2]
+
+
+def test_quantize_fp8_on_shards_is_the_whole_tensors_quantization_cut() -> None:
+    from streamsync.adapters.quantize_fp8 import _quantize_sharded, quantize_block_fp8
+
+    whole = torch.randn(4, 256, 96, generator=torch.Generator().manual_seed(0))
+    want_fp8, want_scale = quantize_block_fp8(whole)
+    for dim in (0, 1):  # experts split, rows split on a block boundary
+        pairs = [_quantize_sharded("w", s, (128, 128)) for s in _ranks_of(whole, dim, 2)]
+        assert torch.equal(_whole_of([f for f, _ in pairs]), want_fp8.double())
+        assert torch.equal(_whole_of([s for _, s in pairs]), want_scale.double())
+        assert pairs[0][1].name == "w_scale_inv"
+    with pytest.raises(ConfigError, match=r"tensor 'w': trainer rank 0 holds columns 0:48"):
+        _quantize_sharded("w", _ranks_of(whole, 2, 2)[0], (128, 128))

@@ -41,6 +41,21 @@ def _shards(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+class _DiesMidStream(dict[str, torch.Tensor]):
+    """A rank's shards whose rank dies once the sync has taken the first of them."""
+
+    def __init__(self, shards: dict[str, torch.Tensor], out: dict[str, Any], path: Path) -> None:
+        super().__init__(shards)
+        self.out, self.path = out, path
+
+    def items(self) -> Any:
+        for i, item in enumerate(super().items()):
+            if i == 1:
+                torch.save(self.out, self.path)
+                os._exit(0)
+            yield item
+
+
 def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -54,7 +69,7 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
         from streamsync.engine.channel import EngineChannel
         from streamsync.engine.ranks import RankPeer, Ranks
 
-        out: dict[str, Any] = {"reports": [], "errors": []}
+        out: dict[str, Any] = {"reports": [], "errors": [], "partial": []}
         if rank == 0:
             engine = SlicedEngine()
             for r, worker in enumerate(engine.workers):
@@ -71,6 +86,7 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
                             out["reports"].append(sync.update(_shards(weights(step))))
                         except ss.StreamsyncError as exc:
                             out["errors"].append(f"{type(exc).__name__}: {exc}")
+                            out["partial"].append(exc.report is None or not exc.report.complete)
                 out["stores"] = engine.stores
             finally:
                 engine.shutdown()
@@ -84,14 +100,17 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
                         if fail == "rank" and step == 1:
                             torch.save(out, Path(out_dir) / f"rank{rank}.pt")
                             os._exit(0)  # this rank dies between two syncs
+                        shards = _shards(weights(step))
+                        if fail == "midrank" and step == 1:
+                            shards = _DiesMidStream(shards, out, Path(out_dir) / f"rank{rank}.pt")
                         try:
-                            out["reports"].append(await peer.update(_shards(weights(step))))
+                            out["reports"].append(await peer.update(shards))
                         except ss.StreamsyncError as exc:
                             out["errors"].append(f"{type(exc).__name__}: {exc}")
 
             anyio.run(peer)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-        if fail != "rank":
+        if fail not in ("rank", "midrank"):
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -142,4 +161,13 @@ def test_a_rank_that_dies_fails_the_sync_on_the_others_by_name(tmp_path: Path) -
     assert len(rank0["reports"]) == len(rank1["reports"]) == 1  # the sync before it died
     # Each later sync fails on rank 0, promptly and by name, rather than hanging.
     assert len(rank0["errors"]) == 2
+    assert all(e.startswith("PeerBrokenError") and "a rank is gone" in e for e in rank0["errors"])
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_dies_mid_sync_fails_it_on_the_others_by_name(tmp_path: Path) -> None:
+    rank0, rank1 = run(tmp_path, fail="midrank")
+    assert len(rank0["reports"]) == len(rank1["reports"]) == 1  # the sync before it died
+    # The sync it died in, and the next, fail on rank 0 by name, none reported complete.
+    assert len(rank0["errors"]) == 2 and all(rank0["partial"])
     assert all(e.startswith("PeerBrokenError") and "a rank is gone" in e for e in rank0["errors"])

@@ -265,9 +265,15 @@ def test_a_channel_into_tensor_parallel_workers_is_sharded_unless_told_otherwise
 
 
 def test_a_collective_sync_refuses_by_name_an_adapter_that_needs_whole_tensors() -> None:
-    from streamsync.adapters import cast, expand_moe, rename
+    from streamsync.adapters import cast, expand_moe, quantize_fp8, rename, split_buffers
     from streamsync.engine.ranks import check_pipeline
 
-    check_pipeline(cast(torch.bfloat16) | rename({"a": "b"}))
-    with pytest.raises(ss.ConfigError, match=r"stage expand_moe\(.*runs on whole tensors"):
-        check_pipeline(rename({"a": "b"}) | expand_moe(when="always", model_type="qwen3_moe"))
+    check_pipeline(cast(torch.bfloat16) | rename({"a": "b"}) | expand_moe(when="always"))
+    check_pipeline(split_buffers(["norm"]) | quantize_fp8())
+
+    async def doubled(source: Any) -> Any:
+        async for name, tensor in source:
+            yield name, tensor * 2
+
+    with pytest.raises(ss.ConfigError, match=r"stage .*doubled.* runs on whole tensors"):
+        check_pipeline(rename({"a": "b"}) | doubled)

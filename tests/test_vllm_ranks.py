@@ -1,7 +1,8 @@
 """A collective sharded sync from a 2-rank FSDP2 trainer over gloo into a real TP=2 CPU vLLM
 engine: rank 0 drives the engine (``WeightSync(..., sharded=True, ranks=Ranks())``), rank 1
 takes part (``RankPeer``); each rank sends the routes it owns, and the engine then serves
-exactly what a plain full sync of the same weights gives it. Dense, tied, and a drafter."""
+exactly what a plain full sync of the same weights gives it. Dense, tied, MoE through the
+expander (each expert's slice taken from the rank holding it), and a drafter."""
 
 from __future__ import annotations
 
@@ -51,12 +52,22 @@ def set_shards(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
                 param.copy_(full[name])
 
 
-async def _rank1(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _pipeline(kind: str) -> Any:
+    from streamsync.adapters import expand_moe
+
+    return expand_moe(when="always", model_type="qwen3_moe") if kind == "moe" else None
+
+
+async def _rank1(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], kind: str
+) -> dict[str, Any]:
     from streamsync.engine.ranks import RankPeer, Ranks
 
     out: dict[str, Any] = {"rank_bytes": []}
     ranks = Ranks()
-    async with RankPeer(ranks, "zmq+tcp://127.0.0.1:0", delta=True, timeout=60) as peer:
+    async with RankPeer(
+        ranks, "zmq+tcp://127.0.0.1:0", delta=True, timeout=60, pipeline=_pipeline(kind)
+    ) as peer:
         for step in range(STEPS):
             set_shards(model, new_weights(full, step))
             report = await peer.update(model)
@@ -84,14 +95,17 @@ def _rank0(
     llm = make_llm(path, tensor_parallel_size=2, distributed_executor_backend="mp", **extra)
     try:
         endpoint, ranks = "zmq+tcp://127.0.0.1:0", Ranks()
-        with WeightSync(llm, endpoint, sharded=True, ranks=ranks, delta=True, timeout=60) as sync:
+        pipeline = _pipeline(kind)
+        with WeightSync(
+            llm, endpoint, sharded=True, ranks=ranks, delta=True, timeout=60, pipeline=pipeline
+        ) as sync:
             for step in range(STEPS):
                 set_shards(model, new_weights(full, step))
                 out["reports"].append(sync.update(model))
                 out["seen"].append(engine_outputs(llm))
             out["needs"] = dict(sync.needs)
         out["assembled"] = ranks.assembled
-        with WeightSync(llm, f"shm://ranks-plain-{os.getpid()}") as plain:
+        with WeightSync(llm, f"shm://ranks-plain-{os.getpid()}", pipeline=pipeline) as plain:
             for step in range(STEPS):
                 plain.update(new_weights(full, step))
                 out["want"].append(engine_outputs(llm))
@@ -122,7 +136,7 @@ def _worker(rank: int, port: int, path: str, out_dir: str, done: Any, kind: str)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        out = _rank0(model, full, path, kind) if rank == 0 else anyio.run(_rank1, model, full)
+        out = _rank0(model, full, path, kind) if rank == 0 else anyio.run(_rank1, model, full, kind)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         done.wait(120)
     finally:
@@ -138,13 +152,16 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["dense", "tied", "drafter"])
+@pytest.mark.parametrize("kind", ["dense", "tied", "moe", "drafter"])
 def test_two_fsdp2_ranks_sync_a_tp2_engine(kind: str, tmp_path: Path) -> None:
     from streamsync.boxes import slices_of
     from streamsync.testing.models import build_tiny_model
 
     path = tmp_path / "model"
-    build_tiny_model(path, "dense", seed=0, tied=kind == "tied")
+    if kind == "moe":
+        build_tiny_model(path, "moe", seed=0, init_std=0.12)
+    else:
+        build_tiny_model(path, "dense", seed=0, tied=kind == "tied")
     if kind == "drafter":
         build_tiny_model(tmp_path / "draft", "dense", seed=1)  # another drafter to start with
     spawn = mp.get_context("spawn")
@@ -175,3 +192,5 @@ def test_two_fsdp2_ranks_sync_a_tp2_engine(kind: str, tmp_path: Path) -> None:
         assert slices, "each worker reads part of the TP-split tensors"
         for name, (box, shape) in slices.items():
             assert rank["assembled"][name] == prod(box.shape) < prod(shape), name
+    if kind == "moe":  # the experts went per expert, each cut from its holder's shard
+        assert any(".experts.0.gate_proj.weight" in name for name in rank0["assembled"])

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from streamsync._dtypes import CASTABLE
 from streamsync._moe_names import PACKED, ROUTER, ROUTER_MODULES
+from streamsync.boxes import Sharded
+from streamsync.engine.messages import Box
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, adapter
 
@@ -102,6 +104,43 @@ def eligible(name: str, tensor: torch.Tensor, skip: Callable[[str], bool] | None
     return tensor.dim() == 3 and PACKED.match(name) is not None
 
 
+def _quantize_sharded(name: str, tensor: Sharded, block: Block) -> tuple[Any, Any]:
+    """A collective sync's shards of ``tensor`` quantized where each rank holds them, and
+    the shards of its scale: a :class:`ConfigError` naming the tensor when a rank's shard
+    cuts a block (its scale would need elements another rank holds)."""
+    (bn, bk), (n, k) = block, tuple(tensor.shape[-2:])
+    scale_boxes: list[Box | None] = []
+    for r, held in enumerate(tensor.boxes):
+        if held is None:
+            scale_boxes.append(None)
+            continue
+        for what, d, size, step in (("rows", -2, n, bn), ("columns", -1, k, bk)):
+            a, z = held.start[d], held.stop[d]
+            if a % step or (z % step and z != size):
+                raise ConfigError(
+                    f"quantize_fp8: tensor {name!r}: trainer rank {r} holds {what} {a}:{z} of "
+                    f"{size}, which cuts a {bn}x{bk} block; shard it on block boundaries, or "
+                    "quantize on one trainer"
+                )
+        scale_boxes.append(
+            Box(
+                (*held.start[:-2], held.start[-2] // bn, held.start[-1] // bk),
+                (*held.stop[:-2], -(-held.stop[-2] // bn), -(-held.stop[-1] // bk)),
+            )
+        )
+    lead = tuple(tensor.shape[:-2])
+    if tensor.boxes[tensor.rank] is None:
+        fp8 = torch.empty((0,) * tensor.dim(), dtype=FP8_DTYPE)
+        scale = torch.empty((0,) * tensor.dim(), dtype=torch.float32)
+    else:
+        fp8, scale = quantize_block_fp8(tensor.local, block)
+    scale_shape = (*lead, -(-n // bn), -(-k // bk))
+    return (
+        Sharded(name, fp8, tensor.boxes, tuple(tensor.shape), tensor.rank),
+        Sharded(f"{name}{SCALE_SUFFIX}", scale, scale_boxes, scale_shape, tensor.rank),
+    )
+
+
 def _configure(
     block: Block = (128, 128),
     skip: Callable[[str], bool] | str | Iterable[str] | None = None,
@@ -130,7 +169,10 @@ async def quantize_fp8(
         if not eligible(name, tensor, skip):
             yield name, tensor
             continue
-        fp8, scale = quantize_block_fp8(tensor, block)
+        if isinstance(tensor, Sharded):
+            fp8, scale = _quantize_sharded(name, tensor, block)
+        else:
+            fp8, scale = quantize_block_fp8(tensor, block)
         del tensor  # the source may free it while its quantized form travels
         yield name, fp8
         del fp8

@@ -437,7 +437,7 @@ class EngineChannel:
             check_pipeline(pipeline)
             await self.ranks.sync_id(sync_id)
             exchange = self.ranks.exchange(self._plans)
-            weights = shard_stream(weights)
+            weights = shard_stream(weights, self.ranks)
         await self._run(sync, sender, options, weights, pipeline, mode, exchange)
         settled = [await one.settle() for one in self._senders]
         if sync.report is None and sync.send_error is None and not all(settled):
@@ -543,7 +543,11 @@ class EngineChannel:
                     if isinstance(exc, ClosedError):
                         await self._close_sender()  # reopened by the next sync
                 absent = sync.report is not None and not self.require_all
-                if absent and await sync.absent_after(self.timeout, self._late):
+                # A collective sync whose exchange failed (a rank is gone): the routes of
+                # the other ranks may never end, so their workers get the channel's
+                # timeout to report, not their receive's.
+                gone = exchange is not None and sync.send_error is not None
+                if (absent or gone) and await sync.absent_after(self.timeout, self._late):
                     tg.cancel_scope.cancel()
         finally:
             sending_to.reset(told)

@@ -31,6 +31,7 @@ import anyio.to_thread
 import msgspec
 import torch
 
+from streamsync.boxes import Sharded, box_meet, narrowed
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.messages import Box, Versioned
 from streamsync.engine.routes import (
@@ -76,13 +77,18 @@ class Outcome(Versioned, frozen=True, kw_only=True):
     message: str = ""
 
 
-#: The adapters that work on each rank's shards as on whole tensors (elementwise, or by name).
-SHARD_ADAPTERS = frozenset({"cast", "rename", "select"})
+#: The adapters that work on each rank's shards as on whole tensors: elementwise, by name,
+#: by indexing a :class:`~streamsync.boxes.Sharded` (``expand_moe`` takes each expert's
+#: slice of the shards), or block by block on each rank (``quantize_fp8``, which refuses by
+#: name a shard that cuts a block).
+SHARD_ADAPTERS = frozenset(
+    {"cast", "expand_moe", "quantize_fp8", "rename", "select", "split_buffers"}
+)
 
 
 def check_pipeline(pipeline: AdapterLike | None) -> None:
-    """Refuse, by name, a pipeline stage that needs whole tensors (``expand_moe``,
-    ``quantize_fp8``, your own) in a collective sync, where each rank holds shards."""
+    """Refuse, by name, a pipeline stage that needs whole tensors (your own) in a
+    collective sync, where each rank holds shards."""
     if pipeline is None:
         return
     for stage in Chain(pipeline).parts:
@@ -235,14 +241,17 @@ class Ranks:
     def _exchange(
         self, name: str, tensor: torch.Tensor, plans: list[RoutePlan]
     ) -> list[torch.Tensor | None]:
-        local, boxes = _shards(name, tensor, self.size)
+        if isinstance(tensor, Sharded):
+            local, boxes = tensor.local, tensor.boxes
+        else:
+            local, boxes = tensor, None
         whole = Box((0,) * tensor.dim(), tuple(tensor.shape))
         out: list[torch.Tensor | None] = []
         for g, plan in enumerate(plans):
             box = plan.box(name, tensor) or whole
             owner = self.owner(g)
             if boxes is None:  # every rank holds all of it
-                out.append(_narrowed(local, whole, box) if owner == self.rank else None)
+                out.append(narrowed(local, whole, box) if owner == self.rank else None)
                 continue
             out.append(self._assemble(local, boxes, box, owner))
             if out[-1] is not None:
@@ -250,24 +259,26 @@ class Ranks:
         return out
 
     def _assemble(
-        self, local: torch.Tensor, boxes: list[Box], box: Box, owner: int
+        self, local: torch.Tensor, boxes: list[Box | None], box: Box, owner: int
     ) -> torch.Tensor | None:
         """``box`` of a sharded tensor, on ``owner``: its own part, the others' by message."""
         dist = torch.distributed
-        mine = _meet(boxes[self.rank], box)
+        held = boxes[self.rank]
+        mine = None if held is None else box_meet(held, box)
         if owner != self.rank:
-            if mine is not None:
-                part = _narrowed(local, boxes[self.rank], mine).contiguous()
+            if mine is not None and held is not None:
+                part = narrowed(local, held, mine).contiguous()
                 dist.send(part, dst=self._global(owner), group=self.group)
             return None
         out = torch.empty(box.shape, dtype=local.dtype)
-        for r, held in enumerate(boxes):
-            part_box = _meet(held, box)
+        for r, held_by in enumerate(boxes):
+            part_box = None if held_by is None else box_meet(held_by, box)
             if part_box is None:
                 continue
-            into = _narrowed(out, box, part_box)
+            into = narrowed(out, box, part_box)
             if r == self.rank:
-                into.copy_(_narrowed(local, held, part_box))
+                assert held is not None
+                into.copy_(narrowed(local, held, part_box))
             else:
                 part = torch.empty(part_box.shape, dtype=local.dtype)
                 dist.recv(part, src=self._global(r), group=self.group)
@@ -275,12 +286,13 @@ class Ranks:
         return out
 
 
-def _shards(name: str, tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, list[Box] | None]:
-    """``tensor``'s local data and the box each rank holds (``None``: every rank all of it)."""
+def sharded(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor | Sharded:
+    """``tensor`` as a collective sync streams it: a DTensor of ``Shard(d)`` as
+    :class:`Sharded`, a replicated or plain tensor as its (whole) local data."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(tensor, DTensor):
-        return tensor.detach(), None
+        return tensor.detach()
     placements = tensor.placements
     local = tensor.to_local().detach()
     if len(placements) != 1 or tensor.device_mesh.ndim != 1:
@@ -290,36 +302,19 @@ def _shards(name: str, tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, l
         )
     placement = placements[0]
     if isinstance(placement, Replicate):
-        return local, None
+        return local
     if type(placement) is not Shard:
         raise ConfigError(f"tensor {name!r}: placement {placement} is not Shard(d) or Replicate")
     dim, n = placement.dim, tensor.shape[placement.dim]
     chunk = math.ceil(n / size)
-    boxes = []
+    boxes: list[Box | None] = []
     for r in range(size):
         start, stop = min(r * chunk, n), min((r + 1) * chunk, n)
         lo = [0] * tensor.dim()
         hi = list(tensor.shape)
         lo[dim], hi[dim] = start, stop
-        boxes.append(Box(tuple(lo), tuple(hi)))
-    return local, boxes
-
-
-def _meet(a: Box, b: Box) -> Box | None:
-    """The intersection of ``a`` and ``b``; ``None`` if empty."""
-    lo = tuple(map(max, a.start, b.start))
-    hi = tuple(map(min, a.stop, b.stop))
-    if any(x >= y for x, y in zip(lo, hi, strict=True)):
-        return None
-    return Box(lo, hi)
-
-
-def _narrowed(data: torch.Tensor, held: Box, part: Box) -> torch.Tensor:
-    """``part`` (global coordinates) of ``data``, which holds box ``held``."""
-    for d, (a, b) in enumerate(zip(part.start, part.stop, strict=True)):
-        if (a, b) != (held.start[d], held.stop[d]):
-            data = data.narrow(d, a - held.start[d], b - a)
-    return data
+        boxes.append(Box(tuple(lo), tuple(hi)) if stop > start else None)
+    return Sharded(name, local, boxes, tuple(tensor.shape), rank)
 
 
 class Exchange:
@@ -356,9 +351,9 @@ class Exchange:
             await send_routes(weights, self.plans, pipeline, nothing, cut=self, routes=())
 
 
-async def shard_stream(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
+async def shard_stream(weights: Any, ranks: Ranks) -> AsyncIterator[tuple[str, Any]]:
     """``weights`` (an ``nn.Module``, or a mapping of names to tensors) as named tensors,
-    DTensors as they are (each rank's shard, never gathered)."""
+    DTensors as :func:`sharded` makes them (each rank's shard, never gathered)."""
     items = (
         weights.state_dict(keep_vars=True).items()
         if isinstance(weights, torch.nn.Module)
@@ -372,7 +367,7 @@ async def shard_stream(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
             f"not {type(weights).__name__}"
         )
     for name, tensor in items:
-        yield name, tensor.detach()
+        yield name, sharded(name, tensor, ranks.rank, ranks.size)
 
 
 class RankPeer:
@@ -444,7 +439,7 @@ class RankPeer:
         mode: bool | Literal["full"] = self.delta and ("full" if delta is False else True)
         sync_id = await self.ranks.sync_id(None)
         exchange = self.ranks.exchange(self.plans)
-        stream = shard_stream(weights)
+        stream = shard_stream(weights, self.ranks)
         error: BaseException | None = None
         reports: list[SyncReport] = []
 

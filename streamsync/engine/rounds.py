@@ -17,7 +17,7 @@ import anyio
 import msgspec
 
 from streamsync.engine.messages import WorkerResult
-from streamsync.errors import StreamsyncError, root_cause
+from streamsync.errors import CONSEQUENCES, SenderAbortedError, StreamsyncError, root_cause
 from streamsync.report import LoadResult, SyncReport
 from streamsync.transports.base import Sender
 
@@ -114,19 +114,27 @@ class SyncRound:
         self, absent: Mapping[int, StreamsyncError], engine: Callable[[int], int | None]
     ) -> StreamsyncError | None:
         """The error to raise (the workers', then the engines', then the send's root
-        cause), the ``absent`` engines left out; ``engine(e)``: the index named in it."""
+        cause), the ``absent`` engines left out; ``engine(e)``: the index named in it. A
+        worker's :class:`SenderAbortedError` gives way to the send's own error, which
+        caused it, and so does any other consequence (a timeout, a peer gone) when no
+        party failed of its own."""
+        workers = [
+            result.exception(rank, engine=engine(e))
+            for e, per_engine in enumerate(self.results)
+            if e not in absent
+            for rank, result in enumerate(per_engine)
+        ]
+        if self.send_error is not None:
+            workers = [w for w in workers if not isinstance(w, SenderAbortedError)]
         cause = root_cause(
             [
                 *(err for e, err in self.engine_errors.items() if e not in absent),
-                *(
-                    result.exception(rank, engine=engine(e))
-                    for e, per_engine in enumerate(self.results)
-                    if e not in absent
-                    for rank, result in enumerate(per_engine)
-                ),
+                *workers,
                 self.send_error,
             ]
         )
+        if isinstance(cause, CONSEQUENCES) and self.send_error is not None:
+            cause = self.send_error  # no party's own failure: the trainer's view first
         assert cause is None or isinstance(cause, StreamsyncError)
         return cause
 
