@@ -87,6 +87,18 @@ class UnsupportedVersionError(StreamsyncError, ImportError):
     streamsync was tested with: the message names it, its version and the tested range."""
 
 
+class PartialCommitError(StreamsyncError):
+    """A staged version was committed on some engines and failed on others. ``versions``:
+    each engine's version after it (the staged sync's id, or ``None`` where unknown); the
+    channel's next sync is full on every engine, which brings them to one version."""
+
+    versions: dict[int, int | None]
+
+    def __init__(self, message: str, versions: dict[int, int | None] | None = None) -> None:
+        super().__init__(message)
+        self.versions = dict(versions or {})
+
+
 class SyncTimeoutError(StreamsyncError, TimeoutError):
     """A wait ran past its timeout: the message says what was awaited and from whom."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, cast, runtime_checkable
 
 import torch
@@ -199,6 +199,12 @@ class ModuleSink:
                 f"tensor {name!r}: received dtype {dtype}, the module's is {meta[1]}"
             )
         return self._targets[name]
+
+    def check_staged(self, staged: Mapping[str, torch.Tensor], buffers: frozenset[str]) -> None:
+        """Refuse, by name, a staged version (:mod:`streamsync.staging`) that ``load``
+        would refuse, before anything is loaded."""
+        for name, tensor in staged.items():
+            self._check(name, tensor.dtype, tuple(tensor.shape))
 
     def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The module's own tensor for ``name``, for chunks to be written straight into it;

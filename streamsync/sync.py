@@ -574,8 +574,9 @@ async def _receive(
         if isinstance(first, Abort):
             # The sync failed before its first bucket: the sink is not touched.
             raise SenderAbortedError(f"sender aborted sync {sync.sync_id}: {first.reason}")
-        if isinstance(sink, ModuleSink):  # a sink per sync: the receiver keeps its version
-            sink.version = state.version_of(sink.module)
+        module_sink = _module_sink(sink)
+        if module_sink is not None:  # a sink per sync: the receiver keeps its version
+            module_sink.version = state.version_of(module_sink.module)
         versioned = as_versioned(sink)
         if first.base is not None:
             held = versioned.version if versioned is not None else None
@@ -596,8 +597,8 @@ async def _receive(
         result = await _phase(sync, "finalize", sink.finalize)
         if versioned is not None:
             versioned.version = sync.sync_id
-        if isinstance(sink, ModuleSink):
-            state.hold(sink.module, sink.version)
+        if module_sink is not None:
+            state.hold(module_sink.module, versioned.version if versioned else None)
     except BaseException as exc:
         await _fail(receiver, sync, exc, timeout)
         raise
@@ -618,6 +619,12 @@ async def _receive(
     )
     state.last_sync_id = sync.sync_id
     return _done(report)
+
+
+def _module_sink(sink: Sink) -> ModuleSink | None:
+    """``sink`` if a :class:`ModuleSink`, or the one a staging sink wraps; else ``None``."""
+    inner = getattr(sink, "inner", sink)
+    return inner if isinstance(inner, ModuleSink) else None
 
 
 async def _first_message(receiver: Receiver, *, timeout: float, sync_id: int | None) -> Incoming:

@@ -33,6 +33,7 @@ ERRORS = [
     "DuplicateTensorError",
     "EndOfStream",
     "LoraError",
+    "PartialCommitError",
     "PeerBrokenError",
     "ProtocolVersionError",
     "ReceiverFailedError",

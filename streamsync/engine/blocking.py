@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.lowlevel
 
-from streamsync.engine.clients import EngineClient, LoopBoundClient
+from streamsync.engine.clients import EngineClient, LoopBoundClient, PauseMode
 from streamsync.errors import ConfigError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
@@ -82,6 +82,35 @@ class BlockingWeightSync:
         blocking."""
         call = partial(self.channel.update, weights, pipeline=pipeline, delta=delta)
         return self._run("sync.update(weights)", call)
+
+    def stage(
+        self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
+    ) -> SyncReport:
+        """:meth:`EngineChannel.stage <streamsync.engine.channel.EngineChannel.stage>`,
+        blocking."""
+        call = partial(self.channel.stage, weights, pipeline=pipeline, delta=delta)
+        return self._run("sync.stage(weights)", call)
+
+    def commit(self, *, mode: PauseMode = "keep") -> SyncReport:
+        """:meth:`EngineChannel.commit <streamsync.engine.channel.EngineChannel.commit>`,
+        blocking."""
+        return self._run("sync.commit()", partial(self.channel.commit, mode=mode))
+
+    def drop(self) -> None:
+        """:meth:`EngineChannel.drop <streamsync.engine.channel.EngineChannel.drop>`,
+        blocking."""
+        self._run("sync.drop()", self.channel.drop)
+
+    @property
+    def versions(self) -> dict[int, int | None]:
+        """:attr:`EngineChannel.versions <streamsync.engine.channel.EngineChannel.versions>`."""
+        return self.channel.versions
+
+    @property
+    def staged_version(self) -> int | None:
+        """:attr:`EngineChannel.staged_version
+        <streamsync.engine.channel.EngineChannel.staged_version>`."""
+        return self.channel.staged_version
 
     def update_lora(
         self,

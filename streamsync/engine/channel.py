@@ -18,7 +18,13 @@ import msgspec
 
 from streamsync._log import log, warn
 from streamsync.engine.blocking import BlockingWeightSync, run_blocking
-from streamsync.engine.clients import EngineClient, FactsClient, NeedsClient
+from streamsync.engine.clients import (
+    EngineClient,
+    FactsClient,
+    NeedsClient,
+    PauseMode,
+    VersionClient,
+)
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import EngineFacts, Needs, Route, WorkerOptions, sending_to
@@ -33,6 +39,7 @@ from streamsync.engine.routes import (
     send_routes,
     split_cast,
 )
+from streamsync.engine.staged import ChannelStaging, Receiving
 from streamsync.errors import (
     ClosedError,
     ConfigError,
@@ -63,6 +70,7 @@ _WEIGHT_SYNC_KEYWORDS = (
     "checksum",
     "worker_options",
     "sharded",
+    "staged",
 )
 
 
@@ -135,6 +143,7 @@ class EngineChannel:
         delta: bool = False,
         sharded: bool | None = None,
         ranks: Ranks | None = None,
+        staged: bool = False,
         **transport_options: Any,
     ) -> None:
         #: Whether the channel was given several engines (its report names ``engine<e>.``).
@@ -183,6 +192,11 @@ class EngineChannel:
         if ranks is not None:
             check_pipeline(pipeline)
         self._needs: dict[str, Needs] = {}
+        #: Every update stages the sync on every worker, then commits it everywhere.
+        self.staged = staged
+        self._staging = ChannelStaging(self)
+        if staged:
+            self._staging.require()
 
     @property
     def worker_options(self) -> WorkerOptions:
@@ -406,10 +420,69 @@ class EngineChannel:
         report; with several engines its message and ``exc.engine`` say which engine. The
         engines whose every worker applied the sync still drop their caches.
         """
+        mode = self._mode(delta)
+        if self.staged:
+            await self._staging.stage(weights, pipeline=pipeline, mode=mode)
+            return await self._staging.commit("keep")
+        try:
+            report = await self.sync_round(weights, self.worker_options, pipeline, mode)
+        except BaseException:
+            self._staging.synced(None)
+            raise
+        self._staging.synced(report)
+        return report
+
+    def _mode(self, delta: bool | None) -> bool | Literal["full"]:
         if delta and not self.delta:
             raise ConfigError("update(delta=True) needs a channel opened with delta=True")
-        mode: bool | Literal["full"] = self.delta and ("full" if delta is False else True)
-        return await self.sync_round(weights, self.worker_options, pipeline, mode)
+        return self.delta and ("full" if delta is False else True)
+
+    async def stage(
+        self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
+    ) -> SyncReport:
+        """Deliver ``weights`` into a staging area on every worker of every engine while
+        they serve the old version; returns once every worker holds the whole version,
+        checked as a sync is (every tensor, checksums if on). Nothing is applied: if any
+        worker of any engine fails, every engine drops what it staged and keeps serving
+        untouched, and the error names the worker. :meth:`commit` applies it. Options as
+        :meth:`update`'s; one version is staged at a time."""
+        return await self._staging.stage(weights, pipeline=pipeline, mode=self._mode(delta))
+
+    async def commit(self, *, mode: PauseMode = "keep") -> SyncReport:
+        """Apply the staged version on every engine at once: each pauses (``mode``, as
+        vLLM's pause takes it: ``keep`` freezes the requests in flight and they go on with
+        the new weights, ``wait`` lets them finish first, ``abort`` ends them), applies it
+        to every model instance, sets its weight version to the sync's id, resumes, and
+        drops its caches. Returns the sync's report with every worker's instances. A commit
+        that fails on some engines after others applied it raises
+        :class:`~streamsync.PartialCommitError` naming each engine's version; the next sync
+        is then full on every engine."""
+        return await self._staging.commit(mode)
+
+    async def drop(self) -> None:
+        """Drop the staged version on every engine (none of them ever served it)."""
+        await self._staging.drop()
+
+    @property
+    def versions(self) -> dict[int, int | None]:
+        """Per engine (by index), the sync id its models hold as this channel knows it
+        (``None``: unknown: before the first sync, or after one that failed there)."""
+        return dict(self._staging.versions)
+
+    @property
+    def staged_version(self) -> int | None:
+        """The sync id of the version staged and not yet committed, if any."""
+        return None if self._staging.staged is None else self._staging.staged.sync_id
+
+    def drop_baselines(self) -> None:
+        """Forget every route's delta baseline: the next sync is full everywhere."""
+        for sender in self._senders:
+            sender.state.baseline.drop()
+
+    async def after_sync_on(self, engines: Sequence[int], report: SyncReport) -> None:
+        """The engines ``engines`` applied ``report``'s sync: they drop their caches."""
+        if engines:
+            await self._after_sync(engines, report)
 
     async def sync_round(
         self,
@@ -419,9 +492,12 @@ class EngineChannel:
         mode: bool | Literal["full"] = False,
         *,
         sync_id: int | None = None,
+        receiving: Receiving | None = None,
     ) -> SyncReport:
         """One sync into every engine (``options.lora``: of an adapter, sent aside;
-        ``mode``: the send's ``delta``)."""
+        ``mode``: the send's ``delta``; ``receiving``: how the workers take it, applied as
+        it lands by default)."""
+        receiving = receiving if receiving is not None else Receiving()
         sender = await self._ensure_sender()
         timeout = self.timeout if options.timeout is None else options.timeout
         # The workers learn the sync's id up front, so none takes an earlier one's leftovers.
@@ -438,18 +514,19 @@ class EngineChannel:
             await self.ranks.sync_id(sync_id)
             exchange = self.ranks.exchange(self._plans)
             weights = shard_stream(weights, self.ranks)
-        await self._run(sync, sender, options, weights, pipeline, mode, exchange)
+        await self._run(sync, sender, options, weights, pipeline, mode, exchange, receiving)
         settled = [await one.settle() for one in self._senders]
         if sync.report is None and sync.send_error is None and not all(settled):
             # Cancelled (an engine failed first), and a call still runs on the channel's
             # loop: the sender's state is unknown, so it goes.
             await self._close_sender()
+        after = options.lora is None and receiving.applies
         if exchange is None:
-            return await self._conclude(sync, after=options.lora is None)
+            return await self._conclude(sync, after=after)
         assert self.ranks is not None
         await exchange.drain(weights, split_cast(pipeline or self.pipeline)[0])
         try:
-            report = await self._conclude(sync)
+            report = await self._conclude(sync, after=after)
         except BaseException as exc:
             await self.ranks.outcome(0, exc)  # raises the root cause over every rank
             raise
@@ -500,6 +577,7 @@ class EngineChannel:
         pipeline: AdapterLike | None,
         delta: bool | Literal["full"],
         exchange: Exchange | None = None,
+        receiving: Receiving | None = None,
     ) -> None:
         """The send beside every engine's receive (``exchange``: a collective sync's cut); a
         failure that dooms the sync cancels the rest (see :meth:`_receive`). An adapter sync
@@ -510,11 +588,14 @@ class EngineChannel:
             sends: Callable[..., Awaitable[SyncReport]] = partial(send, delta=delta)
         else:
             sends = send_aside
+        receiving = receiving if receiving is not None else Receiving()
         told = sending_to.set(self.facts)  # what the pipeline's adapters decide from
         try:
             async with anyio.create_task_group() as tg:
                 for e, client in enumerate(self.clients):
-                    tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope)
+                    tg.start_soon(
+                        self._receive, sync, e, client, options, tg.cancel_scope, receiving
+                    )
                 if not self.require_all:
                     receivers = [c.receivers for c in self.clients]
                     await sync.joined(sender, receivers, within=self.timeout / 2)
@@ -542,6 +623,10 @@ class EngineChannel:
                     sync.send_error = exc
                     if isinstance(exc, ClosedError):
                         await self._close_sender()  # reopened by the next sync
+                except Exception as exc:  # the trainer's own source or pipeline (aborted)
+                    sync.source_error = exc
+                finally:
+                    receiving.send_ended()
                 absent = sync.report is not None and not self.require_all
                 # A collective sync whose exchange failed (a rank is gone): the routes of
                 # the other ranks may never end, so their workers get the channel's
@@ -611,6 +696,7 @@ class EngineChannel:
         client: EngineClient,
         options: WorkerOptions,
         scope: anyio.CancelScope,
+        receiving: Receiving,
     ) -> None:
         """Engine ``e``'s receive on all its workers, into ``sync``. With ``require_all``, an
         engine that fails, or a worker that fails before applying anything (bad options, no
@@ -624,7 +710,7 @@ class EngineChannel:
                 routes = routes_for(self._plans, self._workers(e))
                 options = msgspec.structs.replace(options, routes=routes)
             with anyio.fail_after(limit):
-                sync.results[e] = list(await client.start_receive(self.url, options))
+                sync.results[e] = list(await receiving(client, self.url, options))
         except TimeoutError:
             error = SyncTimeoutError(
                 f"{where}'s workers did not report on the sync from {self.endpoint} "
@@ -649,6 +735,8 @@ class EngineChannel:
         """Raise the sync's root cause, or merge the workers' reports into the sender's;
         either way the engines whose every worker applied it drop their caches (unless
         ``after`` is false: an adapter sync, whose versions the caches tell apart)."""
+        if sync.source_error is not None:
+            raise sync.source_error
         applied = sync.applied([c.receivers for c in self.clients]) if after else []
         # Without require_all, an engine that could not take part is absent, not a failure.
         absent = {} if self.require_all else dict(sync.engine_errors)
@@ -674,9 +762,15 @@ class EngineChannel:
         return merged
 
     async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
+        async def after(i: int) -> None:
+            client = self.clients[engines[i]]
+            await client.after_sync()
+            if report is not None and isinstance(client, VersionClient):
+                await client.set_weight_version(str(report.sync_id))
+
         try:
             with anyio.fail_after(self.timeout):
-                await each(len(engines), lambda i: self.clients[engines[i]].after_sync())
+                await each(len(engines), after)
         except TimeoutError:
             if report is None:
                 warn("engine.after_sync_timeout", endpoint=self.endpoint, engines=list(engines))

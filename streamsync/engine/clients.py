@@ -1,11 +1,12 @@
 """How a channel reaches an inference engine: the :class:`EngineClient` protocol, and the
 protocols of clients that can do more (:class:`LoopBoundClient`, :class:`FactsClient`,
-:class:`NeedsClient`, :class:`LoraClient`). vLLM's clients are in :mod:`streamsync.vllm.client`.
+:class:`NeedsClient`, :class:`LoraClient`, :class:`StagingClient`). vLLM's clients are in
+:mod:`streamsync.vllm.client`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
 
@@ -77,3 +78,39 @@ class LoraClient(EngineClient, Protocol):
 
     async def remove_lora(self, name: str, lora_id: int) -> None:
         """Stop serving adapter ``name`` (its staged versions are dropped separately)."""
+
+
+@runtime_checkable
+class VersionClient(EngineClient, Protocol):
+    """A client whose engine labels its outputs with a weight version: after every sync
+    every engine applied, the channel sets it to the sync's id (a staged commit sets it
+    inside its pause)."""
+
+    async def set_weight_version(self, version: str) -> None:
+        """Label what the engine generates from now on with ``version``."""
+
+
+#: How requests in flight fare while a staged version is committed (vLLM's pause modes):
+#: ``keep`` freezes them and they go on with the new weights, ``wait`` lets them finish
+#: first, ``abort`` ends them.
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+@runtime_checkable
+class StagingClient(EngineClient, Protocol):
+    """A client whose workers can stage a sync while the engine serves, and whose engine
+    can commit it in a short pause (:mod:`streamsync.staging`)."""
+
+    async def start_stage(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        """Start a staged receive from ``endpoint`` on every worker; returns once each has
+        started (or failed to), by rank."""
+
+    async def staged(self, sync_id: int) -> list[WorkerResult]:
+        """Each worker's end of staged sync ``sync_id`` (after the send ended), by rank."""
+
+    async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:
+        """Pause the engine (``mode``), apply staged sync ``sync_id`` on every worker, set
+        the engine's weight version to ``version`` if every worker applied it, resume."""
+
+    async def drop(self) -> None:
+        """Drop every worker's staged version, if any."""

@@ -86,9 +86,19 @@ class EventLoopThread:
     def run(self, fn: Callable[[], Awaitable[T]], *, timeout: float, what: str = "call") -> T:
         """Run ``fn()`` on the loop and block until its result (at most ``timeout`` seconds;
         then it is cancelled). Not from this loop's own thread."""
+        return self.wait(self.start(fn), timeout=timeout, what=what)
+
+    def start(self, fn: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Start ``fn()`` on the loop without waiting for it; :meth:`wait` takes its result."""
+        return self._require_portal().start_task_soon(fn)
+
+    def wait(
+        self, future: concurrent.futures.Future[T], *, timeout: float, what: str = "call"
+    ) -> T:
+        """Block until ``future`` (of :meth:`start`) is done, at most ``timeout`` seconds
+        (then it is cancelled); its result. Not from this loop's own thread."""
         if self.is_current():
-            raise RuntimeError(f"{self.name}: run() from the loop's own thread would deadlock")
-        future = self._require_portal().start_task_soon(fn)
+            raise RuntimeError(f"{self.name}: waiting from the loop's own thread would deadlock")
         done, _ = concurrent.futures.wait([future], timeout)
         if not done:
             future.cancel()

@@ -33,7 +33,7 @@ __all__ = ["WorkerOptions", "WorkerResult"]
 
 #: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
 #: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.
-WORKER_PROTOCOL = 6
+WORKER_PROTOCOL = 7
 
 
 class Versioned(msgspec.Struct, frozen=True, kw_only=True):
@@ -230,6 +230,11 @@ class WorkerResult(Versioned, frozen=True, kw_only=True):
     @classmethod
     def succeeded(cls, report: SyncReport) -> WorkerResult:
         return cls(pid=os.getpid(), report=report)
+
+    @classmethod
+    def started(cls) -> WorkerResult:
+        """A staged receive that started (its result comes when it ends)."""
+        return cls(pid=os.getpid())
 
     @classmethod
     def failed(cls, exc: StreamsyncError) -> WorkerResult:

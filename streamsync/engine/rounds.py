@@ -64,6 +64,8 @@ class SyncRound:
     engine_errors: dict[int, StreamsyncError] = field(default_factory=dict)
     report: SyncReport | None = None
     send_error: StreamsyncError | None = None
+    #: The trainer's own error (its source or pipeline raised): raised as it is.
+    source_error: Exception | None = None
     #: Engines whose receive has not returned yet, and the event their last one sets.
     waiting: set[int] = field(default_factory=set)
     reported: anyio.Event = field(default_factory=anyio.Event)

@@ -10,20 +10,30 @@ a thread that never chose one lands on device 0.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
 from streamsync._log import log, warn
 from streamsync.engine.loops import EventLoopThread
 from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
-from streamsync.errors import ConfigError, EndOfStream, PeerBrokenError, StreamsyncError
+from streamsync.errors import (
+    ConfigError,
+    EndOfStream,
+    PeerBrokenError,
+    ReceiverFailedError,
+    StreamsyncError,
+)
 from streamsync.report import SyncReport
 from streamsync.sink import AbortableSink, Sink
+from streamsync.staging import StagingSink
 from streamsync.sync import DEFAULT_TIMEOUT, receive
 from streamsync.transports import open_receiver
 from streamsync.transports.base import Receiver
@@ -36,6 +46,17 @@ def select_device(device: torch.device) -> None:
     device needs nothing)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+@dataclass
+class _Receive:
+    """One receive started on a worker's loop."""
+
+    endpoint: str
+    sink: Sink
+    timeout: float
+    future: concurrent.futures.Future[SyncReport]
+    sync_id: int | None
 
 
 class WorkerReceivers:
@@ -63,6 +84,8 @@ class WorkerReceivers:
         self._receivers: dict[str, Receiver] = {}
         #: Per endpoint, whose turn it is to receive (made on the loop, at first use).
         self._turns: dict[str, anyio.Lock] = {}
+        #: The staged sync's receive (one at a time), until its commit or drop.
+        self._staging: _Receive | None = None
 
     def handle(
         self,
@@ -76,6 +99,107 @@ class WorkerReceivers:
         ``None``), then one receive from ``endpoint`` (the route's, when there is one) into
         it. A streamsync error in any step is returned in the result (with its partial
         report), not raised: the engine stays up."""
+        started = self._start(endpoint, options, make_sink)
+        return started if isinstance(started, WorkerResult) else self._finish(started)
+
+    def stage(
+        self,
+        endpoint: str,
+        options: Any,
+        make_sink: Callable[[WorkerOptions, Route | None], Sink],
+    ) -> WorkerResult:
+        """Start a staged sync (:mod:`streamsync.staging`): as :meth:`handle`, into a
+        :class:`~streamsync.staging.StagingSink` around the sink ``make_sink`` builds, but
+        returning once the receive is started, so the engine serves while the bytes land.
+        A version staged before and not committed is dropped first."""
+        self.drop()
+
+        def staging(opts: WorkerOptions, route: Route | None) -> Sink:
+            return StagingSink(make_sink(opts, route))
+
+        started = self._start(endpoint, options, staging)
+        if isinstance(started, WorkerResult):
+            return started
+        self._staging = started
+        return WorkerResult.started()
+
+    def staged(self, sync_id: int) -> WorkerResult:
+        """The end of staged sync ``sync_id`` (waited for, within the receive's limit): the
+        receive's report, or its error (the staging is then dropped)."""
+        found = self._staged(sync_id)
+        if isinstance(found, WorkerResult):
+            return found
+        result = self._finish(found)
+        if not result.ok:
+            self._staging = None
+        return result
+
+    def commit(self, sync_id: int) -> WorkerResult:
+        """Apply staged sync ``sync_id`` to the model (:meth:`StagingSink.commit`, on the
+        loop's thread where the sink's phases run); the staging is gone after, applied or
+        not."""
+        found = self._staged(sync_id)
+        if isinstance(found, WorkerResult):
+            return found
+        if not found.future.done() or found.future.exception() is not None:
+            self._staging = None
+            return WorkerResult.failed(
+                ConfigError(f"sync {sync_id} is not wholly staged on this worker")
+            )
+        self._staging = None
+        sink = found.sink
+        assert isinstance(sink, StagingSink)
+        report = found.future.result()
+        try:
+            result = self._loop.run(
+                sink.commit, timeout=found.timeout * 4, what=f"commit of sync {sync_id}"
+            )
+        except StreamsyncError as exc:
+            return WorkerResult.failed(exc)
+        except Exception as exc:  # the model's own loader: the worker stays up
+            return WorkerResult.failed(
+                ReceiverFailedError(f"commit of sync {sync_id}: {type(exc).__name__}: {exc}")
+            )
+        return WorkerResult.succeeded(
+            msgspec.structs.replace(
+                report, loaded=result.loaded, missing=result.missing, instances=result.instances
+            )
+        )
+
+    def drop(self) -> bool:
+        """Drop the staged version, if any (a receive still running is waited for first,
+        within its limit); whether there was one."""
+        found, self._staging = self._staging, None
+        if found is None:
+            return False
+        with contextlib.suppress(Exception):
+            self._finish(found)
+        sink = found.sink
+
+        async def run() -> None:
+            assert isinstance(sink, StagingSink)
+            sink.drop()
+
+        self._loop.run(run, timeout=60, what="drop of a staged version")
+        return True
+
+    def _staged(self, sync_id: int) -> _Receive | WorkerResult:
+        found = self._staging
+        if found is None or found.sync_id != sync_id:
+            return WorkerResult.failed(
+                ConfigError(
+                    f"sync {sync_id} is not staged on this worker (staged: "
+                    f"{None if found is None else found.sync_id})"
+                )
+            )
+        return found
+
+    def _start(
+        self,
+        endpoint: str,
+        options: Any,
+        make_sink: Callable[[WorkerOptions, Route | None], Sink],
+    ) -> _Receive | WorkerResult:
         try:
             opts = WorkerOptions.from_wire(options)
             route = self._route(opts)
@@ -113,15 +237,20 @@ class WorkerReceivers:
                     log("worker.reconnect", endpoint=endpoint, reason=type(exc).__name__)
                     return await once()
 
+        return _Receive(endpoint, sink, timeout, self._loop.start(run), opts.sync_id)
+
+    def _finish(self, started: _Receive) -> WorkerResult:
         try:
-            report = self._loop.run(
-                run, timeout=timeout * 4, what=f"worker-side sync from {endpoint}"
+            report = self._loop.wait(
+                started.future,
+                timeout=started.timeout * 4,
+                what=f"worker-side sync from {started.endpoint}",
             )
         except StreamsyncError as exc:
-            self._abort(sink, endpoint)
+            self._abort(started.sink, started.endpoint)
             return WorkerResult.failed(exc)
         except Exception:
-            self._abort(sink, endpoint)
+            self._abort(started.sink, started.endpoint)
             raise
         return WorkerResult.succeeded(report)
 
@@ -186,8 +315,9 @@ class WorkerReceivers:
         return closed
 
     def shutdown(self) -> None:
-        """Close every receiver and stop the loop thread."""
+        """Drop any staged version, close every receiver and stop the loop thread."""
         with contextlib.suppress(StreamsyncError, RuntimeError):
+            self.drop()
             self.close()
         self._loop.stop()
 

@@ -14,11 +14,12 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+import anyio
 import anyio.to_thread
 
 from streamsync.engine.blocking import BlockingWeightSync
 from streamsync.engine.channel import EngineChannel
-from streamsync.engine.clients import EngineClient
+from streamsync.engine.clients import EngineClient, PauseMode
 from streamsync.engine.kept import update_engine
 from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
 from streamsync.engine.rounds import several
@@ -33,6 +34,10 @@ _RECEIVE = "streamsync_receive"
 _CLOSE = "streamsync_close"
 _HELLO = "streamsync_hello"
 _NEEDS = "streamsync_needs"
+_STAGE = "streamsync_stage"
+_STAGED = "streamsync_staged"
+_COMMIT = "streamsync_commit"
+_DROP = "streamsync_drop"
 
 
 def _lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> Any:
@@ -122,6 +127,40 @@ class VllmClient:
 
     async def after_sync(self) -> None:
         await self._call(self.llm.reset_prefix_cache)
+
+    async def set_weight_version(self, version: str) -> None:
+        """What each output's ``weight_versions`` spans carry from now on."""
+        if self.loop_bound:
+            await self.llm.update_weight_version(version)
+        else:
+            await self._call(self._engine.set_weight_version, version)
+
+    async def start_stage(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        raw = await self._rpc(_STAGE, endpoint, options.to_wire())
+        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+
+    async def staged(self, sync_id: int) -> list[WorkerResult]:
+        raw = await self._rpc(_STAGED, sync_id)
+        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+
+    async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:
+        """An ``AsyncLLM`` pauses (``mode``) around the apply; an ``LLM`` serves no request
+        while its caller commits, so it needs no pause."""
+        if self.loop_bound:
+            await self.llm.pause_generation(mode=mode, clear_cache=False)
+        try:
+            raw = await self._rpc(_COMMIT, sync_id)
+            results = [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+            if all(r.ok for r in results):
+                await self.set_weight_version(version)
+        finally:
+            if self.loop_bound:
+                with anyio.CancelScope(shield=True):
+                    await self.llm.resume_generation()
+        return results
+
+    async def drop(self) -> None:
+        await self._rpc(_DROP)
 
     async def close_receivers(self, endpoint: str) -> int:
         return sum(await self._rpc(_CLOSE, endpoint))

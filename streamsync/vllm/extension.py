@@ -58,6 +58,29 @@ class WorkerExtension:
 
         return self.streamsync_receivers.handle(endpoint, options, sink).to_wire()
 
+    def streamsync_stage(self, endpoint: str, options: Any = None) -> dict[str, Any]:
+        """Start staging one sync from ``endpoint`` (:mod:`streamsync.staging`): returns
+        once the receive is started, and the engine serves on while the bytes land."""
+        from streamsync.vllm.worker_sink import worker_sink
+
+        def sink(opts: WorkerOptions, route: Route | None) -> Sink:
+            return worker_sink(_models(self), opts, route)
+
+        return self.streamsync_receivers.stage(endpoint, options, sink).to_wire()
+
+    def streamsync_staged(self, sync_id: int) -> dict[str, Any]:
+        """The end of staged sync ``sync_id``: a
+        :class:`~streamsync.engine.messages.WorkerResult` in plain values."""
+        return self.streamsync_receivers.staged(sync_id).to_wire()
+
+    def streamsync_commit(self, sync_id: int) -> dict[str, Any]:
+        """Apply staged sync ``sync_id`` to every model instance of this worker."""
+        return self.streamsync_receivers.commit(sync_id).to_wire()
+
+    def streamsync_drop(self) -> bool:
+        """Drop this worker's staged version; whether there was one."""
+        return self.streamsync_receivers.drop()
+
     def streamsync_hello(self) -> dict[str, Any]:
         """This engine's :class:`~streamsync.engine.messages.EngineFacts` as plain values
         (asked once when a trainer's channel opens)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,10 +28,10 @@ import torch
 import xxhash
 
 from streamsync._copies import clone, copy_tensors
-from streamsync._log import log
+from streamsync._log import log, warn
 from streamsync.adapters.split_buffers import BufferRouter
 from streamsync.boxes import BoxTensor, wrap
-from streamsync.engine.messages import Box
+from streamsync.engine.messages import Box, Need
 from streamsync.errors import (
     ConfigError,
     ReceiverFailedError,
@@ -41,6 +41,7 @@ from streamsync.errors import (
 )
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
+from streamsync.sink import BUFFER_MANIFEST
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
 if TYPE_CHECKING:
@@ -320,6 +321,9 @@ class VllmSink:
         self._received: set[str] = set()
         #: The box of each tensor this worker receives only in part (a sharded channel's).
         self.slices = slices
+        #: What a staged sync is checked against (:meth:`learn_staged`).
+        self._known: dict[str, Need] | None = None
+        self._tied: set[str] = set()
 
     @property
     def version(self) -> int | None:
@@ -345,6 +349,14 @@ class VllmSink:
         copy = self._copies.get(name)
         if copy is None or copy.dtype != dtype or tuple(copy.shape) != shape:
             copy = self._copies[name] = torch.empty(shape, dtype=dtype)
+        return copy
+
+    def kept(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The kept copy of ``name`` if there is one of that dtype and shape (a staged
+        delta's base: :mod:`streamsync.staging`); allocates nothing."""
+        copy = None if self._copies is None else self._copies.get(name)
+        if copy is None or copy.dtype != dtype or tuple(copy.shape) != shape:
+            return None
         return copy
 
     @contextlib.contextmanager
@@ -433,6 +445,52 @@ class VllmSink:
                     quirk.after_finalize(inst)
             self._buffers = []
         log("vllm.abort", lifecycle=self.lifecycle.name, instances=[i.name for i in self.instances])
+
+    def learn_staged(self) -> None:
+        """Learn what :meth:`check_staged` checks against: what the loaders read
+        (:func:`~streamsync.vllm.slices.worker_needs`, once per layout). It drives the
+        loaders with fakes, so it runs where the engine is not stepping: when the staging
+        starts, on the RPC's thread. Where it cannot be learned (no local checkpoint) the
+        check warns and passes."""
+        from streamsync.vllm.slices import worker_needs
+        from streamsync.vllm.worker_sink import WorkerModels
+
+        try:
+            learned = worker_needs(WorkerModels(self.instances, self.vllm_config, self.state))
+        except Exception as exc:
+            warn("vllm.staging_unchecked", error=f"{type(exc).__name__}: {exc}")
+            self._known = None
+            return
+        self._known = {need.name: need for needs in learned for need in needs.needs}
+        self._tied = {n for inst in self.instances for n in tied_names(inst.model)}
+
+    def check_staged(self, staged: Mapping[str, torch.Tensor], buffers: frozenset[str]) -> None:
+        """Refuse, by name, a staged version a commit would fail on: a tensor no loader of
+        these instances reads (with its close matches), or one of another shape than the
+        engine's checkpoint (its slice's, in a sharded sync); see :meth:`learn_staged`."""
+        known = self._known
+        if known is None:
+            return
+        for name, tensor in staged.items():
+            if name in buffers or name == BUFFER_MANIFEST:
+                continue
+            need = known.get(name)
+            if need is None:
+                if name in self._tied:
+                    continue
+                close = difflib.get_close_matches(name, list(known), n=3)
+                hint = f"; close matches: {', '.join(close)}" if close else ""
+                raise UnknownTensorError(
+                    f"tensor {name!r} is read by no loader of model instances "
+                    f"{[i.name for i in self.instances]}{hint}"
+                )
+            sliced = self.slices.get(name) if self.slices else None
+            shapes = {need.shape} | ({sliced[0].shape} if sliced is not None else set())
+            if tuple(tensor.shape) not in shapes:
+                raise ShapeMismatchError(
+                    f"tensor {name!r}: staged shape {list(tensor.shape)}, the engine's is "
+                    f"{list(need.shape)}"
+                )
 
     def finalize(self) -> LoadResult:
         per_instance: dict[str, LoadResult] = {}

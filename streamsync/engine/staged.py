@@ -1,0 +1,213 @@
+"""Staged syncs on the trainer side (:class:`ChannelStaging`): a version delivered to every
+worker of every engine while they serve, then committed everywhere in a short pause, or
+nowhere.
+
+::
+
+    stage(weights)      every worker: start_stage (returns at once; the engine serves on)
+                        the send, as in any sync (every route of a sharded channel)
+                        every worker: staged -> its receive's end
+                        any failure: drop on every engine, raise the root cause by name
+    commit(mode)        every engine at once: pause (mode), apply, weight version, resume
+                        all applied: caches reset, each engine's version is the sync's
+                        some applied: PartialCommitError naming each engine's version
+    drop()              every worker frees its staged version
+
+A failed staging leaves every model as it was. A failed commit leaves the engines that
+failed with an unknown version, and the channel's next sync full on every engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import anyio
+
+from streamsync._log import log
+from streamsync.engine.clients import EngineClient, PauseMode, StagingClient
+from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.rounds import SyncRound, each
+from streamsync.errors import (
+    ConfigError,
+    PartialCommitError,
+    ReceiverFailedError,
+    StreamsyncError,
+    SyncTimeoutError,
+)
+from streamsync.pipeline import AdapterLike
+from streamsync.report import SyncReport
+
+if TYPE_CHECKING:
+    from streamsync.engine.channel import EngineChannel
+
+#: The pause modes :meth:`ChannelStaging.commit` takes.
+PAUSE_MODES: tuple[PauseMode, ...] = ("keep", "wait", "abort")
+
+
+class Receiving:
+    """How a sync's workers receive: each engine's receive applies as the bytes land."""
+
+    #: Whether the receive applies the sync to the models (the engines' caches then go).
+    applies = True
+
+    async def __call__(
+        self, client: EngineClient, endpoint: str, options: WorkerOptions
+    ) -> list[WorkerResult]:
+        return await client.start_receive(endpoint, options)
+
+    def send_ended(self) -> None:
+        """The send ended (done or failed)."""
+
+
+class Staging(Receiving):
+    """A staged sync's receive: each engine's workers start staging and return at once;
+    once the send has ended, each worker's end of the staging is collected."""
+
+    applies = False
+
+    def __init__(self) -> None:
+        self._sent = anyio.Event()
+
+    async def __call__(
+        self, client: EngineClient, endpoint: str, options: WorkerOptions
+    ) -> list[WorkerResult]:
+        staging = cast(StagingClient, client)
+        started = await staging.start_stage(endpoint, options)
+        if not all(r.ok for r in started):
+            return started
+        await self._sent.wait()
+        assert options.sync_id is not None  # set by the channel
+        return await staging.staged(options.sync_id)
+
+    def send_ended(self) -> None:
+        self._sent.set()
+
+
+class ChannelStaging:
+    """One channel's staged version and each engine's committed one."""
+
+    def __init__(self, channel: EngineChannel) -> None:
+        self._channel = channel
+        #: The staged sync's report (``None``: nothing staged).
+        self.staged: SyncReport | None = None
+        #: Per engine, the sync id its models hold as this channel knows it (``None``:
+        #: unknown, as before the first sync, or after a failed one).
+        self.versions: dict[int, int | None] = dict.fromkeys(range(len(channel.clients)))
+
+    def require(self) -> None:
+        """Refuse, by name, a channel whose engines cannot stage."""
+        self._clients()
+
+    def _clients(self) -> list[StagingClient]:
+        every = self._channel.clients
+        clients = [c for c in every if isinstance(c, StagingClient)]
+        if len(clients) != len(every):
+            other = next(c for c in every if not isinstance(c, StagingClient))
+            raise ConfigError(f"{type(other).__name__} cannot stage a sync (staged=True)")
+        return clients
+
+    def synced(self, report: SyncReport | None) -> None:
+        """A plain sync ended: applied everywhere (its report), or failed (``None``)."""
+        for e in self.versions:
+            self.versions[e] = None if report is None else report.sync_id
+
+    async def stage(
+        self, weights: Any, *, pipeline: AdapterLike | None, mode: bool | Literal["full"]
+    ) -> SyncReport:
+        """``stage`` of :class:`~streamsync.engine.channel.EngineChannel`."""
+        channel = self._channel
+        self.require()
+        if self.staged is not None:
+            raise ConfigError(
+                f"stage(): sync {self.staged.sync_id} is staged already; commit() or drop() it "
+                "first"
+            )
+        if not channel.require_all:
+            raise ConfigError(
+                "stage(): a staged sync commits on every engine or none, so it needs "
+                "require_all=True"
+            )
+        try:
+            report = await channel.sync_round(
+                weights, channel.worker_options, pipeline, mode, receiving=Staging()
+            )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._drop_everywhere()
+            raise
+        self.staged = report
+        log("engine.staged", endpoint=channel.endpoint, sync_id=report.sync_id)
+        return report
+
+    async def commit(self, mode: PauseMode) -> SyncReport:
+        """``commit`` of :class:`~streamsync.engine.channel.EngineChannel`."""
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"commit(mode={mode!r}): use one of {', '.join(PAUSE_MODES)}")
+        channel = self._channel
+        staged = self.staged
+        if staged is None:
+            raise ConfigError("commit(): nothing is staged; stage(weights) first")
+        self.staged = None
+        clients = self._clients()
+        sync = SyncRound.of(len(clients))
+        sync.report = staged
+        limit = channel.timeout * 5
+
+        async def one(e: int) -> None:
+            where = "the engine" if not channel.fanout else f"engine {e}"
+            error: StreamsyncError | None = None
+            try:
+                with anyio.fail_after(limit):
+                    sync.results[e] = await clients[e].commit(
+                        staged.sync_id, version=str(staged.sync_id), mode=mode
+                    )
+            except TimeoutError:
+                error = SyncTimeoutError(f"{where} did not commit within {limit:g} s")
+            except StreamsyncError as exc:
+                error = exc
+            except Exception as exc:  # the engine's own call failed: it is gone
+                error = ReceiverFailedError(
+                    f"{where} failed to commit sync {staged.sync_id}: {type(exc).__name__}: {exc}"
+                )
+            if error is not None:
+                error.engine = channel.engine_index(e)
+                sync.engine_errors[e] = error
+
+        await each(len(clients), one)
+        committed = sync.applied([c.receivers for c in clients])
+        for e in self.versions:
+            self.versions[e] = staged.sync_id if e in committed else None
+        failure = sync.failure({}, channel.engine_index)
+        if failure is not None:
+            channel.drop_baselines()
+            if committed:
+                failed = sorted(set(self.versions) - set(committed))
+                raise PartialCommitError(
+                    f"sync {staged.sync_id} was committed on engines {committed} and failed "
+                    f"on engines {failed} (their version is unknown; the next sync is full "
+                    f"everywhere): {type(failure).__name__}: {failure}",
+                    dict(self.versions),
+                ) from failure
+            raise failure
+        merged = sync.merged(channel.fanout, {})
+        await channel.after_sync_on(committed, merged)
+        log("engine.committed", endpoint=channel.endpoint, sync_id=staged.sync_id, mode=mode)
+        return merged
+
+    async def drop(self) -> None:
+        """``drop`` of :class:`~streamsync.engine.channel.EngineChannel`."""
+        if self.staged is None:
+            return
+        self.staged = None
+        # The sender's baseline is the staged version, which no model will hold.
+        self._channel.drop_baselines()
+        await self._drop_everywhere()
+
+    async def _drop_everywhere(self) -> None:
+        """Every engine drops its staged version (best effort: a failed engine warns)."""
+        channel = self._channel
+
+        async def drop(client: EngineClient) -> None:
+            await cast(StagingClient, client).drop()
+
+        await channel._each_client("engine.drop_failed", drop)
