@@ -57,8 +57,8 @@ class StagingEngine(ThreadEngine):
 
         return await self._each(stage, rpc(options.to_wire()))
 
-    async def staged(self, sync_id: int) -> list[WorkerResult]:
-        return await self._each(lambda rank: self.workers[rank].staged(sync_id))
+    async def staged(self, sync_id: int, *, wait: bool = True) -> list[WorkerResult]:
+        return await self._each(lambda rank: self.workers[rank].staged(sync_id, wait=wait))
 
     async def commit(self, sync_id: int, *, version: str, mode: Any) -> list[WorkerResult]:
         self.pauses.append(mode)

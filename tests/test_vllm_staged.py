@@ -213,3 +213,88 @@ def test_async_llm_generates_while_a_version_is_staged(
     assert out["at_commit"] < 500  # committed while the request was still generating
     assert spans[-1][1] >= out["at_commit"] >= during  # the new version only after commit
     assert_matches(out["after"], reference_outputs(trainer))
+
+
+@pytest.mark.slow
+def test_an_engine_killed_while_staging_fails_it_and_no_engine_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``AsyncLLM`` engines, each in processes of its own; engine 1's core (its worker
+    with it) is SIGKILLed half-way through a staged sync. The sync fails naming engine 1,
+    engine 0 serves bit-identical outputs, and after a restart of engine 1 the next staged
+    sync brings both to one version."""
+    import signal
+
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from streamsync.vllm import WeightSync
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    trainer = build_tiny_model(tmp_path / "model", "dense", seed=0)
+    args = AsyncEngineArgs(
+        model=str(tmp_path / "model"),
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=4,
+        seed=0,
+        worker_extension_cls="streamsync.vllm.WorkerExtension",
+    )
+    engines: list[Any] = []
+
+    async def begin() -> None:
+        engines.append(AsyncLLM.from_engine_args(args))
+
+    async def first(endpoint: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with WeightSync(engines, endpoint, timeout=20) as sync:
+            await sync.update(ss.named_tensors(trainer))
+            out["before"] = await async_outputs(engines[0])
+            perturb(trainer, seed=4)
+            core = engines[1].engine_core.resources.engine_manager.processes[0]
+
+            async def weights() -> AsyncIterator[tuple[str, torch.Tensor]]:
+                items = list(trainer.state_dict().items())
+                for i, item in enumerate(items):
+                    if i == len(items) // 2:
+                        os.kill(core.pid, signal.SIGKILL)
+                    yield item
+
+            try:
+                await sync.stage(weights())
+            except ss.StreamsyncError as exc:
+                out["error"] = (type(exc).__name__, str(exc), exc.engine)
+            out["staged"] = sync.staged_version
+            out["after"] = await async_outputs(engines[0])
+        return out
+
+    async def second(endpoint: str) -> dict[str, Any]:
+        async with WeightSync(engines, endpoint, timeout=30) as sync:
+            staged = await sync.stage(ss.named_tensors(trainer))
+            await sync.commit()
+            return {
+                "versions": sync.versions,
+                "sync_id": staged.sync_id,
+                "outputs": [await async_outputs(llm) for llm in engines],
+            }
+
+    try:
+        for _ in range(2):
+            TRAINER.run(begin, timeout=300)
+        out = TRAINER.run(lambda: first(f"shm://staged-kill-{os.getpid()}"), timeout=300)
+        engines.pop().shutdown()  # the dead one
+        TRAINER.run(begin, timeout=300)  # engine 1 again, on its old weights
+        again = TRAINER.run(lambda: second(f"shm://staged-kill2-{os.getpid()}"), timeout=300)
+    finally:
+        for llm in engines:
+            llm.shutdown()
+        engines.clear()
+        gc.collect()
+    assert "error" in out and out["error"][2] == 1, out.get("error")  # named: engine 1
+    assert out["staged"] is None
+    assert same(out["after"], out["before"])  # engine 0: untouched, serving
+    assert again["versions"] == {0: again["sync_id"], 1: again["sync_id"]}
+    want = reference_outputs(trainer)
+    for got in again["outputs"]:
+        assert_matches(got, want)

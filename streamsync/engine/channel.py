@@ -630,8 +630,10 @@ class EngineChannel:
                 absent = sync.report is not None and not self.require_all
                 # A collective sync whose exchange failed (a rank is gone): the routes of
                 # the other ranks may never end, so their workers get the channel's
-                # timeout to report, not their receive's.
-                gone = exchange is not None and sync.send_error is not None
+                # timeout to report, not their receive's. So do the workers of a failed
+                # staged sync: nothing of it was applied, and it is dropped everywhere.
+                failed = sync.send_error is not None or sync.source_error is not None
+                gone = failed and (exchange is not None or not receiving.applies)
                 if (absent or gone) and await sync.absent_after(self.timeout, self._late):
                     tg.cancel_scope.cancel()
         finally:
@@ -710,7 +712,7 @@ class EngineChannel:
                 routes = routes_for(self._plans, self._workers(e))
                 options = msgspec.structs.replace(options, routes=routes)
             with anyio.fail_after(limit):
-                sync.results[e] = list(await receiving(client, self.url, options))
+                sync.results[e] = list(await receiving(client, self.url, options, where))
         except TimeoutError:
             error = SyncTimeoutError(
                 f"{where}'s workers did not report on the sync from {self.endpoint} "

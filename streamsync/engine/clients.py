@@ -105,8 +105,10 @@ class StagingClient(EngineClient, Protocol):
         """Start a staged receive from ``endpoint`` on every worker; returns once each has
         started (or failed to), by rank."""
 
-    async def staged(self, sync_id: int) -> list[WorkerResult]:
-        """Each worker's end of staged sync ``sync_id`` (after the send ended), by rank."""
+    async def staged(self, sync_id: int, *, wait: bool = True) -> list[WorkerResult]:
+        """Each worker's end of staged sync ``sync_id`` (after the send ended), by rank;
+        ``wait=False``: at once, a started result for a worker still receiving (the RPC
+        fails if the engine is gone)."""
 
     async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:
         """Pause the engine (``mode``), apply staged sync ``sync_id`` on every worker, set

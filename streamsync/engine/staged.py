@@ -51,32 +51,62 @@ class Receiving:
     applies = True
 
     async def __call__(
-        self, client: EngineClient, endpoint: str, options: WorkerOptions
+        self, client: EngineClient, endpoint: str, options: WorkerOptions, where: str
     ) -> list[WorkerResult]:
+        """Engine ``client``'s receive from ``endpoint`` (``where``: how errors name it)."""
         return await client.start_receive(endpoint, options)
 
     def send_ended(self) -> None:
         """The send ended (done or failed)."""
 
 
+#: Seconds between the checks on an engine while its workers stage: no RPC waits on a
+#: transfer, so an engine that dies is found by asking (each ask pauses it for an RPC).
+ALIVE_EVERY = 1.0
+
+
 class Staging(Receiving):
     """A staged sync's receive: each engine's workers start staging and return at once;
-    once the send has ended, each worker's end of the staging is collected."""
+    while the send runs each engine is asked every :data:`ALIVE_EVERY` seconds whether its
+    workers still stage (an engine that died, or a worker that failed, fails the sync at
+    once); once the send has ended, each worker's end of the staging is collected."""
 
     applies = False
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float) -> None:
         self._sent = anyio.Event()
+        #: How long an engine may take to answer whether its workers still stage.
+        self.timeout = timeout
 
     async def __call__(
-        self, client: EngineClient, endpoint: str, options: WorkerOptions
+        self, client: EngineClient, endpoint: str, options: WorkerOptions, where: str
     ) -> list[WorkerResult]:
         staging = cast(StagingClient, client)
-        started = await staging.start_stage(endpoint, options)
+        try:
+            with anyio.fail_after(self.timeout):  # it returns once the receive is started
+                started = await staging.start_stage(endpoint, options)
+        except TimeoutError:
+            raise ReceiverFailedError(
+                f"{where} did not start staging sync {options.sync_id} within "
+                f"{self.timeout:g} s: it is gone or stuck"
+            ) from None
         if not all(r.ok for r in started):
             return started
-        await self._sent.wait()
         assert options.sync_id is not None  # set by the channel
+        while not self._sent.is_set():
+            with anyio.move_on_after(ALIVE_EVERY):
+                await self._sent.wait()
+            if not self._sent.is_set():
+                try:
+                    with anyio.fail_after(self.timeout):
+                        now = await staging.staged(options.sync_id, wait=False)
+                except TimeoutError:
+                    raise ReceiverFailedError(
+                        f"{where} did not answer within {self.timeout:g} s whether its "
+                        f"workers still stage sync {options.sync_id}: it is gone or stuck"
+                    ) from None
+                if not all(r.ok for r in now):
+                    return now
         return await staging.staged(options.sync_id)
 
     def send_ended(self) -> None:
@@ -129,7 +159,11 @@ class ChannelStaging:
             )
         try:
             report = await channel.sync_round(
-                weights, channel.worker_options, pipeline, mode, receiving=Staging()
+                weights,
+                channel.worker_options,
+                pipeline,
+                mode,
+                receiving=Staging(channel.timeout),
             )
         except BaseException:
             with anyio.CancelScope(shield=True):

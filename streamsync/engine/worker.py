@@ -123,12 +123,15 @@ class WorkerReceivers:
         self._staging = started
         return WorkerResult.started()
 
-    def staged(self, sync_id: int) -> WorkerResult:
+    def staged(self, sync_id: int, *, wait: bool = True) -> WorkerResult:
         """The end of staged sync ``sync_id`` (waited for, within the receive's limit): the
-        receive's report, or its error (the staging is then dropped)."""
+        receive's report, or its error (the staging is then dropped). ``wait=False``: at
+        once, :meth:`WorkerResult.started` while the receive still runs."""
         found = self._staged(sync_id)
         if isinstance(found, WorkerResult):
             return found
+        if not wait and not found.future.done():
+            return WorkerResult.started()
         result = self._finish(found)
         if not result.ok:
             self._staging = None

@@ -139,8 +139,8 @@ class VllmClient:
         raw = await self._rpc(_STAGE, endpoint, options.to_wire())
         return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
 
-    async def staged(self, sync_id: int) -> list[WorkerResult]:
-        raw = await self._rpc(_STAGED, sync_id)
+    async def staged(self, sync_id: int, *, wait: bool = True) -> list[WorkerResult]:
+        raw = await self._rpc(_STAGED, sync_id, wait)
         return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
 
     async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:

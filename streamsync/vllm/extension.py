@@ -68,10 +68,10 @@ class WorkerExtension:
 
         return self.streamsync_receivers.stage(endpoint, options, sink).to_wire()
 
-    def streamsync_staged(self, sync_id: int) -> dict[str, Any]:
+    def streamsync_staged(self, sync_id: int, wait: bool = True) -> dict[str, Any]:
         """The end of staged sync ``sync_id``: a
         :class:`~streamsync.engine.messages.WorkerResult` in plain values."""
-        return self.streamsync_receivers.staged(sync_id).to_wire()
+        return self.streamsync_receivers.staged(sync_id, wait=wait).to_wire()
 
     def streamsync_commit(self, sync_id: int) -> dict[str, Any]:
         """Apply staged sync ``sync_id`` to every model instance of this worker."""
