@@ -14,9 +14,10 @@ After a warm-up of each, they alternate ``runs`` times. Per run: the sync's seco
 trainer waits for it (stage and commit together); the engine's **pause**, the longest gap
 between two consecutive outputs of a running request that overlaps the sync's window
 (beside the steady gap between outputs measured before it); the tokens every request
-produced inside the window; and for a staged sync the commit's own seconds. Every request
-must still be generating when the window ends (else its pause is cut short); the table says
-when one was not.
+produced inside the window; and for a staged sync the commit's own seconds and the
+workers' apply (the ``apply`` phase of the commit's report). Every request must still be
+generating when the window ends (else its pause is cut short); the table says when one was
+not.
 """
 
 from __future__ import annotations
@@ -223,8 +224,10 @@ async def _one_run(
         else:
             report = await sync.stage(_named(weights))
             committing = time.perf_counter()
-            await sync.commit(mode="keep")
+            committed = await sync.commit(mode="keep")
             figures["commit_s"] = time.perf_counter() - committing
+            if "apply" in committed.phases:
+                figures["apply_s"] = committed.phases["apply"]
             figures["stage_s"] = committing - start
         end = time.perf_counter()
         window[:] = [start, end]
@@ -262,20 +265,25 @@ def format_staged(data: dict[str, Any]) -> str:
         "runs. Seconds: the sync as the trainer waits for it (stage and commit together); "
         "pause: the longest gap between two consecutive outputs of a request that overlaps "
         "the sync; steady gap: between outputs before it; tokens: what every request "
-        "produced during the sync",
+        "produced during the sync; commit: its seconds as the trainer waits (vLLM's pause, "
+        "the apply, the version, the resume); apply: the slowest worker's copy of the staged "
+        "version into the model",
         "",
-        "| mode | sync s | commit s | pause s | steady gap s | tokens during sync "
+        "| mode | sync s | commit s | apply s | pause s | steady gap s | tokens during sync "
         "| requests outlasted |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for mode in MODES:
         runs = rows.get(mode, [])
         if not runs:
             continue
-        commit = _span([r["commit_s"] for r in runs]) if "commit_s" in runs[0] else "-"
+        commit, apply = (
+            _span([r[key] for r in runs]) if all(key in r for r in runs) else "-"
+            for key in ("commit_s", "apply_s")
+        )
         outlasted = sum(r["outlasted"] for r in runs)
         lines.append(
-            f"| {mode} | {_span([r['seconds'] for r in runs])} | {commit} "
+            f"| {mode} | {_span([r['seconds'] for r in runs])} | {commit} | {apply} "
             f"| {_span([r['pause_s'] for r in runs])} "
             f"| {_span([r['steady_gap_s'] for r in runs])} "
             f"| {_span([float(r['tokens']) for r in runs], '.0f')} "
@@ -306,21 +314,19 @@ def _verdicts(data: dict[str, Any]) -> list[str]:
     )
     mib = 2**20
     model = data["model_bytes"]
-    commit = _median(staged, "commit_s")
-    copy_gbps = model / commit / 1e9 if commit > 0 else float("inf")
-    overhead = staged_pause - commit
+    # The apply's host copy: the workers' own time where they report it, else the commit's.
+    worker = all("apply_s" in r for r in staged)
+    copy = _median(staged, "apply_s" if worker else "commit_s")
+    copy_gbps = model / copy / 1e9 if copy > 0 else float("inf")
+    overhead = staged_pause - copy
     h2d = model / (data["h2d_gbps"] * 1e9)
-    below = (
-        ", below zero: the commit's seconds count vLLM's pause and resume besides the copy, "
-        "so 0 is projected"
-        if overhead < 0
-        else ""
-    )
+    what = "the workers' apply" if worker else "the commit's seconds"
+    below = ", below zero: 0 is projected" if overhead < 0 else ""
     out.append(
         f"projection: a staged pause on a GPU engine ~ {model / mib:.1f} MiB / "
         f"{data['h2d_gbps']:g} GB/s H2D (an assumption, not measured) = {h2d:.3f} s + the "
         f"pause overhead measured here {overhead:.3f} s (staged pause {staged_pause:.3f} s "
-        f"minus the apply's host copy {commit:.3f} s: the commit's seconds, "
-        f"{copy_gbps:.2f} GB/s{below}) = {h2d + max(overhead, 0.0):.3f} s"
+        f"minus the apply's host copy {copy:.3f} s: {what}, {copy_gbps:.2f} GB/s{below}) = "
+        f"{h2d + max(overhead, 0.0):.3f} s"
     )
     return out
