@@ -74,6 +74,8 @@ class SyncReport(msgspec.Struct, frozen=True, kw_only=True):
     #: the slot, casts fused) and ``publish`` (announcing it) where the transport counts
     #: them, and ``end`` (waiting for the receivers' reports). Receiver: ``wait`` (for the
     #: next bucket), ``prepare``, ``load`` (unpacking and the sink's copies), ``finalize``.
+    #: A staged sync's commit adds ``apply``: the slowest worker's copy of the staged version
+    #: into its models.
     phases: dict[str, float] = {}
     #: The copy and patch kernel this side ran: ``"c"``, compiled when the package was
     #: installed, or ``"torch"``, the torch and numpy fallback where it was not built.

@@ -449,6 +449,8 @@ def test_the_recorded_command_line_names_the_vllm_and_thread_options() -> None:
     assert "--slots" not in _command_line(args)
     args.sharded, args.engines = True, 2
     assert "--sharded --engines 2" in _command_line(args)
+    args.sharded, args.staged = False, True
+    assert "--staged --runs 3" in _command_line(args)
 
 
 @pytest.mark.slow
@@ -862,3 +864,118 @@ def test_the_sharded_bench_sends_each_worker_half_into_a_tp2_engine(
     assert 0 < delta["max_worker_bytes"] < sharded["max_worker_bytes"]
     assert not sharded["unsliced"]
     assert "| zmq+tcp | sharded |" in format_sharded(data)
+
+
+def test_a_sync_window_gives_the_longest_gap_the_steady_gap_and_its_tokens() -> None:
+    """``bench --staged``'s figures of one window: the longest gap between a request's
+    consecutive outputs that overlaps it, the median gap before it (the later half), the
+    tokens produced inside it, and whether every request outlasted it."""
+    from streamsync.cli.bench.staged import window_figures
+
+    steady = [(0.1 * i, i) for i in range(1, 11)]  # outputs every 0.1 s up to 1.0
+    one = [*steady, (1.5, 11), (1.6, 12), (2.4, 13), (2.5, 14)]
+    other = [*steady, (1.55, 12), (2.45, 14)]  # two tokens an output
+    got = window_figures([one, other], 1.05, 2.3)
+    assert got["pause_s"] == pytest.approx(0.9)  # 1.55 -> 2.45, across the window's end
+    assert got["steady_gap_s"] == pytest.approx(0.1)
+    assert got["tokens"] == (12 - 10) + (12 - 10)
+    assert got["outlasted"]
+    assert not window_figures([one, steady], 1.05, 2.3)["outlasted"]  # ended at 1.0
+
+
+def _staged_data() -> dict[str, Any]:
+    def run(mode: str, seconds: float, pause: float, tokens: int, **more: Any) -> dict[str, Any]:
+        return {
+            "mode": mode,
+            "seconds": seconds,
+            "pause_s": pause,
+            "steady_gap_s": 0.05,
+            "tokens": tokens,
+            "outlasted": True,
+            **more,
+        }
+
+    return {
+        "schema": "streamsync.cli.bench.staged/1",
+        "model": "dense-400m",
+        "model_bytes": 400 << 20,
+        "runs": 3,
+        "requests": 2,
+        "max_tokens": 500,
+        "target": 0.25,
+        "h2d_gbps": 25.0,
+        "rows": {
+            "plain": [run("plain", s, s, 2) for s in (1.0, 1.2, 1.1)],
+            "staged": [
+                run("staged", 1.5, 0.20, 40, commit_s=0.15, apply_s=0.12, stage_s=1.35),
+                run("staged", 1.6, 0.25, 44, commit_s=0.16, apply_s=0.13, stage_s=1.44),
+                run("staged", 1.4, 0.22, 38, commit_s=0.14, apply_s=0.11, stage_s=1.26),
+            ],
+        },
+    }
+
+
+def test_the_staged_table_gives_medians_ranges_the_verdict_and_the_projection() -> None:
+    from streamsync.cli.bench.staged import SCHEMA, format_staged
+
+    data = _staged_data()
+    assert data["schema"] == SCHEMA
+    json.loads(json.dumps(data))  # plain data
+    table = format_staged(data)
+    assert "into one CPU vLLM AsyncLLM" in table and "(400.0 MiB per sync)" in table
+    assert (
+        "| plain | 1.100 (1.000-1.200) | - | - | 1.100 (1.000-1.200) | 0.050 | 2 | yes |" in table
+    )
+    assert (
+        "| staged | 1.500 (1.400-1.600) | 0.150 (0.140-0.160) | 0.120 (0.110-0.130) "
+        "| 0.220 (0.200-0.250) | 0.050 | 40 (38-44) | yes |" in table
+    )
+    assert "pause staged / plain 0.20 (medians: 0.220 s / 1.100 s; target <= 0.25: met)" in table
+    # 400 MiB / 25 GB/s = 0.017 s, + 0.220 - 0.120 s (the workers' apply) of overhead.
+    assert "25 GB/s H2D (an assumption, not measured) = 0.017 s" in table
+    assert "overhead measured here 0.100 s" in table
+    assert "the workers' apply, 3.50 GB/s) = 0.117 s" in table
+    assert "WARNING" not in table and "below zero" not in table
+    # Without the workers' apply: the commit's seconds stand for the copy.
+    for r in data["rows"]["staged"]:
+        del r["apply_s"]
+    table = format_staged(data)
+    assert "| 0.150 (0.140-0.160) | - | 0.220" in table
+    assert "overhead measured here 0.070 s" in table
+    assert "the commit's seconds, 2.80 GB/s) = 0.087 s" in table
+    for r in data["rows"]["staged"]:
+        r["commit_s"] = 0.3
+    table = format_staged(data)
+    assert "overhead measured here -0.080 s" in table
+    assert "below zero: 0 is projected) = 0.017 s" in table
+    for r in data["rows"]["staged"]:
+        r["pause_s"] = 0.5
+    data["rows"]["plain"][0]["outlasted"] = False
+    table = format_staged(data)
+    assert "target <= 0.25: MISSED" in table and "| NO (1 runs) |" in table
+    assert "WARNING: some requests ended before the sync did (plain)" in table
+
+
+def test_bench_staged_refuses_runs_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--staged", "--runs", "0"]) == 2
+    assert "--staged: runs with --runs 1 or more" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_staged_bench_keeps_requests_generating_while_a_version_stages() -> None:
+    """One run of each on the tiny model: every figure there, requests that outlasted each
+    sync, and tokens produced while the staged sync's version landed."""
+    from streamsync.cli.bench.staged import StagedConfig, format_staged, run_staged_bench
+
+    data = run_staged_bench(StagedConfig(kind="dense", runs=1))
+    assert data["schema"] == "streamsync.cli.bench.staged/1"
+    plain, staged = data["rows"]["plain"], data["rows"]["staged"]
+    assert len(plain) == len(staged) == 1
+    assert all(r["outlasted"] for r in plain + staged)
+    assert 0 < staged[0]["apply_s"] < staged[0]["commit_s"] < staged[0]["seconds"]
+    assert all(r["pause_s"] > 0 and r["steady_gap_s"] > 0 for r in plain + staged)
+    assert staged[0]["tokens"] > 0
+    json.loads(json.dumps(data))
+    assert "| staged |" in format_staged(data)

@@ -119,6 +119,8 @@ async def test_a_staged_version_reaches_no_model_until_every_engine_commits_it(
             assert all(e.resets == step for e in engines)
             report = await channel.commit(mode="wait")
             assert report.complete and report.sync_id == staged.sync_id
+            assert report.phases["apply"] > 0  # the slowest worker's copy into its models
+            assert "apply" not in staged.phases
             assert set(report.instances) == {
                 f"engine{e}.worker{w}.main" for e in range(2) for w in range(2)
             }

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
+import msgspec
 
 from streamsync._log import log
 from streamsync.engine.clients import EngineClient, PauseMode, StagingClient
@@ -224,6 +225,16 @@ class ChannelStaging:
                 ) from failure
             raise failure
         merged = sync.merged(channel.fanout, {})
+        applies = [
+            r.report.phases["apply"]
+            for results in sync.results
+            for r in results
+            if r.report is not None and "apply" in r.report.phases
+        ]
+        if applies:  # the slowest worker's apply (the engines commit at once)
+            merged = msgspec.structs.replace(
+                merged, phases={**merged.phases, "apply": max(applies)}
+            )
         await channel.after_sync_on(committed, merged)
         log("engine.committed", endpoint=channel.endpoint, sync_id=staged.sync_id, mode=mode)
         return merged

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -153,6 +154,7 @@ class WorkerReceivers:
         sink = found.sink
         assert isinstance(sink, StagingSink)
         report = found.future.result()
+        start = time.perf_counter()
         try:
             result = self._loop.run(
                 sink.commit, timeout=found.timeout * 4, what=f"commit of sync {sync_id}"
@@ -163,9 +165,15 @@ class WorkerReceivers:
             return WorkerResult.failed(
                 ReceiverFailedError(f"commit of sync {sync_id}: {type(exc).__name__}: {exc}")
             )
+        # ``apply``: the staged version's copy into the model, as this worker timed it.
+        phases = {**report.phases, "apply": time.perf_counter() - start}
         return WorkerResult.succeeded(
             msgspec.structs.replace(
-                report, loaded=result.loaded, missing=result.missing, instances=result.instances
+                report,
+                loaded=result.loaded,
+                missing=result.missing,
+                instances=result.instances,
+                phases=phases,
             )
         )
 

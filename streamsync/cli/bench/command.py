@@ -152,6 +152,14 @@ def add_parser(subparsers: Any) -> None:
         "then sharded delta syncs; over zmq+tcp and torch+gloo (needs the vllm extra)",
     )
     parser.add_argument(
+        "--staged",
+        action="store_true",
+        help="staged syncs instead: the demo's ~400 MiB Qwen3 into one CPU vLLM AsyncLLM while "
+        "two requests generate, stage then commit against a plain update, alternating; the "
+        "engine's pause (the longest gap between a request's outputs) of each (needs the "
+        "vllm extra)",
+    )
+    parser.add_argument(
         "--engines",
         type=int,
         choices=(1, 2),
@@ -184,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_lora(args)
     if args.sharded:
         return _run_sharded(args)
+    if getattr(args, "staged", False):
+        return _run_staged(args)
     if args.receivers:
         return _run_fanout(args)
     for name in args.transport or ():
@@ -362,6 +372,27 @@ def _run_sharded(args: argparse.Namespace) -> int:
     return 0 if all(r["verified"] is not False for r in data["rows"]) else 1
 
 
+def _run_staged(args: argparse.Namespace) -> int:
+    if args.runs < 1 or importlib.util.find_spec("vllm") is None:
+        sys.stderr.write(
+            "streamsync bench --staged: runs with --runs 1 or more, and needs vLLM (pip "
+            "install 'streamsync[vllm]')\n"
+        )
+        return 2
+    from streamsync.cli.bench.staged import StagedConfig, format_staged, run_staged_bench
+
+    config = StagedConfig(runs=args.runs, timeout=args.timeout)
+
+    def progress(label: str) -> None:
+        sys.stderr.write(f"{label}\n")
+
+    data = run_staged_bench(config, progress)
+    data["command"] = _command_line(args)
+    sys.stdout.write(format_staged(data) + "\n")
+    _write_json(args, data)
+    return 0 if all(r["outlasted"] for rows in data["rows"].values() for r in rows) else 1
+
+
 def _write_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """Every figure of the run to ``--json``, when it was given."""
     if args.json:
@@ -378,6 +409,7 @@ def _command_line(args: argparse.Namespace) -> str:
     parts += [f"--lora --rank {args.rank}"] if getattr(args, "lora", False) else []
     sharded = getattr(args, "sharded", False)
     parts += [f"--sharded --engines {args.engines}"] if sharded else []
+    parts += ["--staged"] if getattr(args, "staged", False) else []
     parts += [f"--receivers {','.join(map(str, args.receivers))}"] if args.receivers else []
     parts += [f"--runs {args.runs}", f"--bucket-bytes {args.bucket_bytes}"]
     parts += [f"--slots {args.slots}"] if args.slots is not None else []
