@@ -22,6 +22,7 @@ from test_vllm_sharded import nudge, start, stream
 from vllm_harness import (
     TRAINER,
     assert_matches,
+    async_engine_args,
     async_outputs,
     engine_outputs,
     make_llm,
@@ -138,22 +139,14 @@ def test_a_failed_staging_leaves_the_engine_serving_bit_identical(tmp_path: Path
 def test_async_llm_generates_while_a_version_is_staged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from streamsync.vllm import WeightSync
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     trainer = build_tiny_model(tmp_path / "model", "dense", seed=0)
-    args = AsyncEngineArgs(
-        model=str(tmp_path / "model"),
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=True,
-        max_num_seqs=4,
-        seed=0,
-        worker_extension_cls="streamsync.vllm.WorkerExtension",
-    )
+    args = async_engine_args(tmp_path / "model", max_model_len=512)
 
     async def begin() -> Any:
         return AsyncLLM.from_engine_args(args)
@@ -225,22 +218,13 @@ def test_an_engine_killed_while_staging_fails_it_and_no_engine_commits(
     sync brings both to one version."""
     import signal
 
-    from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from streamsync.vllm import WeightSync
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     trainer = build_tiny_model(tmp_path / "model", "dense", seed=0)
-    args = AsyncEngineArgs(
-        model=str(tmp_path / "model"),
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        max_num_seqs=4,
-        seed=0,
-        worker_extension_cls="streamsync.vllm.WorkerExtension",
-    )
+    args = async_engine_args(tmp_path / "model")
     engines: list[Any] = []
 
     async def begin() -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "TRAINER",
     "Outputs",
     "assert_matches",
+    "async_engine_args",
     "async_outputs",
     "cached_greedy",
     "engine_outputs",
@@ -118,6 +119,23 @@ def sync(llm: Any, trainer: torch.nn.Module, endpoint: str, **kwargs: Any) -> ss
         )
 
     return TRAINER.run(main, timeout=300)
+
+
+def async_engine_args(path: Any, **kwargs: Any) -> Any:
+    """``AsyncEngineArgs`` of a small CPU engine on ``path`` with streamsync's worker
+    extension; ``kwargs`` override them."""
+    from vllm import AsyncEngineArgs
+
+    options: dict[str, Any] = {
+        "model": str(path),
+        "dtype": "float32",
+        "max_model_len": 256,
+        "enforce_eager": True,
+        "max_num_seqs": 4,
+        "seed": 0,
+        "worker_extension_cls": "streamsync.vllm.WorkerExtension",
+    }
+    return AsyncEngineArgs(**{**options, **kwargs})
 
 
 async def async_outputs(llm: Any, prompts: list[list[int]] = PROMPTS) -> Outputs:

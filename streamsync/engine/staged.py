@@ -19,6 +19,7 @@ failed with an unknown version, and the channel's next sync full on every engine
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
@@ -83,32 +84,31 @@ class Staging(Receiving):
         self, client: EngineClient, endpoint: str, options: WorkerOptions, where: str
     ) -> list[WorkerResult]:
         staging = cast(StagingClient, client)
-        try:
-            with anyio.fail_after(self.timeout):  # it returns once the receive is started
-                started = await staging.start_stage(endpoint, options)
-        except TimeoutError:
-            raise ReceiverFailedError(
-                f"{where} did not start staging sync {options.sync_id} within "
-                f"{self.timeout:g} s: it is gone or stuck"
-            ) from None
+        assert options.sync_id is not None  # set by the channel
+        sync_id = options.sync_id
+
+        async def bounded(call: Awaitable[list[WorkerResult]], what: str) -> list[WorkerResult]:
+            # Each call returns at once on a live engine; one gone never answers.
+            try:
+                with anyio.fail_after(self.timeout):
+                    return await call
+            except TimeoutError:
+                raise ReceiverFailedError(
+                    f"{where} did not {what} sync {sync_id} within {self.timeout:g} s: it is "
+                    "gone or stuck"
+                ) from None
+
+        started = await bounded(staging.start_stage(endpoint, options), "start staging")
         if not all(r.ok for r in started):
             return started
-        assert options.sync_id is not None  # set by the channel
         while not self._sent.is_set():
             with anyio.move_on_after(ALIVE_EVERY):
                 await self._sent.wait()
             if not self._sent.is_set():
-                try:
-                    with anyio.fail_after(self.timeout):
-                        now = await staging.staged(options.sync_id, wait=False)
-                except TimeoutError:
-                    raise ReceiverFailedError(
-                        f"{where} did not answer within {self.timeout:g} s whether its "
-                        f"workers still stage sync {options.sync_id}: it is gone or stuck"
-                    ) from None
+                now = await bounded(staging.staged(sync_id, wait=False), "say how it stages")
                 if not all(r.ok for r in now):
                     return now
-        return await staging.staged(options.sync_id)
+        return await staging.staged(sync_id)
 
     def send_ended(self) -> None:
         self._sent.set()
