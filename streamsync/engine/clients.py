@@ -6,11 +6,22 @@ protocols of clients that can do more (:class:`LoopBoundClient`, :class:`FactsCl
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
+from streamsync.errors import ConfigError
 
 __all__ = ["EngineClient"]
+
+
+def able(clients: Sequence[EngineClient], kind: Any, cannot: str) -> list[Any]:
+    """``clients``, each a ``kind`` (a runtime-checkable protocol); else a
+    :class:`~streamsync.ConfigError` naming the first that is not and what it ``cannot``."""
+    for client in clients:
+        if not isinstance(client, kind):
+            raise ConfigError(f"{type(client).__name__} cannot {cannot}")
+    return list(clients)
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ import anyio
 import msgspec
 
 from streamsync._log import log, warn
-from streamsync.engine.clients import LoraClient
+from streamsync.engine.clients import LoraClient, able
 from streamsync.engine.messages import LoraTarget
 from streamsync.engine.rounds import each
 from streamsync.errors import ConfigError, LoraError, StreamsyncError
@@ -43,12 +43,7 @@ class ChannelLoras:
         self._loras: dict[str, _Lora] = {}
 
     def _clients(self) -> list[LoraClient]:
-        every = self._channel.clients
-        clients = [c for c in every if isinstance(c, LoraClient)]
-        if len(clients) != len(every):
-            other = next(c for c in every if not isinstance(c, LoraClient))
-            raise ConfigError(f"{type(other).__name__} cannot install LoRA adapters")
-        return clients
+        return able(self._channel.clients, LoraClient, "install LoRA adapters")
 
     async def update(
         self, name: str, adapter: Any, *, config: Any, pipeline: AdapterLike | None

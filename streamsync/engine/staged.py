@@ -26,7 +26,7 @@ import anyio
 import msgspec
 
 from streamsync._log import log
-from streamsync.engine.clients import EngineClient, PauseMode, StagingClient
+from streamsync.engine.clients import EngineClient, PauseMode, StagingClient, able
 from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.engine.rounds import SyncRound, each
 from streamsync.errors import (
@@ -130,12 +130,7 @@ class ChannelStaging:
         self._clients()
 
     def _clients(self) -> list[StagingClient]:
-        every = self._channel.clients
-        clients = [c for c in every if isinstance(c, StagingClient)]
-        if len(clients) != len(every):
-            other = next(c for c in every if not isinstance(c, StagingClient))
-            raise ConfigError(f"{type(other).__name__} cannot stage a sync (staged=True)")
-        return clients
+        return able(self._channel.clients, StagingClient, "stage a sync (staged=True)")
 
     def synced(self, report: SyncReport | None) -> None:
         """A plain sync ended: applied everywhere (its report), or failed (``None``)."""
