@@ -14,8 +14,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,18 @@ import pytest
 import requests
 from vllm_harness import PROMPTS, remove_vllm_segments, vllm_segments
 
+from streamsync.cli.verify import MAX_TOKENS, Outputs
 from streamsync.testing.peers import free_port
 
-__all__ = ["ROOT", "Server", "plugin_dir", "start_server", "stop_server", "trainer_engine"]
+__all__ = [
+    "ROOT",
+    "Server",
+    "Stream",
+    "plugin_dir",
+    "start_server",
+    "stop_server",
+    "trainer_engine",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 900.0  # two shared cores: the server takes minutes to come up
@@ -85,8 +95,96 @@ class Server:
             out.append(list(body["choices"][0]["token_ids"]))
         return out
 
+    def outputs(self, prompts: list[list[int]] = PROMPTS) -> Outputs:
+        """Greedy tokens and prompt logprobs of ``prompts``, as
+        :func:`~streamsync.cli.verify.engine_outputs` gives them from an ``LLM``."""
+        tokens, logprobs = [], []
+        for prompt in prompts:
+            body = self.post(
+                "v1/completions",
+                json={
+                    "model": self.model,
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "prompt_logprobs": 0,
+                },
+            )
+            choice = body["choices"][0]
+            tokens.append(list(choice["token_ids"]))
+            logprobs.append(
+                [next(iter(d.values()))["logprob"] for d in choice["prompt_logprobs"][1:]]
+            )
+        return Outputs(tokens, logprobs)
+
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
+
+
+@dataclass
+class Stream:
+    """A streamed greedy completion on ``server`` in a thread of its own, counting the chunks
+    of tokens it has produced; :meth:`more` waits for more (events, no sleeps)."""
+
+    server: Server
+    max_tokens: int = 240
+    chunks: int = 0
+    done: bool = False
+    error: BaseException | None = None
+    _changed: threading.Condition = field(default_factory=threading.Condition)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> Stream:
+        self._thread = threading.Thread(target=self._run, name="stream", daemon=True)
+        self._thread.start()
+        self.more(1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._thread is not None
+        self._thread.join(timeout=300)
+
+    def _run(self) -> None:
+        body = {
+            "model": self.server.model,
+            "prompt": [1, 2, 3, 4],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        try:
+            with requests.post(
+                f"{self.server.url}/v1/completions", json=body, stream=True, timeout=300
+            ) as response:
+                assert response.status_code == 200, response.text
+                for line in response.iter_lines():
+                    if line.startswith(b"data: {"):
+                        with self._changed:
+                            self.chunks += 1
+                            self._changed.notify_all()
+        except BaseException as exc:  # reported by more()
+            self.error = exc
+        finally:
+            with self._changed:
+                self.done = True
+                self._changed.notify_all()
+
+    def more(self, count: int, timeout: float = 120.0) -> tuple[int, int]:
+        """Wait until ``count`` more chunks came; (chunks then, now). Fails if the stream
+        ended or ``timeout`` passed first."""
+        with self._changed:
+            start = self.chunks
+            reached = self._changed.wait_for(
+                lambda: self.chunks >= start + count or self.done, timeout=timeout
+            )
+            assert reached and self.chunks >= start + count, (
+                f"the stream produced {self.chunks - start} of {count} more chunks "
+                f"(ended: {self.done}, error: {self.error!r})"
+            )
+            return start, self.chunks
 
 
 def start_server(

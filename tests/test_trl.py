@@ -336,6 +336,8 @@ def test_trainer_calling_order_against_the_server(
             assert server.greedy_tokens() == want, f"step {step}"
             report = transfer.last_report
             assert report is not None and report.complete
+            # Every sync labels what the server generates: the sync's id by default.
+            assert server.get("weight_info") == {"weight_version": str(report.sync_id)}
             n = len(list(trainer.parameters()))
             if delta:
                 d = report.delta
@@ -352,6 +354,49 @@ def test_trainer_calling_order_against_the_server(
     transfer.destroy()  # TRL's finally after a failure: a no-op
     with pytest.raises(ss.ConfigError, match="not initialised"):
         transfer.send_weights(_trl_stream(trainer))
+
+
+@pytest.mark.vllm
+def test_staged_transfer_keeps_the_server_generating_in_trainers_order(
+    trainer_module: Any, dense: tuple[Any, torch.nn.Module]
+) -> None:
+    """``WeightTransfer(staged=True)`` in the trainer's order (``pause`` → ``send_weights`` →
+    ``resume``): the server is never paused by ``pause``, a request produces tokens while
+    half of the version is staged, and after each step the server's outputs are the
+    trainer's and its weight version is the sync's id."""
+    from server_harness import Stream
+    from vllm_harness import assert_matches, reference_outputs
+
+    server, trainer = dense
+    transfer = WeightTransfer(server.url, staged=True, bucket_bytes=256 << 10)
+    transfer.init_weight_transfer()
+    try:
+        for step in range(2):
+            perturb(trainer, seed=400 + step)
+            seen: list[tuple[int, int]] = []
+
+            def stream_waiting(
+                stream: Stream, seen: list[tuple[int, int]]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+                items = list(_trl_stream(trainer))
+                for i, item in enumerate(items):
+                    if i == len(items) // 2:  # half staged: the server must still generate
+                        seen.append(stream.more(3))
+                    yield item
+
+            with Stream(server) as stream:
+                transfer.pause()
+                assert server.get("is_paused") == {"is_paused": False}
+                transfer.send_weights(stream_waiting(stream, seen))
+                transfer.resume()
+                assert not stream.done  # committed while the request was generating
+            assert stream.error is None and seen[0][1] >= seen[0][0] + 3
+            report = transfer.last_report
+            assert report is not None and report.complete
+            assert server.get("weight_info") == {"weight_version": str(report.sync_id)}
+            assert_matches(server.outputs(), reference_outputs(trainer))
+    finally:
+        transfer.destroy()
 
 
 @pytest.mark.vllm

@@ -97,7 +97,14 @@ def _rank0(
         endpoint, ranks = "zmq+tcp://127.0.0.1:0", Ranks()
         pipeline = _pipeline(kind)
         with WeightSync(
-            llm, endpoint, sharded=True, ranks=ranks, delta=True, timeout=60, pipeline=pipeline
+            llm,
+            endpoint,
+            sharded=True,
+            ranks=ranks,
+            delta=True,
+            timeout=60,
+            pipeline=pipeline,
+            staged=kind == "staged",  # each update stages on every worker, then commits
         ) as sync:
             for step in range(STEPS):
                 set_shards(model, new_weights(full, step))
@@ -152,7 +159,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["dense", "tied", "moe", "drafter"])
+@pytest.mark.parametrize("kind", ["dense", "tied", "moe", "drafter", "staged"])
 def test_two_fsdp2_ranks_sync_a_tp2_engine(kind: str, tmp_path: Path) -> None:
     from streamsync.boxes import slices_of
     from streamsync.testing.models import build_tiny_model
@@ -192,5 +199,7 @@ def test_two_fsdp2_ranks_sync_a_tp2_engine(kind: str, tmp_path: Path) -> None:
         assert slices, "each worker reads part of the TP-split tensors"
         for name, (box, shape) in slices.items():
             assert rank["assembled"][name] == prod(box.shape) < prod(shape), name
+    if kind == "staged":  # every sync was staged on both workers, then committed
+        assert all("apply" in r.phases for r in rank0["reports"]), rank0["reports"][0].phases
     if kind == "moe":  # the experts went per expert, each cut from its holder's shard
         assert any(".experts.0.gate_proj.weight" in name for name in rank0["assembled"])

@@ -91,10 +91,11 @@ class BlockingWeightSync:
         call = partial(self.channel.stage, weights, pipeline=pipeline, delta=delta)
         return self._run("sync.stage(weights)", call)
 
-    def commit(self, *, mode: PauseMode = "keep") -> SyncReport:
+    def commit(self, *, mode: PauseMode = "keep", version: str | None = None) -> SyncReport:
         """:meth:`EngineChannel.commit <streamsync.engine.channel.EngineChannel.commit>`,
         blocking."""
-        return self._run("sync.commit()", partial(self.channel.commit, mode=mode))
+        call = partial(self.channel.commit, mode=mode, version=version)
+        return self._run("sync.commit()", call)
 
     def drop(self) -> None:
         """:meth:`EngineChannel.drop <streamsync.engine.channel.EngineChannel.drop>`,

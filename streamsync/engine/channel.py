@@ -448,16 +448,16 @@ class EngineChannel:
         :meth:`update`'s; one version is staged at a time."""
         return await self._staging.stage(weights, pipeline=pipeline, mode=self._mode(delta))
 
-    async def commit(self, *, mode: PauseMode = "keep") -> SyncReport:
+    async def commit(self, *, mode: PauseMode = "keep", version: str | None = None) -> SyncReport:
         """Apply the staged version on every engine at once: each pauses (``mode``, as
         vLLM's pause takes it: ``keep`` freezes the requests in flight and they go on with
-        the new weights, ``wait`` lets them finish first, ``abort`` ends them), applies it
-        to every model instance, sets its weight version to the sync's id, resumes, and
-        drops its caches. Returns the sync's report with every worker's instances. A commit
-        that fails on some engines after others applied it raises
-        :class:`~streamsync.PartialCommitError` naming each engine's version; the next sync
-        is then full on every engine."""
-        return await self._staging.commit(mode)
+        the new weights, recomputing what they hold, ``wait`` lets them finish first,
+        ``abort`` ends them), applies it to every model instance, sets its weight version
+        (``version``; default: the sync's id), drops its prefix cache and resumes. Returns
+        the sync's report with every worker's instances. A commit that fails on some
+        engines after others applied it raises :class:`~streamsync.PartialCommitError`
+        naming each engine's version; the next sync is then full on every engine."""
+        return await self._staging.commit(mode, version)
 
     async def drop(self) -> None:
         """Drop the staged version on every engine (none of them ever served it)."""
@@ -479,10 +479,13 @@ class EngineChannel:
         for sender in self._senders:
             sender.state.baseline.drop()
 
-    async def after_sync_on(self, engines: Sequence[int], report: SyncReport) -> None:
-        """The engines ``engines`` applied ``report``'s sync: they drop their caches."""
+    async def after_sync_on(
+        self, engines: Sequence[int], report: SyncReport, *, labelled: bool = False
+    ) -> None:
+        """The engines ``engines`` applied ``report``'s sync: they drop their caches, and
+        label their outputs with its id unless they are ``labelled`` already."""
         if engines:
-            await self._after_sync(engines, report)
+            await self._after_sync(engines, report, labelled=labelled)
 
     async def sync_round(
         self,
@@ -763,11 +766,13 @@ class EngineChannel:
         )
         return merged
 
-    async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
+    async def _after_sync(
+        self, engines: Sequence[int], report: SyncReport | None, *, labelled: bool = False
+    ) -> None:
         async def after(i: int) -> None:
             client = self.clients[engines[i]]
             await client.after_sync()
-            if report is not None and isinstance(client, VersionClient):
+            if report is not None and not labelled and isinstance(client, VersionClient):
                 await client.set_weight_version(str(report.sync_id))
 
         try:

@@ -122,8 +122,9 @@ class StagingClient(EngineClient, Protocol):
         fails if the engine is gone)."""
 
     async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:
-        """Pause the engine (``mode``), apply staged sync ``sync_id`` on every worker, set
-        the engine's weight version to ``version`` if every worker applied it, resume."""
+        """Pause the engine (``mode``), apply staged sync ``sync_id`` on every worker; if
+        every worker applied it, set the engine's weight version to ``version`` and reset
+        its prefix cache (requests in flight recompute theirs); resume."""
 
     async def drop(self) -> None:
         """Drop every worker's staged version, if any."""

@@ -8,7 +8,8 @@ nowhere.
                         the send, as in any sync (every route of a sharded channel)
                         every worker: staged -> its receive's end
                         any failure: drop on every engine, raise the root cause by name
-    commit(mode)        every engine at once: pause (mode), apply, weight version, resume
+    commit(mode)        every engine at once: pause (mode), apply, weight version,
+                        prefix cache reset (requests in flight recompute), resume
                         all applied: caches reset, each engine's version is the sync's
                         some applied: PartialCommitError naming each engine's version
     drop()              every worker frees its staged version
@@ -169,7 +170,7 @@ class ChannelStaging:
         log("engine.staged", endpoint=channel.endpoint, sync_id=report.sync_id)
         return report
 
-    async def commit(self, mode: PauseMode) -> SyncReport:
+    async def commit(self, mode: PauseMode, version: str | None = None) -> SyncReport:
         """``commit`` of :class:`~streamsync.engine.channel.EngineChannel`."""
         if mode not in PAUSE_MODES:
             raise ConfigError(f"commit(mode={mode!r}): use one of {', '.join(PAUSE_MODES)}")
@@ -182,6 +183,7 @@ class ChannelStaging:
         sync = SyncRound.of(len(clients))
         sync.report = staged
         limit = channel.timeout * 5
+        label = str(staged.sync_id) if version is None else version
 
         async def one(e: int) -> None:
             where = "the engine" if not channel.fanout else f"engine {e}"
@@ -189,7 +191,7 @@ class ChannelStaging:
             try:
                 with anyio.fail_after(limit):
                     sync.results[e] = await clients[e].commit(
-                        staged.sync_id, version=str(staged.sync_id), mode=mode
+                        staged.sync_id, version=label, mode=mode
                     )
             except TimeoutError:
                 error = SyncTimeoutError(f"{where} did not commit within {limit:g} s")
@@ -230,7 +232,7 @@ class ChannelStaging:
             merged = msgspec.structs.replace(
                 merged, phases={**merged.phases, "apply": max(applies)}
             )
-        await channel.after_sync_on(committed, merged)
+        await channel.after_sync_on(committed, merged, labelled=True)
         log("engine.committed", endpoint=channel.endpoint, sync_id=staged.sync_id, mode=mode)
         return merged
 

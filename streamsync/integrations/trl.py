@@ -52,6 +52,10 @@ class WeightTransfer:
             keep it off the wire.
         delta: Delta syncs: after the first (full) sync, each ``send_weights`` moves only the
             elements that changed (``docs/delta.md``).
+        staged: Staged syncs (``docs/staged.md``): ``pause`` and ``resume`` leave the server
+            generating, and ``send_weights`` stages the version on every worker while it
+            does, then commits it in a pause (``/pause?mode=keep``) that covers only the
+            apply. Each worker holds a host copy of its weights while staging.
         bucket_bytes: Bytes per bucket (the transport's slot size).
         timeout: Seconds for each wait of a sync, and for the workers' connect.
         worker_options: :class:`~streamsync.engine.messages.WorkerOptions` fields for every
@@ -73,6 +77,7 @@ class WeightTransfer:
         pipeline: AdapterLike | None = None,
         secret: str | None = None,
         delta: bool = False,
+        staged: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
         worker_options: Mapping[str, Any] | None = None,
@@ -93,6 +98,7 @@ class WeightTransfer:
             pipeline=pipeline,
             secret=secret,
             delta=delta,
+            staged=staged,
             bucket_bytes=bucket_bytes,
             timeout=timeout,
             worker_options=worker_options,
@@ -138,7 +144,10 @@ class WeightTransfer:
 
     def pause(self) -> None:
         """Pause generation on the server (``/pause?mode=keep``: requests in flight wait;
-        vLLM clears its prefix cache)."""
+        vLLM clears its prefix cache). Staged: nothing (``send_weights`` pauses only for its
+        commit)."""
+        if self.init_info["staged"]:
+            return
         call(
             self.server_url, "POST", "pause", params={"mode": "keep"}, timeout=self.control_timeout
         )
@@ -168,7 +177,10 @@ class WeightTransfer:
         log("trl.send_weights", server=self.server_url, summary=engine.last_report.summary())
 
     def resume(self) -> None:
-        """Resume generation on the server (``/resume``)."""
+        """Resume generation on the server (``/resume``). Staged: nothing (the commit
+        resumed it)."""
+        if self.init_info["staged"]:
+            return
         call(self.server_url, "POST", "resume", timeout=self.control_timeout)
 
     def destroy(self) -> None:

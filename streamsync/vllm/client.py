@@ -153,6 +153,9 @@ class VllmClient:
             results = [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
             if all(r.ok for r in results):
                 await self.set_weight_version(version)
+                # Inside the pause: no request reads a prefix cached from the old weights,
+                # and those in flight recompute what they hold on the new ones.
+                await self._call(partial(self.llm.reset_prefix_cache, True))
         finally:
             if self.loop_bound:
                 with anyio.CancelScope(shield=True):

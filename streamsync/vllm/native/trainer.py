@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar, Self, TypeVar
 
 import anyio.to_thread
@@ -21,6 +22,7 @@ from streamsync import errors
 from streamsync._log import log
 from streamsync.engine.blocking import BlockingWeightSync
 from streamsync.engine.channel import EngineChannel
+from streamsync.engine.clients import PauseMode
 from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
@@ -34,7 +36,7 @@ from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.extension import WorkerExtension
-from streamsync.vllm.native.worker import TransferInit
+from streamsync.vllm.native.worker import StagedStep, TransferInit
 from streamsync.vllm.server import BACKEND, call
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
@@ -74,6 +76,12 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: start it with ``--worker-extension-cls streamsync.vllm.WorkerExtension`` too. Every
     #: worker still receives every tensor whole.
     sharded: bool = False
+    #: Staged syncs (``docs/staged.md``): each ``send_weights`` stages the version on every
+    #: worker while the server generates, then commits it in a pause of its own (``pause_mode``)
+    #: that covers only the apply; do not ``/pause`` around it.
+    staged: bool = False
+    #: How requests in flight fare during a staged commit: ``keep``, ``wait`` or ``abort``.
+    pause_mode: PauseMode = "keep"
 
 
 class _VllmClient:
@@ -83,6 +91,56 @@ class _VllmClient:
     def __init__(self, client: VLLMWeightSyncClient, receivers: int) -> None:
         self.client = client
         self.receivers = receivers
+        #: Whether the next staged receive goes into the speculative drafter.
+        self.draft = False
+
+    async def _staged_step(
+        self, step: StagedStep, *, draft: bool = False, version: str | None = None
+    ) -> list[WorkerResult]:
+        """``step`` on every worker, in one of vLLM's weight-update sessions (``draft``:
+        the drafter's) that ends with ``version``; each worker's result."""
+        try:
+            await anyio.to_thread.run_sync(
+                partial(_in_session, self.client, step.to_wire(), draft, version),
+                abandon_on_cancel=True,
+            )
+        except Exception as exc:
+            error = _rpc_error(f"update_weights ({step.staged} step)", exc)
+            return [WorkerResult.failed(error) for _ in range(self.receivers)]
+        return [WorkerResult(pid=0) for _ in range(self.receivers)]
+
+    async def start_stage(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
+        _can_pause(self.client)  # before anything moves: the commit needs a pause
+        step = StagedStep(staged="stage", sync_id=options.sync_id, options=options)
+        return await self._staged_step(step, draft=self.draft)
+
+    async def staged(self, sync_id: int, *, wait: bool = True) -> list[WorkerResult]:
+        return await self._staged_step(
+            StagedStep(staged="wait" if wait else "poll", sync_id=sync_id)
+        )
+
+    async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:
+        """The server pauses (``/pause?mode=``), its workers apply the staged version, its
+        weight version becomes ``version`` and its prefix cache is reset (requests in
+        flight recompute theirs), then it resumes."""
+        step = StagedStep(staged="commit", sync_id=sync_id)
+        pause = partial(_control, self.client, "pause", mode=mode)
+        await anyio.to_thread.run_sync(pause, abandon_on_cancel=True)
+        try:
+            results = await self._staged_step(step, version=version)
+            if all(r.ok for r in results):
+                reset = partial(_control, self.client, "reset_prefix_cache")
+                await anyio.to_thread.run_sync(reset, abandon_on_cancel=True)
+        finally:
+            with anyio.CancelScope(shield=True):
+                resume = partial(_control, self.client, "resume")
+                await anyio.to_thread.run_sync(resume, abandon_on_cancel=True)
+        return results
+
+    async def drop(self) -> None:
+        failed = [r for r in await self._staged_step(StagedStep(staged="drop")) if not r.ok]
+        if failed:
+            raise failed[0].exception(0) or ReceiverFailedError("drop failed")
 
     async def hello(self) -> EngineFacts:
         """The engine's facts: its ``get_version()``, else the server's ``/version``."""
@@ -131,6 +189,64 @@ class _VllmClient:
             return 0
         await anyio.to_thread.run_sync(shutdown, abandon_on_cancel=True)
         return self.receivers
+
+
+def _own_error(call: Callable[[Any], T], weights: Any) -> T:
+    """``call(weights)``, raising the worker's own error where the transport carried it to
+    the sender (vLLM's server says only that its call failed)."""
+    try:
+        return call(weights)
+    except ReceiverFailedError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, StreamsyncError) and not isinstance(
+            cause, (ReceiverFailedError, *errors.CONSEQUENCES)
+        ):
+            cause.add_note(str(exc))
+            raise cause from None
+        raise
+
+
+def _in_session(client: Any, update_info: dict[str, Any], draft: bool, version: str | None) -> None:
+    """``update_weights(update_info)`` between vLLM's ``start_weight_update`` (``draft``:
+    ``start_draft_weight_update``) and ``finish_weight_update(version)``."""
+    _start_draft(client) if draft else client.start_weight_update()
+    try:
+        client.update_weights(update_info)
+    except BaseException:
+        with contextlib.suppress(Exception):  # a failed update ended it on the workers
+            client.finish_weight_update(None)
+        raise
+    client.finish_weight_update(version)
+
+
+#: What a staged commit asks of the engine, by the ``VLLMWeightSyncClient`` method that
+#: does it (:class:`AsyncLLMWeightSyncClient`'s), else the server's route and its query.
+_CONTROLS: dict[str, tuple[str, dict[str, Any]]] = {
+    "pause": ("pause", {"clear_cache": "false"}),
+    "reset_prefix_cache": ("reset_prefix_cache", {"reset_running_requests": "true"}),
+    "resume": ("resume", {}),
+}
+
+
+def _can_pause(client: Any) -> None:
+    """Refuse, by name, a client that cannot pause its engine for a staged commit."""
+    if not callable(getattr(client, "pause", None)) and getattr(client, "base_url", None) is None:
+        raise ConfigError(
+            f"{type(client).__name__} cannot pause its engine (no pause() method, no "
+            "base_url to post /pause to), so it cannot commit a staged sync; use "
+            "staged=False and pause around send_weights"
+        )
+
+
+def _control(client: Any, what: str, **query: Any) -> None:
+    """``what`` (pause, reset_prefix_cache, resume) on the engine behind ``client``: the
+    client's method of that name, else the server's route."""
+    method = getattr(client, what, None)
+    if callable(method):
+        method(**query)
+        return
+    route, fixed = _CONTROLS[what]
+    _http(client, "POST", route, params={**fixed, **query})
 
 
 def _rpc_error(call: str, exc: Exception) -> StreamsyncError:
@@ -302,8 +418,13 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             transport["secret"] = init_info.secret
         #: How many workers receive each sync.
         self.receivers = _receivers(init_info, client) if is_sender else 0
+        self._client = _VllmClient(client, self.receivers)
+        #: ``StreamsyncInitInfo.staged``: each :meth:`send_weights` stages, then commits.
+        self.staged = init_info.staged
+        #: ``StreamsyncInitInfo.pause_mode``: the staged commit's pause.
+        self.pause_mode: PauseMode = init_info.pause_mode
         self.channel = EngineChannel(
-            _VllmClient(client, self.receivers),
+            self._client,
             init_info.endpoint,
             pipeline=init_info.pipeline,
             bucket_bytes=init_info.bucket_bytes,
@@ -371,9 +492,64 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         """Stream the source (or ``weights``: anything :func:`~streamsync.named_tensors`
         takes) into the workers, between ``start_weight_update`` (with ``draft=True``:
         ``start_draft_weight_update``, into the speculative drafter) and
-        ``finish_weight_update(weight_version)``; the sender's report is then in
-        :attr:`last_report`. Ranks other than the sender iterate the source (its gathers
-        are collectives) and send nothing."""
+        ``finish_weight_update(weight_version)`` (default: the sync's id); the sender's
+        report is then in :attr:`last_report`. Ranks other than the sender iterate the
+        source (its gathers are collectives) and send nothing.
+
+        With ``StreamsyncInitInfo(staged=True)``: :meth:`stage_weights` while the engine
+        generates, then :meth:`commit_weights` in a pause of its own."""
+        if self.staged:
+            if self.stage_weights(weights, draft=draft) is not None:
+                self.commit_weights(weight_version, mode=self.pause_mode)
+            return
+        weights = self._weights(weights)
+        if not self.is_sender:
+            return
+        report: SyncReport | None = self._session(
+            "send_weights",
+            lambda sync: _own_error(sync.update, weights),
+            draft,
+            lambda report: weight_version or str(report.sync_id),
+        )
+        if report is not None:
+            self.last_report = report
+
+    def stage_weights(self, weights: Any = None, *, draft: bool = False) -> SyncReport | None:
+        """Stage the source (or ``weights``) on every worker while the engine generates on
+        the weights it serves (``docs/staged.md``); returns once every worker holds the
+        whole version, checked. Nothing is applied: a failure leaves every worker serving
+        as before, and raises by name. :meth:`commit_weights` applies it. Returns the
+        sender's report (``None`` on ranks other than the sender)."""
+        weights = self._weights(weights)
+        if not self.is_sender:
+            return None
+        sync = self._open("stage_weights")
+        self._client.draft = draft
+        try:
+            return _own_error(sync.stage, weights)
+        finally:
+            self._client.draft = False
+
+    def commit_weights(
+        self, weight_version: str | None = None, *, mode: PauseMode = "keep"
+    ) -> SyncReport | None:
+        """Apply the staged version: the engine pauses (``mode``: ``keep``, ``wait`` or
+        ``abort``, as vLLM's ``/pause`` takes it), applies it, sets its weight version
+        (default: the sync's id), resets its prefix cache, and resumes. Returns the report,
+        also in :attr:`last_report`."""
+        if not self.is_sender:
+            return None
+        self.last_report = self._open("commit_weights").commit(mode=mode, version=weight_version)
+        return self.last_report
+
+    def drop_weights(self) -> None:
+        """Drop the staged version on every worker (the engine never served it)."""
+        if self.is_sender:
+            self._open("drop_weights").drop()
+
+    def _weights(self, weights: Any) -> Any:
+        """``weights``, else the source; ranks other than the sender iterate it (its
+        gathers are collectives) and get ``None``."""
         weights = self.source if weights is None else weights
         if weights is None:
             raise ConfigError(
@@ -383,43 +559,33 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             if isinstance(weights, WeightSource):
                 for _ in weights:
                     pass
-            return
+            return None
+        return weights
 
-        def update(sync: BlockingWeightSync) -> SyncReport:
-            try:
-                return sync.update(weights)
-            except ReceiverFailedError as exc:
-                cause = exc.__cause__
-                if isinstance(cause, StreamsyncError) and not isinstance(
-                    cause, (ReceiverFailedError, *errors.CONSEQUENCES)
-                ):
-                    # The worker's own error, as the transport carried it to the sender.
-                    cause.add_note(str(exc))
-                    raise cause from None
-                raise
-
-        self.last_report = self._session("send_weights", update, draft, weight_version)
+    def _open(self, what: str) -> BlockingWeightSync:
+        if self._sync is None:
+            raise ConfigError(f"{what} after shutdown(); call trainer_init again")
+        return self._sync
 
     def _session(
         self,
         what: str,
         run: Callable[[BlockingWeightSync], Any],
         draft: bool = False,
-        weight_version: str | None = None,
+        weight_version: Callable[[Any], str | None] = lambda _: None,
     ) -> Any:
         """``run`` on the channel inside one of vLLM's weight-update sessions (``draft``:
-        the drafter's), which ``finish_weight_update(weight_version)`` ends."""
+        the drafter's), which ``finish_weight_update(weight_version(result))`` ends."""
         if not self.is_sender:
             return None
-        if self._sync is None:
-            raise ConfigError(f"{what} after shutdown(); call trainer_init again")
+        sync = self._open(what)
         start = "start_draft_weight_update" if draft else "start_weight_update"
         try:
             _start_draft(self.client) if draft else self.client.start_weight_update()
         except Exception as exc:
             raise _rpc_error(start, exc) from exc
         try:
-            result = run(self._sync)
+            result = run(sync)
         except BaseException:
             # A failed update_weights ends the session on the worker; one that failed on
             # this side (before the workers were asked) still needs it closed.
@@ -427,7 +593,7 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
                 self.client.finish_weight_update(None)
             raise
         try:
-            self.client.finish_weight_update(weight_version)
+            self.client.finish_weight_update(weight_version(result))
         except Exception as exc:
             raise _rpc_error("finish_weight_update", exc) from exc
         return result
@@ -540,3 +706,15 @@ class AsyncLLMWeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run("finish_weight_update", lambda: self.llm.finish_weight_update(weight_version))
+
+    def pause(self, mode: PauseMode = "keep") -> None:
+        """Pause generation (the server's ``/pause?mode=``), keeping the caches."""
+        self._run("pause", lambda: self.llm.pause_generation(mode=mode, clear_cache=False))
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache; requests in flight recompute what they hold."""
+        self._run("reset_prefix_cache", lambda: self.llm.reset_prefix_cache(True))
+
+    def resume(self) -> None:
+        """Resume generation (the server's ``/resume``)."""
+        self._run("resume", self.llm.resume_generation)

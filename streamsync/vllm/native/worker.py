@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 import torch
@@ -35,6 +36,24 @@ class TransferInit(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=T
     def endpoint_of(self, rank: int) -> str:
         """Where worker ``rank`` connects."""
         return self.routes[rank].endpoint if rank < len(self.routes) else self.endpoint
+
+
+class StagedStep(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One step of a staged sync (:mod:`streamsync.staging`), sent as the ``update_info`` of
+    ``update_weights`` (vLLM's only call that reaches the workers with data): ``stage``
+    starts a staged receive and returns once it runs, so the server serves while the bytes
+    land; ``poll`` fails if the staging failed and returns at once otherwise; ``wait``
+    returns when it ends, or raises its error; ``commit`` applies it to the model; ``drop``
+    frees it."""
+
+    what: ClassVar[str] = "a staged step from the trainer"
+    invalid: ClassVar[type[StreamsyncError]] = ConfigError
+
+    staged: Literal["stage", "poll", "wait", "commit", "drop"]
+    #: The staged sync's id (every step but ``drop``).
+    sync_id: int | None = None
+    #: The receive's options (``stage``).
+    options: WorkerOptions | None = None
 
 
 class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
@@ -70,7 +89,9 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
     def parse_init_info(self, init_dict: dict[str, Any]) -> TransferInit:
         return TransferInit.from_wire(init_dict)
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> WorkerOptions:
+    def parse_update_info(self, update_dict: dict[str, Any]) -> WorkerOptions | StagedStep:
+        if isinstance(update_dict, dict) and "staged" in update_dict:
+            return StagedStep.from_wire(update_dict)
         return WorkerOptions.from_wire(update_dict)
 
     def init_transfer_engine(self, init_info: TransferInit) -> None:
@@ -98,17 +119,50 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self.last_result = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        parsed = self.parse_update_info(update_info)
+        if isinstance(parsed, StagedStep):
+            self.staged_step(parsed)
+            return
+        self.receive_weights(parsed)
         # As the base class does (the next step must see the new weights), where there is
         # an accelerator: CPU builds have none to synchronize.
         if self.device.type != "cpu" and torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WorkerOptions) -> None:
+        """One sync into the session's model, applied as the bytes land."""
+        receivers, init = self._require()
+        options, sink = self._receive(update_info)
+        self._raise(receivers.handle(init.endpoint, options, sink))
+
+    def staged_step(self, step: StagedStep) -> None:
+        """One step of a staged sync (:class:`StagedStep`); raises the staging's error."""
+        receivers, init = self._require()
+        if step.staged == "drop":
+            receivers.drop()
+            self.last_result = WorkerResult(pid=0)
+            return
+        if step.sync_id is None:
+            raise ConfigError(f"streamsync staged step {step.staged!r} without a sync_id")
+        if step.staged == "stage":
+            if step.options is None:
+                raise ConfigError("streamsync staged step 'stage' without its options")
+            options, sink = self._receive(step.options)
+            result = receivers.stage(init.endpoint, options, sink)
+        elif step.staged == "commit":
+            result = receivers.commit(step.sync_id)
+        else:
+            result = receivers.staged(step.sync_id, wait=step.staged == "wait")
+        self._raise(result)
+
+    def _receive(
+        self, update_info: WorkerOptions
+    ) -> tuple[WorkerOptions, Callable[[WorkerOptions, Route | None], Any]]:
+        """The options of one receive into the session's model, and its sink's maker."""
         from streamsync.vllm.sink import ModelInstance
         from streamsync.vllm.worker_sink import WorkerModels, worker_sink
 
-        receivers, init = self._require()
+        _, init = self._require()
         if self._target is None:
             raise ConfigError("streamsync update_weights before start_weight_update")
         options = msgspec.structs.replace(
@@ -125,7 +179,9 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             from streamsync.vllm.slices import worker_needs
 
             worker_needs(models)
-        result = receivers.handle(init.endpoint, options, partial(worker_sink, models))
+        return options, partial(worker_sink, models)
+
+    def _raise(self, result: WorkerResult) -> None:
         self.last_result = result
         error = result.exception(self.rank)
         if error is not None:
