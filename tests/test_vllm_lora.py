@@ -183,6 +183,37 @@ def test_an_adapter_updated_three_times_serves_the_peft_model(
         assert sync.channel.loras == ()
 
 
+def test_a_staged_adapter_serves_only_after_its_commit(
+    engine: tuple[Any, torch.nn.Module],
+) -> None:
+    """``stage_lora`` leaves the engine serving the installed version bit-identically;
+    ``commit_lora`` installs the staged one, which then serves the peft model's outputs."""
+    from streamsync.vllm import WeightSync
+
+    llm, base = engine
+    model = make_peft(base, seed=3)
+    with WeightSync(llm, "zmq+tcp://127.0.0.1:0", bucket_bytes=256 << 10) as sync:
+        sync.update(model)  # the engine's base is this peft model's
+        first = sync.update_lora("staged", model)
+        assert first.lora is not None
+        served = outputs(llm, lora_request=sync.lora_request("staged"))
+        assert_close(served, reference_outputs(model, ALL), LORA_TOL)
+        train_adapter(model, seed=30)
+        want = reference_outputs(model, ALL)
+        assert want.tokens != served.tokens  # the new version changes the greedy tokens
+        staged = sync.stage_lora("staged", model)
+        assert staged.complete and staged.lora is None
+        assert sync.lora_request("staged").lora_path == first.lora.path
+        assert outputs(llm, lora_request=sync.lora_request("staged")) == served
+        committed = sync.commit_lora("staged")
+        assert committed.lora is not None and committed.sync_id == staged.sync_id
+        assert sync.lora_request("staged").lora_path == committed.lora.path != first.lora.path
+        assert_close(outputs(llm, lora_request=sync.lora_request("staged")), want, LORA_TOL)
+        with pytest.raises(ss.ConfigError, match="no version of it is staged"):
+            sync.commit_lora("staged")
+        sync.remove_lora("staged")
+
+
 def test_two_adapters_side_by_side_and_the_engines_limit(
     engine: tuple[Any, torch.nn.Module],
 ) -> None:

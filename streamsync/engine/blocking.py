@@ -126,6 +126,24 @@ class BlockingWeightSync:
         call = partial(self.channel.update_lora, name, adapter, config=config, pipeline=pipeline)
         return self._run("sync.update_lora(...)", call)
 
+    def stage_lora(
+        self,
+        name: str,
+        adapter: Any,
+        *,
+        config: Any = None,
+        pipeline: AdapterLike | None = None,
+    ) -> SyncReport:
+        """:meth:`EngineChannel.stage_lora
+        <streamsync.engine.channel.EngineChannel.stage_lora>`, blocking."""
+        call = partial(self.channel.stage_lora, name, adapter, config=config, pipeline=pipeline)
+        return self._run("sync.stage_lora(...)", call)
+
+    def commit_lora(self, name: str) -> SyncReport:
+        """:meth:`EngineChannel.commit_lora
+        <streamsync.engine.channel.EngineChannel.commit_lora>`, blocking."""
+        return self._run("sync.commit_lora(name)", partial(self.channel.commit_lora, name))
+
     def remove_lora(self, name: str) -> None:
         """:meth:`EngineChannel.remove_lora
         <streamsync.engine.channel.EngineChannel.remove_lora>`, blocking."""

@@ -554,7 +554,28 @@ class EngineChannel:
         modules and shapes, how many adapters it holds) before any engine installs it: a
         :class:`~streamsync.LoraError` names what is wrong, and the previous version keeps
         serving. The report's ``lora`` says what was installed."""
-        return await self._loras.update(name, adapter, config=config, pipeline=pipeline)
+        await self.stage_lora(name, adapter, config=config, pipeline=pipeline)
+        return await self._loras.commit(name)
+
+    async def stage_lora(
+        self,
+        name: str,
+        adapter: Any,
+        *,
+        config: Any = None,
+        pipeline: AdapterLike | None = None,
+    ) -> SyncReport:
+        """The first half of :meth:`update_lora`: every worker of every engine receives,
+        checks and holds the adapter's new version, and every engine keeps serving the
+        version it serves under ``name``; :meth:`commit_lora` installs it. Staging ``name``
+        again replaces a version staged and not committed."""
+        return await self._loras.stage(name, adapter, config=config, pipeline=pipeline)
+
+    async def commit_lora(self, name: str) -> SyncReport:
+        """Install the staged version of adapter ``name`` on every engine at once (vLLM
+        swaps it in without a pause; requests generating with ``name`` go on with it);
+        returns the staging's report with ``lora`` set."""
+        return await self._loras.commit(name)
 
     def lora(self, name: str) -> tuple[int, str]:
         """The engine's id for adapter ``name`` and the path of the version this channel

@@ -1,6 +1,7 @@
 """The LoRA lifecycle of a channel (:class:`ChannelLoras`): stream an adapter to every
-worker (which checks and stages it), then ask every engine to install the staged version;
-remember what serves under each name; remove an adapter.
+worker (which checks and stages it), then ask every engine to install the staged version
+(at once, or at a commit the trainer chooses); remember what serves under each name; remove
+an adapter.
 """
 
 from __future__ import annotations
@@ -35,12 +36,21 @@ class _Lora:
     rank: int
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """A version every worker holds and no engine serves yet: its place, and its report."""
+
+    lora: _Lora
+    report: SyncReport
+
+
 class ChannelLoras:
     """The adapters one channel installed, and how it installs and removes them."""
 
     def __init__(self, channel: EngineChannel) -> None:
         self._channel = channel
         self._loras: dict[str, _Lora] = {}
+        self._staged: dict[str, _Staged] = {}
 
     def _clients(self) -> list[LoraClient]:
         return able(self._channel.clients, LoraClient, "install LoRA adapters")
@@ -49,11 +59,19 @@ class ChannelLoras:
         self, name: str, adapter: Any, *, config: Any, pipeline: AdapterLike | None
     ) -> SyncReport:
         """``update_lora`` of :class:`~streamsync.engine.channel.EngineChannel`."""
+        await self.stage(name, adapter, config=config, pipeline=pipeline)
+        return await self.commit(name)
+
+    async def stage(
+        self, name: str, adapter: Any, *, config: Any, pipeline: AdapterLike | None
+    ) -> SyncReport:
+        """``stage_lora`` of :class:`~streamsync.engine.channel.EngineChannel`."""
         channel = self._channel
-        clients = self._clients()
+        self._clients()
         check_lora_name(name)
         lora = lora_adapter(adapter, config)
         current = self._loras.get(name)
+        self._staged.pop(name, None)  # a version staged and not committed: replaced
         sync_id = next_sync_id()
         target = LoraTarget(
             name=name,
@@ -65,15 +83,29 @@ class ChannelLoras:
         options = msgspec.structs.replace(channel.worker_options, lora=target)
         pipeline = pipeline if pipeline is not None else channel.pipeline
         report = await channel.sync_round(lora.tensors, options, pipeline, sync_id=sync_id)
-        in_flight = await self._install(clients, name, path)
-        self._loras[name] = _Lora(sync_id, path, lora.rank)
+        self._staged[name] = _Staged(_Lora(sync_id, path, lora.rank), report)
+        log("lora.staged", name=name, path=path)
+        return report
+
+    async def commit(self, name: str) -> SyncReport:
+        """``commit_lora`` of :class:`~streamsync.engine.channel.EngineChannel`."""
+        staged = self._staged.pop(name, None)
+        if staged is None:
+            raise ConfigError(
+                f"commit_lora({name!r}): no version of it is staged; stage_lora(name, "
+                "adapter) first"
+            )
+        lora = staged.lora
+        in_flight = await self._install(self._clients(), name, lora.path)
+        self._loras[name] = lora
         counts = [n for n in in_flight if n is not None]
         running = sum(counts) if len(counts) == len(in_flight) else None
         if running:
-            warn("lora.in_flight", name=name, path=path, requests=running)
-        log("lora.installed", name=name, path=path, lora_id=lora_id(name), rank=lora.rank)
+            warn("lora.in_flight", name=name, path=lora.path, requests=running)
+        log("lora.installed", name=name, path=lora.path, lora_id=lora_id(name), rank=lora.rank)
         return msgspec.structs.replace(
-            report, lora=LoraReport(name=name, path=path, rank=lora.rank, in_flight=running)
+            staged.report,
+            lora=LoraReport(name=name, path=lora.path, rank=lora.rank, in_flight=running),
         )
 
     async def _install(
@@ -128,6 +160,7 @@ class ChannelLoras:
         for client in clients:
             await client.remove_lora(name, lora_id(name))
         self._loras.pop(name, None)
+        self._staged.pop(name, None)
         target = LoraTarget(name=name, version=0, remove=True)
         options = msgspec.structs.replace(channel.worker_options, lora=target)
         await channel.sync_round((), options, None)

@@ -232,7 +232,7 @@ class WeightSync(EngineChannel):
         lora_id, path = self.lora(name)
         return _lora_request(name, lora_id, path)
 
-    async def update_lora(
+    async def stage_lora(
         self,
         name: str,
         adapter: Any,
@@ -245,7 +245,7 @@ class WeightSync(EngineChannel):
         llms = self.llm if several(self.llm) else [self.llm]
         if any(getattr(_vllm_config(llm), "lora_config", None) is None for llm in llms):
             raise LoraError(NO_LORA)
-        return await super().update_lora(name, adapter, config=config, pipeline=pipeline)
+        return await super().stage_lora(name, adapter, config=config, pipeline=pipeline)
 
 
 class BlockingVllmSync(BlockingWeightSync):
