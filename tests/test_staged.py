@@ -28,7 +28,7 @@ class LoadFails(MainSink):
 
 class StagingEngine(ThreadEngine):
     """Thread workers that stage (``WorkerReceivers.stage``) and commit on request; the
-    commit records the pause mode and sets the engine's weight version."""
+    commit records the pause mode, sets the engine's weight version and drops its caches."""
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         super().__init__(modules)
@@ -65,6 +65,7 @@ class StagingEngine(ThreadEngine):
         results = await self._each(lambda rank: self.workers[rank].commit(sync_id))
         if all(r.ok for r in results):
             self.weight_version = version
+            self.resets += 1  # the commit drops the caches, inside its pause
         return results
 
     async def drop(self) -> None:

@@ -112,3 +112,84 @@ def test_sync_resets_the_prefix_cache(tmp_path: Path) -> None:
         assert_new_weights_served(llm, trainer, 1)
     finally:
         shutdown(llm)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["plain", "staged"])
+def test_a_sync_under_running_requests_resets_the_prefix_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, staged: bool
+) -> None:
+    """An ``AsyncLLM`` with a request generating through the sync: that request holds KV
+    blocks, so a reset that leaves running requests alone does nothing, and the prompt's
+    blocks cached on the old weights would be served after the sync. The reset preempts the
+    running request (it recomputes on the new weights), and the prompt is served fresh."""
+    import uuid
+
+    import anyio
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm_harness import async_engine_args
+
+    from streamsync.vllm import WeightSync
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    trainer = build_tiny_model(tmp_path / "model", "dense", seed=0)
+    args = async_engine_args(
+        tmp_path / "model", max_model_len=512, enable_prefix_caching=True, block_size=BLOCK
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def begin() -> Any:
+        return AsyncLLM.from_engine_args(args)
+
+    llm = TRAINER.run(begin, timeout=300)
+
+    async def generate_async() -> tuple[list[int], list[float], int]:
+        final = None
+        prompt = {"prompt_token_ids": PROMPT.tolist()}
+        async for out in llm.generate(prompt, params, str(uuid.uuid4())):
+            final = out
+        assert final is not None
+        completion = final.outputs[0]
+        tokens = list(completion.token_ids)
+        logprobs = [s[t].logprob for t, s in zip(tokens, completion.logprobs, strict=True)]
+        return tokens, logprobs, int(final.num_cached_tokens or 0)
+
+    async def run() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        await generate_async()
+        out["cached_before"] = (await generate_async())[2]
+        started, finished = anyio.Event(), anyio.Event()
+
+        async def running() -> None:
+            prompt = {"prompt_token_ids": [7, 8, 9, 10]}
+            async for part in llm.generate(prompt, long, str(uuid.uuid4())):
+                started.set()
+                out["running_finished"] = part.finished
+            finished.set()
+
+        endpoint = f"shm://prefix-async-{os.getpid()}"
+        async with WeightSync(llm, endpoint) as channel, anyio.create_task_group() as tg:
+            tg.start_soon(running)
+            await started.wait()
+            perturb(trainer, seed=910)
+            if staged:
+                await channel.stage(ss.named_tensors(trainer))
+                await channel.commit(mode="keep")
+            else:
+                await channel.update(ss.named_tensors(trainer))
+            out["running_during_sync"] = not finished.is_set()
+            out["after"] = await generate_async()
+        return out
+
+    try:
+        out = TRAINER.run(run, timeout=600)
+    finally:
+        llm.shutdown()
+        llm = None
+    assert out["cached_before"] >= 3 * BLOCK, "this engine does not reuse cached blocks"
+    assert out["running_during_sync"] and out["running_finished"]
+    tokens, logprobs, _ = out["after"]
+    diff = max_diff(logprobs, scored(trainer, tokens))
+    assert diff <= TOL, f"max |logprob difference| {diff:.3g} > {TOL}: the old weights' KV"
+    assert tokens == greedy(trainer)

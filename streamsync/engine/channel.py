@@ -27,7 +27,14 @@ from streamsync.engine.clients import (
 )
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
-from streamsync.engine.messages import EngineFacts, Needs, Route, WorkerOptions, sending_to
+from streamsync.engine.messages import (
+    EngineFacts,
+    Needs,
+    Route,
+    WorkerOptions,
+    WorkerResult,
+    sending_to,
+)
 from streamsync.engine.ranks import Exchange, Ranks, check_pipeline, shard_stream
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.engine.routes import (
@@ -43,7 +50,6 @@ from streamsync.engine.staged import ChannelStaging, Receiving
 from streamsync.errors import (
     ClosedError,
     ConfigError,
-    ReceiverFailedError,
     StreamsyncError,
     SyncTimeoutError,
     describe,
@@ -479,14 +485,6 @@ class EngineChannel:
         for sender in self._senders:
             sender.state.baseline.drop()
 
-    async def after_sync_on(
-        self, engines: Sequence[int], report: SyncReport, *, labelled: bool = False
-    ) -> None:
-        """The engines ``engines`` applied ``report``'s sync: they drop their caches, and
-        label their outputs with its id unless they are ``labelled`` already."""
-        if engines:
-            await self._after_sync(engines, report, labelled=labelled)
-
     async def sync_round(
         self,
         weights: Any,
@@ -730,29 +728,25 @@ class EngineChannel:
         of waiting out its timeout."""
         limit = self.timeout * 5
         where = "the engine" if not self.fanout else f"engine {e}"
-        error: StreamsyncError | None = None
-        try:
+
+        async def receive() -> Sequence[WorkerResult]:
+            opts = options
             if self._plans:
                 routes = routes_for(self._plans, self._workers(e))
-                options = msgspec.structs.replace(options, routes=routes)
-            with anyio.fail_after(limit):
-                sync.results[e] = list(await receiving(client, self.url, options, where))
-        except TimeoutError:
-            error = SyncTimeoutError(
-                f"{where}'s workers did not report on the sync from {self.endpoint} "
-                f"within {limit:g} s"
-            )
-        except StreamsyncError as exc:
-            error = exc
-        except Exception as exc:  # the engine's own RPC failed: the engine is gone
-            error = ReceiverFailedError(
-                f"{where} failed to run the receive from {self.endpoint}: "
-                f"{type(exc).__name__}: {exc}"
-            )
+                opts = msgspec.structs.replace(options, routes=routes)
+            return await receiving(client, self.url, opts, where)
+
+        await sync.collect(
+            e,
+            receive(),
+            limit=limit,
+            engine=self.engine_index(e),
+            late=f"{where}'s workers did not report on the sync from {self.endpoint} "
+            f"within {limit:g} s",
+            broken=f"{where} failed to run the receive from {self.endpoint}",
+        )
         sync.done(e)
-        if error is not None:
-            error.engine = self.engine_index(e)
-            sync.engine_errors[e] = error
+        error = sync.engine_errors.get(e)
         doomed = error is not None or any(not r.ok and r.report is None for r in sync.results[e])
         if doomed and self.require_all:
             scope.cancel()
@@ -787,13 +781,11 @@ class EngineChannel:
         )
         return merged
 
-    async def _after_sync(
-        self, engines: Sequence[int], report: SyncReport | None, *, labelled: bool = False
-    ) -> None:
+    async def _after_sync(self, engines: Sequence[int], report: SyncReport | None) -> None:
         async def after(i: int) -> None:
             client = self.clients[engines[i]]
             await client.after_sync()
-            if report is not None and not labelled and isinstance(client, VersionClient):
+            if report is not None and isinstance(client, VersionClient):
                 await client.set_weight_version(str(report.sync_id))
 
         try:

@@ -9,7 +9,7 @@ engine) or ``engine<e>.worker<rank>.<name>`` (several, from one stream).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,14 @@ import anyio
 import msgspec
 
 from streamsync.engine.messages import WorkerResult
-from streamsync.errors import CONSEQUENCES, SenderAbortedError, StreamsyncError, root_cause
+from streamsync.errors import (
+    CONSEQUENCES,
+    ReceiverFailedError,
+    SenderAbortedError,
+    StreamsyncError,
+    SyncTimeoutError,
+    root_cause,
+)
 from streamsync.report import LoadResult, SyncReport
 from streamsync.transports.base import Sender
 
@@ -74,6 +81,35 @@ class SyncRound:
     def of(cls, engines: int) -> SyncRound:
         """A round into ``engines`` engines, all of them waited for."""
         return cls(results=[[] for _ in range(engines)], waiting=set(range(engines)))
+
+    async def collect(
+        self,
+        e: int,
+        call: Awaitable[Sequence[WorkerResult]],
+        *,
+        limit: float,
+        engine: int | None,
+        late: str,
+        broken: str,
+    ) -> None:
+        """Engine ``e``'s worker results from ``call``, awaited at most ``limit`` seconds,
+        into :attr:`results`; a failure into :attr:`engine_errors`, naming ``engine``: a
+        :class:`~streamsync.SyncTimeoutError` saying ``late``, the streamsync error the call
+        raised, or (the engine's own call failed: it is gone) a
+        :class:`~streamsync.ReceiverFailedError` that starts with ``broken``."""
+        error: StreamsyncError | None = None
+        try:
+            with anyio.fail_after(limit):
+                self.results[e] = list(await call)
+        except TimeoutError:
+            error = SyncTimeoutError(late)
+        except StreamsyncError as exc:
+            error = exc
+        except Exception as exc:
+            error = ReceiverFailedError(f"{broken}: {type(exc).__name__}: {exc}")
+        if error is not None:
+            error.engine = engine
+            self.engine_errors[e] = error
 
     def done(self, e: int) -> None:
         """Engine ``e``'s receive returned."""

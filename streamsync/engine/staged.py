@@ -34,8 +34,6 @@ from streamsync.errors import (
     ConfigError,
     PartialCommitError,
     ReceiverFailedError,
-    StreamsyncError,
-    SyncTimeoutError,
 )
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
@@ -187,23 +185,14 @@ class ChannelStaging:
 
         async def one(e: int) -> None:
             where = "the engine" if not channel.fanout else f"engine {e}"
-            error: StreamsyncError | None = None
-            try:
-                with anyio.fail_after(limit):
-                    sync.results[e] = await clients[e].commit(
-                        staged.sync_id, version=label, mode=mode
-                    )
-            except TimeoutError:
-                error = SyncTimeoutError(f"{where} did not commit within {limit:g} s")
-            except StreamsyncError as exc:
-                error = exc
-            except Exception as exc:  # the engine's own call failed: it is gone
-                error = ReceiverFailedError(
-                    f"{where} failed to commit sync {staged.sync_id}: {type(exc).__name__}: {exc}"
-                )
-            if error is not None:
-                error.engine = channel.engine_index(e)
-                sync.engine_errors[e] = error
+            await sync.collect(
+                e,
+                clients[e].commit(staged.sync_id, version=label, mode=mode),
+                limit=limit,
+                engine=channel.engine_index(e),
+                late=f"{where} did not commit within {limit:g} s",
+                broken=f"{where} failed to commit sync {staged.sync_id}",
+            )
 
         await each(len(clients), one)
         committed = sync.applied([c.receivers for c in clients])
@@ -232,7 +221,6 @@ class ChannelStaging:
             merged = msgspec.structs.replace(
                 merged, phases={**merged.phases, "apply": max(applies)}
             )
-        await channel.after_sync_on(committed, merged, labelled=True)
         log("engine.committed", endpoint=channel.endpoint, sync_id=staged.sync_id, mode=mode)
         return merged
 

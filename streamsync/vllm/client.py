@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from streamsync._log import warn
 from streamsync.engine.blocking import BlockingWeightSync
 from streamsync.engine.channel import EngineChannel
 from streamsync.engine.clients import EngineClient, PauseMode
@@ -126,7 +127,10 @@ class VllmClient:
         return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
 
     async def after_sync(self) -> None:
-        await self._call(self.llm.reset_prefix_cache)
+        # With the requests in flight preempted (they recompute what they hold), so the
+        # reset cannot fail for blocks they hold and leave the old weights' KV cached.
+        if not await self._call(partial(self.llm.reset_prefix_cache, True)):
+            warn("vllm.prefix_cache_kept", engine=type(self.llm).__name__)
 
     async def set_weight_version(self, version: str) -> None:
         """What each output's ``weight_versions`` spans carry from now on."""
@@ -155,7 +159,7 @@ class VllmClient:
                 await self.set_weight_version(version)
                 # Inside the pause: no request reads a prefix cached from the old weights,
                 # and those in flight recompute what they hold on the new ones.
-                await self._call(partial(self.llm.reset_prefix_cache, True))
+                await self.after_sync()
         finally:
             if self.loop_bound:
                 with anyio.CancelScope(shield=True):
