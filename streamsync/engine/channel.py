@@ -370,8 +370,8 @@ class EngineChannel:
         """What each worker's model instance reads of each checkpoint tensor, by its name in
         a report's ``instances`` (``worker<w>.<instance>``), as the workers told it when the
         channel opened (empty without ``sharded=True``); workers of one layout share one
-        tuple of needs. They are learned and kept only: every worker still receives every
-        tensor whole."""
+        tuple of needs. Each sync routes every worker the slices its needs name
+        (:meth:`routes`)."""
         return types.MappingProxyType(self._needs)
 
     async def _ask_needs(self) -> dict[str, Needs]:

@@ -73,8 +73,8 @@ class StreamsyncInitInfo(TrainerInitInfo):
     delta: bool = False
     #: Ask each worker, when the channel opens, what it reads of each checkpoint tensor
     #: (:attr:`StreamsyncTrainerEngine.needs`), through the server's ``/collective_rpc``:
-    #: start it with ``--worker-extension-cls streamsync.vllm.WorkerExtension`` too. Every
-    #: worker still receives every tensor whole.
+    #: start it with ``--worker-extension-cls streamsync.vllm.WorkerExtension`` too. Each
+    #: worker then receives only the slices its loaders read (``docs/sharded.md``).
     sharded: bool = False
     #: Staged syncs (``docs/staged.md``): each ``send_weights`` stages the version on every
     #: worker while the server generates, then commits it in a pause of its own (``pause_mode``)
