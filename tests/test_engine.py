@@ -222,12 +222,21 @@ class UserEngine:
     """What a user holds (an ``LLM``), which ``update_engine``'s client wraps."""
 
 
-def channel_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("streamsync-channel")]
+@pytest.fixture
+def channel_threads() -> Callable[[], list[threading.Thread]]:
+    """The channel loop threads alive now that were not when the test began: a channel an
+    earlier test kept goes only when its engine is collected (a vLLM ``LLM`` sits in a
+    reference cycle until the next collection), which is no concern of this test."""
+
+    def alive() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("streamsync-channel")]
+
+    before = set(alive())
+    return lambda: [t for t in alive() if t not in before]
 
 
 def test_update_engine_runs_each_step_in_a_fresh_event_loop(
-    engine: ThreadEngine, tmp_path: Path
+    engine: ThreadEngine, tmp_path: Path, channel_threads: Callable[[], list[threading.Thread]]
 ) -> None:
     held = [UserEngine()]
     endpoint = f"zmq+ipc://{tmp_path}/engine.sock"
@@ -263,7 +272,9 @@ def test_update_engine_runs_each_step_in_a_fresh_event_loop(
     assert not thread.is_alive()
 
 
-def test_a_synchronous_trainer_owns_no_event_loop(engine: ThreadEngine) -> None:
+def test_a_synchronous_trainer_owns_no_event_loop(
+    engine: ThreadEngine, channel_threads: Callable[[], list[threading.Thread]]
+) -> None:
     trainer = model(0)
     with EngineChannel(engine, f"shm://engine-sync-{os.getpid()}", timeout=20) as sync:
         assert isinstance(sync, BlockingWeightSync)
@@ -276,7 +287,9 @@ def test_a_synchronous_trainer_owns_no_event_loop(engine: ThreadEngine) -> None:
     assert channel_threads() == []  # and the channel's loop thread
 
 
-async def test_the_blocking_form_refuses_a_running_event_loop(engine: ThreadEngine) -> None:
+async def test_the_blocking_form_refuses_a_running_event_loop(
+    engine: ThreadEngine, channel_threads: Callable[[], list[threading.Thread]]
+) -> None:
     channel = EngineChannel(engine, f"shm://engine-block-{os.getpid()}", timeout=20)
     with pytest.raises(ss.ConfigError, match="use 'async with WeightSync"), channel:
         pass
