@@ -222,8 +222,12 @@ class UserEngine:
     """What a user holds (an ``LLM``), which ``update_engine``'s client wraps."""
 
 
+#: What the ``channel_threads`` fixture gives: the channel loop threads the test started.
+Threads = Callable[[], list[threading.Thread]]
+
+
 @pytest.fixture
-def channel_threads() -> Callable[[], list[threading.Thread]]:
+def channel_threads() -> Threads:
     """The channel loop threads alive now that were not when the test began: a channel an
     earlier test kept goes only when its engine is collected (a vLLM ``LLM`` sits in a
     reference cycle until the next collection), which is no concern of this test."""
@@ -236,7 +240,7 @@ def channel_threads() -> Callable[[], list[threading.Thread]]:
 
 
 def test_update_engine_runs_each_step_in_a_fresh_event_loop(
-    engine: ThreadEngine, tmp_path: Path, channel_threads: Callable[[], list[threading.Thread]]
+    engine: ThreadEngine, tmp_path: Path, channel_threads: Threads
 ) -> None:
     held = [UserEngine()]
     endpoint = f"zmq+ipc://{tmp_path}/engine.sock"
@@ -273,7 +277,7 @@ def test_update_engine_runs_each_step_in_a_fresh_event_loop(
 
 
 def test_a_synchronous_trainer_owns_no_event_loop(
-    engine: ThreadEngine, channel_threads: Callable[[], list[threading.Thread]]
+    engine: ThreadEngine, channel_threads: Threads
 ) -> None:
     trainer = model(0)
     with EngineChannel(engine, f"shm://engine-sync-{os.getpid()}", timeout=20) as sync:
@@ -288,7 +292,7 @@ def test_a_synchronous_trainer_owns_no_event_loop(
 
 
 async def test_the_blocking_form_refuses_a_running_event_loop(
-    engine: ThreadEngine, channel_threads: Callable[[], list[threading.Thread]]
+    engine: ThreadEngine, channel_threads: Threads
 ) -> None:
     channel = EngineChannel(engine, f"shm://engine-block-{os.getpid()}", timeout=20)
     with pytest.raises(ss.ConfigError, match="use 'async with WeightSync"), channel:
