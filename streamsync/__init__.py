@@ -30,7 +30,7 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.pipeline import adapter
-from streamsync.report import LoadResult, SyncReport
+from streamsync.report import DeltaReport, LoadResult, LoraReport, SyncReport
 from streamsync.sink import AbortableSink, ModuleSink, Sink, TargetSink
 from streamsync.sources import named_tensors
 from streamsync.sync import DEFAULT_TIMEOUT, receive, send
@@ -47,11 +47,13 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DeltaBaseError",
+    "DeltaReport",
     "DtypeMismatchError",
     "DuplicateTensorError",
     "EndOfStream",
     "LoadResult",
     "LoraError",
+    "LoraReport",
     "ModuleSink",
     "PartialCommitError",
     "PeerBrokenError",

@@ -10,6 +10,7 @@ A name is public from one module only: the errors, ``Sender`` / ``Receiver`` and
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib
 import inspect
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 import streamsync
+import streamsync as ss
 from streamsync import errors
 
 PACKAGE = Path(streamsync.__file__).parent
@@ -52,7 +54,9 @@ PUBLIC: dict[str, list[str]] = {
     "streamsync": [
         "DEFAULT_TIMEOUT",
         "AbortableSink",
+        "DeltaReport",
         "LoadResult",
+        "LoraReport",
         "ModuleSink",
         "Receiver",
         "Sender",
@@ -89,7 +93,16 @@ PUBLIC: dict[str, list[str]] = {
         "sync",
     ],
     "streamsync.testing.models": ["build_tiny_model", "perturb"],
-    "streamsync.vllm": ["WeightSync", "WorkerExtension", "update_weights"],
+    "streamsync.vllm": [
+        "BlockingVllmSync",
+        "PauseMode",
+        "RankPeer",
+        "Ranks",
+        "WeightSync",
+        "WorkerExtension",
+        "WorkerOptions",
+        "update_weights",
+    ],
     # register: the vllm.general_plugins entry point.
     "streamsync.vllm.native": [
         "AsyncLLMWeightSyncClient",
@@ -101,8 +114,7 @@ PUBLIC: dict[str, list[str]] = {
     # The engine seam, for another engine (docs/vllm.md, "Another engine").
     "streamsync.engine.channel": ["EngineChannel"],
     "streamsync.engine.clients": ["EngineClient"],
-    "streamsync.engine.messages": ["WorkerOptions", "WorkerResult"],
-    "streamsync.engine.ranks": ["RankPeer", "Ranks"],
+    "streamsync.engine.messages": ["WorkerResult"],
     "streamsync.engine.worker": ["WorkerReceivers"],
 }
 
@@ -194,3 +206,49 @@ def test_every_streamsync_error_is_public_from_the_root() -> None:
     }
     assert defined == set(ERRORS)
     assert all(getattr(streamsync, name) is getattr(errors, name) for name in ERRORS)
+
+
+def test_the_old_path_of_ranks_warns_and_gives_the_same_classes() -> None:
+    import streamsync.engine.ranks as old
+    from streamsync.vllm import RankPeer, Ranks
+
+    with pytest.warns(DeprecationWarning, match="import it from streamsync.vllm"):
+        assert old.Ranks is Ranks
+    with pytest.warns(DeprecationWarning, match="import it from streamsync.vllm"):
+        assert old.RankPeer is RankPeer
+    with pytest.raises(AttributeError, match="Exchange"):
+        old.Exchange  # noqa: B018  (only the public names moved)
+
+
+def test_each_channel_method_is_declared_once_and_the_blocking_face_derives_it() -> None:
+    from streamsync.engine.blocking import two_faced
+    from streamsync.engine.channel import BlockingWeightSync, EngineChannel
+
+    declared = vars(EngineChannel)
+    public = {
+        name
+        for name, value in declared.items()
+        if not name.startswith("_")
+        and (inspect.iscoroutinefunction(value) or isinstance(value, two_faced))
+    }
+    # aclose is the blocking face's close(); sync_round is the lifecycles' seam.
+    faced = public - {"aclose", "sync_round"}
+    assert faced and all(isinstance(declared[name], two_faced) for name in faced)
+    derived = {n for n, v in vars(BlockingWeightSync).items() if isinstance(v, two_faced)}
+    assert derived == faced
+
+    class OneWorker:
+        receivers = 1
+
+    channel = EngineChannel(OneWorker(), "memory://faces")  # type: ignore[arg-type]
+    face = BlockingWeightSync(channel)
+    for name in faced:  # the blocking call is the channel's, signature and docstring
+        blocking, coroutine = getattr(face, name), getattr(channel, name)
+        assert blocking.__doc__ == coroutine.__doc__
+        assert inspect.signature(blocking) == inspect.signature(coroutine)
+    with pytest.raises(ss.ConfigError, match=r"sync.drop\(...\) blocks.*'await sync.drop"):
+        asyncio.run(_in_a_loop(face.drop))
+
+
+async def _in_a_loop(call: Any) -> Any:
+    return call()

@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
 
         import streamsync as ss
         from streamsync.engine.channel import EngineChannel
-        from streamsync.engine.ranks import RankPeer, Ranks
+        from streamsync.vllm import RankPeer, Ranks
 
         out: dict[str, Any] = {"reports": [], "errors": [], "partial": []}
         if rank == 0:

@@ -266,7 +266,7 @@ def test_a_channel_into_tensor_parallel_workers_is_sharded_unless_told_otherwise
 
 def test_a_collective_sync_refuses_by_name_an_adapter_that_needs_whole_tensors() -> None:
     from streamsync.adapters import cast, expand_moe, quantize_fp8, rename, split_buffers
-    from streamsync.engine.ranks import check_pipeline
+    from streamsync.engine.collective import check_pipeline
 
     check_pipeline(cast(torch.bfloat16) | rename({"a": "b"}) | expand_moe(when="always"))
     check_pipeline(split_buffers(["norm"]) | quantize_fp8())

@@ -61,7 +61,7 @@ def _pipeline(kind: str) -> Any:
 async def _rank1(
     model: torch.nn.Module, full: dict[str, torch.Tensor], kind: str
 ) -> dict[str, Any]:
-    from streamsync.engine.ranks import RankPeer, Ranks
+    from streamsync.vllm import RankPeer, Ranks
 
     out: dict[str, Any] = {"rank_bytes": []}
     ranks = Ranks()
@@ -81,7 +81,7 @@ def _rank0(
 ) -> dict[str, Any]:
     from vllm_harness import engine_outputs, make_llm
 
-    from streamsync.engine.ranks import Ranks
+    from streamsync.vllm import Ranks
     from streamsync.vllm import WeightSync
 
     out: dict[str, Any] = {"reports": [], "seen": [], "want": []}

@@ -1,27 +1,27 @@
-"""The synchronous face of a channel (:class:`BlockingWeightSync`, what ``with`` gives): each
-call runs the async one in a short-lived event loop on the caller's thread, so the weights
-are read, and CUDA work issued, where the trainer runs.
+"""The synchronous face of a channel, derived from its async one in one place: a method
+declared once with :class:`two_faced` is, read through a :class:`BlockingFace` (what ``with``
+gives), the same call run to its end in a short-lived event loop on the caller's thread, so the
+weights are read, and CUDA work issued, where the trainer runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import functools
+import inspect
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from types import MethodType
+from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 import anyio
 import anyio.lowlevel
 
-from streamsync.engine.clients import EngineClient, LoopBoundClient, PauseMode
+from streamsync.engine.clients import EngineClient, LoopBoundClient
 from streamsync.errors import ConfigError
-from streamsync.pipeline import AdapterLike
-from streamsync.report import SyncReport
-
-if TYPE_CHECKING:
-    from streamsync.engine.channel import EngineChannel
-    from streamsync.engine.messages import Needs
 
 T = TypeVar("T")
+C = TypeVar("C")
+P = ParamSpec("P")
 
 
 def run_blocking(
@@ -53,111 +53,60 @@ def run_blocking(
     return anyio.run(call)
 
 
-class BlockingWeightSync:
-    """The synchronous face of a channel, what ``with WeightSync(...)`` gives: its calls
-    block until done, with no event loop in the caller (the channel runs the transport on
-    its own loop thread). Not for ``AsyncLLM``: use ``async with``."""
+class BlockingFace:
+    """The synchronous face of a channel (``channel``): each :class:`two_faced` method of the
+    channel, read through it, blocks until done, with no event loop in the caller."""
 
-    def __init__(self, channel: EngineChannel) -> None:
+    def __init__(self, channel: Any) -> None:
         self.channel = channel
-
-    def __enter__(self) -> BlockingWeightSync:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def needs(self) -> Mapping[str, Needs]:
-        """:attr:`EngineChannel.needs <streamsync.engine.channel.EngineChannel.needs>`."""
-        return self.channel.needs
 
     def _run(self, form: str, call: Callable[[], Awaitable[T]], instead: str | None = None) -> T:
         return run_blocking(self.channel.clients, form, call, instead=instead)
 
-    def update(
-        self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
-    ) -> SyncReport:
-        """:meth:`EngineChannel.update <streamsync.engine.channel.EngineChannel.update>`,
-        blocking."""
-        call = partial(self.channel.update, weights, pipeline=pipeline, delta=delta)
-        return self._run("sync.update(weights)", call)
 
-    def stage(
-        self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
-    ) -> SyncReport:
-        """:meth:`EngineChannel.stage <streamsync.engine.channel.EngineChannel.stage>`,
-        blocking."""
-        call = partial(self.channel.stage, weights, pipeline=pipeline, delta=delta)
-        return self._run("sync.stage(weights)", call)
+class two_faced(Generic[C, P, T]):
+    """An async method of a channel, declared once: read on the channel, the coroutine
+    method; read on its :class:`BlockingFace`, the blocking call of the channel's method of
+    the same name (a subclass's override included), refused where an event loop runs."""
 
-    def commit(self, *, mode: PauseMode = "keep", version: str | None = None) -> SyncReport:
-        """:meth:`EngineChannel.commit <streamsync.engine.channel.EngineChannel.commit>`,
-        blocking."""
-        call = partial(self.channel.commit, mode=mode, version=version)
-        return self._run("sync.commit()", call)
+    def __init__(self, fn: Callable[Concatenate[C, P], Coroutine[Any, Any, T]]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        functools.update_wrapper(self, fn)
 
-    def drop(self) -> None:
-        """:meth:`EngineChannel.drop <streamsync.engine.channel.EngineChannel.drop>`,
-        blocking."""
-        self._run("sync.drop()", self.channel.drop)
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
-    @property
-    def versions(self) -> dict[int, int | None]:
-        """:attr:`EngineChannel.versions <streamsync.engine.channel.EngineChannel.versions>`."""
-        return self.channel.versions
+    def __call__(self, channel: C, *args: P.args, **kwargs: P.kwargs) -> Awaitable[T]:
+        """The method of the class itself, unbound (``EngineChannel.update(channel, ...)``)."""
+        return self.fn(channel, *args, **kwargs)
 
-    @property
-    def staged_version(self) -> int | None:
-        """:attr:`EngineChannel.staged_version
-        <streamsync.engine.channel.EngineChannel.staged_version>`."""
-        return self.channel.staged_version
+    @overload
+    def __get__(self, face: None, owner: type) -> Self: ...
+    @overload
+    def __get__(self, face: BlockingFace, owner: type) -> Callable[P, T]: ...  # type: ignore[overload-overlap]
+    @overload
+    def __get__(self, face: C, owner: type) -> Callable[P, Coroutine[Any, Any, T]]: ...
+    def __get__(self, face: Any, owner: type) -> Any:
+        if face is None:
+            return self
+        if not isinstance(face, BlockingFace):
+            return MethodType(self.fn, face)
+        method = getattr(face.channel, self.name)
 
-    def update_lora(
-        self,
-        name: str,
-        adapter: Any,
-        *,
-        config: Any = None,
-        pipeline: AdapterLike | None = None,
-    ) -> SyncReport:
-        """:meth:`EngineChannel.update_lora
-        <streamsync.engine.channel.EngineChannel.update_lora>`, blocking."""
-        call = partial(self.channel.update_lora, name, adapter, config=config, pipeline=pipeline)
-        return self._run("sync.update_lora(...)", call)
+        @functools.wraps(self.fn)
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            return face._run(f"sync.{self.name}(...)", partial(method, *args, **kwargs))
 
-    def stage_lora(
-        self,
-        name: str,
-        adapter: Any,
-        *,
-        config: Any = None,
-        pipeline: AdapterLike | None = None,
-    ) -> SyncReport:
-        """:meth:`EngineChannel.stage_lora
-        <streamsync.engine.channel.EngineChannel.stage_lora>`, blocking."""
-        call = partial(self.channel.stage_lora, name, adapter, config=config, pipeline=pipeline)
-        return self._run("sync.stage_lora(...)", call)
+        blocking.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+        return blocking
 
-    def commit_lora(self, name: str) -> SyncReport:
-        """:meth:`EngineChannel.commit_lora
-        <streamsync.engine.channel.EngineChannel.commit_lora>`, blocking."""
-        return self._run("sync.commit_lora(name)", partial(self.channel.commit_lora, name))
 
-    def remove_lora(self, name: str) -> None:
-        """:meth:`EngineChannel.remove_lora
-        <streamsync.engine.channel.EngineChannel.remove_lora>`, blocking."""
-        self._run("sync.remove_lora(name)", partial(self.channel.remove_lora, name))
+class forwarded(Generic[T]):
+    """A property of the channel, read through its :class:`BlockingFace`."""
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """:meth:`EngineChannel.wait_ready
-        <streamsync.engine.channel.EngineChannel.wait_ready>`, blocking."""
-        self._run("sync.wait_ready()", partial(self.channel.wait_ready, timeout))
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
-    def close(self) -> None:
-        """:meth:`EngineChannel.aclose <streamsync.engine.channel.EngineChannel.aclose>`,
-        blocking: the transport, the workers' receivers and the channel's loop thread."""
-        self._run("sync.close()", self.channel.aclose, "await sync.aclose()")
-
-    def __repr__(self) -> str:
-        return f"BlockingWeightSync({self.channel!r})"
+    def __get__(self, face: BlockingFace, owner: type) -> T:
+        return getattr(face.channel, self.name)  # type: ignore[no-any-return]

@@ -10,14 +10,14 @@ import types
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, Self, TypeVar, cast
 
 import anyio
 import anyio.to_thread
 import msgspec
 
 from streamsync._log import log, warn
-from streamsync.engine.blocking import BlockingWeightSync, run_blocking
+from streamsync.engine.blocking import BlockingFace, forwarded, run_blocking, two_faced
 from streamsync.engine.clients import (
     EngineClient,
     FactsClient,
@@ -25,6 +25,7 @@ from streamsync.engine.clients import (
     PauseMode,
     VersionClient,
 )
+from streamsync.engine.collective import Exchange, Ranks, check_pipeline, shard_stream
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import (
@@ -35,7 +36,6 @@ from streamsync.engine.messages import (
     WorkerResult,
     sending_to,
 )
-from streamsync.engine.ranks import Exchange, Ranks, check_pipeline, shard_stream
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.engine.routes import (
     RoutePlan,
@@ -401,6 +401,7 @@ class EngineChannel:
         told = await self._each_client("engine.hello_failed", hello)
         return tuple(f for f in told if f is not None)
 
+    @two_faced
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every worker has joined the channel (``timeout``: the channel's); raises
         why one was refused (a wrong secret, more workers than ``receivers``)."""
@@ -412,6 +413,7 @@ class EngineChannel:
         """The index errors name for engine ``e`` (``exc.engine``): ``None`` with one."""
         return e if self.fanout else None
 
+    @two_faced
     async def update(
         self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
     ) -> SyncReport:
@@ -443,6 +445,7 @@ class EngineChannel:
             raise ConfigError("update(delta=True) needs a channel opened with delta=True")
         return self.delta and ("full" if delta is False else True)
 
+    @two_faced
     async def stage(
         self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
     ) -> SyncReport:
@@ -454,6 +457,7 @@ class EngineChannel:
         :meth:`update`'s; one version is staged at a time."""
         return await self._staging.stage(weights, pipeline=pipeline, mode=self._mode(delta))
 
+    @two_faced
     async def commit(self, *, mode: PauseMode = "keep", version: str | None = None) -> SyncReport:
         """Apply the staged version on every engine at once: each pauses (``mode``, as
         vLLM's pause takes it: ``keep`` freezes the requests in flight and they go on with
@@ -465,6 +469,7 @@ class EngineChannel:
         naming each engine's version; the next sync is then full on every engine."""
         return await self._staging.commit(mode, version)
 
+    @two_faced
     async def drop(self) -> None:
         """Drop the staged version on every engine (none of them ever served it)."""
         await self._staging.drop()
@@ -534,6 +539,7 @@ class EngineChannel:
         sent = await self.ranks.outcome(report.wire_bytes, None)
         return msgspec.structs.replace(report, rank_bytes=sent)
 
+    @two_faced
     async def update_lora(
         self,
         name: str,
@@ -555,6 +561,7 @@ class EngineChannel:
         await self.stage_lora(name, adapter, config=config, pipeline=pipeline)
         return await self._loras.commit(name)
 
+    @two_faced
     async def stage_lora(
         self,
         name: str,
@@ -569,6 +576,7 @@ class EngineChannel:
         again replaces a version staged and not committed."""
         return await self._loras.stage(name, adapter, config=config, pipeline=pipeline)
 
+    @two_faced
     async def commit_lora(self, name: str) -> SyncReport:
         """Install the staged version of adapter ``name`` on every engine at once (vLLM
         swaps it in without a pause; requests generating with ``name`` go on with it);
@@ -585,6 +593,7 @@ class EngineChannel:
         """The adapters this channel installed and serves."""
         return self._loras.names
 
+    @two_faced
     async def remove_lora(self, name: str) -> None:
         """Stop serving adapter ``name`` on every engine and drop its tensors on every worker
         (an adapter another channel installed too: adapters outlive their channel)."""
@@ -804,3 +813,38 @@ class EngineChannel:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.endpoint!r}, engines={len(self.clients)})"
+
+
+class BlockingWeightSync(BlockingFace):
+    """The synchronous face of a channel, what ``with WeightSync(...)`` gives: each call is
+    the channel's, and blocks until done, with no event loop in the caller (the channel runs
+    the transport on its own loop thread). Not for ``AsyncLLM``: use ``async with``."""
+
+    channel: EngineChannel
+
+    update = EngineChannel.update
+    stage = EngineChannel.stage
+    commit = EngineChannel.commit
+    drop = EngineChannel.drop
+    update_lora = EngineChannel.update_lora
+    stage_lora = EngineChannel.stage_lora
+    commit_lora = EngineChannel.commit_lora
+    remove_lora = EngineChannel.remove_lora
+    wait_ready = EngineChannel.wait_ready
+    needs: forwarded[Mapping[str, Needs]] = forwarded()
+    versions: forwarded[dict[int, int | None]] = forwarded()
+    staged_version: forwarded[int | None] = forwarded()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """The channel's ``aclose``, blocking: the transport, the workers' receivers and the
+        channel's loop thread."""
+        self._run("sync.close()", self.channel.aclose, "await sync.aclose()")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.channel!r})"

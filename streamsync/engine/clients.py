@@ -101,10 +101,10 @@ class VersionClient(EngineClient, Protocol):
         """Label what the engine generates from now on with ``version``."""
 
 
-#: How requests in flight fare while a staged version is committed (vLLM's pause modes):
-#: ``keep`` freezes them and they go on with the new weights, ``wait`` lets them finish
-#: first, ``abort`` ends them.
 PauseMode = Literal["keep", "wait", "abort"]
+PauseMode.__doc__ = """How requests in flight fare while a staged version is committed (vLLM's
+pause modes): ``keep`` freezes them and they go on with the new weights, ``wait`` lets them
+finish first, ``abort`` ends them."""
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from streamsync.errors import (
 )
 from streamsync.report import SyncReport
 
-__all__ = ["WorkerOptions", "WorkerResult"]
+__all__ = ["WorkerResult"]
 
 #: Version of :class:`WorkerOptions` and :class:`WorkerResult` on the engine's RPC; a worker
 #: and a trainer that disagree fail with :class:`~streamsync.ProtocolVersionError`.

@@ -166,7 +166,7 @@ async def send_routes(
     and handed to ``send_one(route index, that route's stream)``, all at once. A route that
     fails cancels the others (each aborts its sync on its receivers).
 
-    ``cut``: a collective cut (:meth:`~streamsync.engine.ranks.Ranks.cutter`), which every
+    ``cut``: a collective cut (:meth:`~streamsync.engine.collective.Ranks.cutter`), which every
     rank runs for every tensor in one order: it runs to the end of the stream whatever
     fails, so that no other rank waits for this one."""
     routes = range(len(plans)) if routes is None else routes

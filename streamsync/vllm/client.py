@@ -18,8 +18,8 @@ import anyio
 import anyio.to_thread
 
 from streamsync._log import warn
-from streamsync.engine.blocking import BlockingWeightSync
-from streamsync.engine.channel import EngineChannel
+from streamsync.engine.blocking import forwarded
+from streamsync.engine.channel import BlockingWeightSync, EngineChannel
 from streamsync.engine.clients import EngineClient, PauseMode
 from streamsync.engine.kept import update_engine
 from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
@@ -253,14 +253,11 @@ class WeightSync(EngineChannel):
 
 
 class BlockingVllmSync(BlockingWeightSync):
-    """What ``with WeightSync(llm, ...)`` gives: :class:`BlockingWeightSync` with
-    :meth:`lora_request`."""
+    """What ``with WeightSync(llm, ...)`` gives: the blocking face of :class:`WeightSync`."""
 
     channel: WeightSync
 
-    def lora_request(self, name: str) -> Any:
-        """:meth:`WeightSync.lora_request`."""
-        return self.channel.lora_request(name)
+    lora_request: forwarded[Callable[[str], Any]] = forwarded()
 
 
 async def update_weights(

@@ -20,8 +20,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from streamsync import errors
 from streamsync._log import log
-from streamsync.engine.blocking import BlockingWeightSync
-from streamsync.engine.channel import EngineChannel
+from streamsync.engine.channel import BlockingWeightSync, EngineChannel
 from streamsync.engine.clients import PauseMode
 from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
 from streamsync.errors import (
