@@ -33,6 +33,7 @@ class StagingEngine(ThreadEngine):
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         super().__init__(modules)
         self.pauses: list[str] = []
+        self.paused = False
         self.weight_version = "default"
         self.fail_load: set[int] = set()  # ranks whose loader fails (at commit)
 
@@ -60,13 +61,22 @@ class StagingEngine(ThreadEngine):
     async def staged(self, sync_id: int, *, wait: bool = True) -> list[WorkerResult]:
         return await self._each(lambda rank: self.workers[rank].staged(sync_id, wait=wait))
 
-    async def commit(self, sync_id: int, *, version: str, mode: Any) -> list[WorkerResult]:
+    async def pause(self, mode: Any) -> None:
         self.pauses.append(mode)
-        results = await self._each(lambda rank: self.workers[rank].commit(sync_id))
-        if all(r.ok for r in results):
-            self.weight_version = version
-            self.resets += 1  # the commit drops the caches, inside its pause
-        return results
+        self.paused = True
+
+    async def apply_staged(self, sync_id: int, *, version: str) -> list[WorkerResult]:
+        return await self._each(lambda rank: self.workers[rank].commit(sync_id))
+
+    async def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    async def reset_prefix_cache(self) -> None:
+        assert self.paused  # the commit drops the caches inside its pause
+        self.resets += 1
+
+    async def resume(self) -> None:
+        self.paused = False
 
     async def drop(self) -> None:
         for worker in self.workers:

@@ -81,8 +81,7 @@ def _rank0(
 ) -> dict[str, Any]:
     from vllm_harness import engine_outputs, make_llm
 
-    from streamsync.vllm import Ranks
-    from streamsync.vllm import WeightSync
+    from streamsync.vllm import Ranks, WeightSync
 
     out: dict[str, Any] = {"reports": [], "seen": [], "want": []}
     extra: dict[str, Any] = {}

@@ -110,7 +110,8 @@ finish first, ``abort`` ends them."""
 @runtime_checkable
 class StagingClient(EngineClient, Protocol):
     """A client whose workers can stage a sync while the engine serves, and whose engine
-    can commit it in a short pause (:mod:`streamsync.staging`)."""
+    can commit it in a short pause (:mod:`streamsync.staging`): the primitive calls that
+    :func:`~streamsync.engine.staged.commit_paused` runs in order."""
 
     async def start_stage(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         """Start a staged receive from ``endpoint`` on every worker; returns once each has
@@ -121,10 +122,20 @@ class StagingClient(EngineClient, Protocol):
         ``wait=False``: at once, a started result for a worker still receiving (the RPC
         fails if the engine is gone)."""
 
-    async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:
-        """Pause the engine (``mode``), apply staged sync ``sync_id`` on every worker; if
-        every worker applied it, set the engine's weight version to ``version`` and reset
-        its prefix cache (requests in flight recompute theirs); resume."""
+    async def pause(self, mode: PauseMode) -> None:
+        """Pause the engine's generation (``mode``) for a commit; an engine that serves no
+        request while its caller commits (vLLM's ``LLM``) does nothing."""
+
+    async def apply_staged(self, sync_id: int, *, version: str) -> list[WorkerResult]:
+        """Apply staged sync ``sync_id`` on every worker, by rank (an engine whose API labels
+        the weight version as the apply ends, as vLLM's server session does, labels it
+        ``version`` there)."""
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache; requests in flight recompute what they hold."""
+
+    async def resume(self) -> None:
+        """Resume generation after :meth:`pause`."""
 
     async def drop(self) -> None:
         """Drop every worker's staged version, if any."""

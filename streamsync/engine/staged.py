@@ -8,8 +8,8 @@ nowhere.
                         the send, as in any sync (every route of a sharded channel)
                         every worker: staged -> its receive's end
                         any failure: drop on every engine, raise the root cause by name
-    commit(mode)        every engine at once: pause (mode), apply, weight version,
-                        prefix cache reset (requests in flight recompute), resume
+    commit(mode)        every engine at once, commit_paused: pause (mode), apply, weight
+                        version, prefix cache reset (requests in flight recompute), resume
                         all applied: caches reset, each engine's version is the sync's
                         some applied: PartialCommitError naming each engine's version
     drop()              every worker frees its staged version
@@ -27,7 +27,13 @@ import anyio
 import msgspec
 
 from streamsync._log import log
-from streamsync.engine.clients import EngineClient, PauseMode, StagingClient, able
+from streamsync.engine.clients import (
+    EngineClient,
+    PauseMode,
+    StagingClient,
+    VersionClient,
+    able,
+)
 from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.engine.rounds import SyncRound, each
 from streamsync.errors import (
@@ -113,6 +119,26 @@ class Staging(Receiving):
         self._sent.set()
 
 
+async def commit_paused(
+    client: StagingClient, sync_id: int, *, version: str, mode: PauseMode
+) -> list[WorkerResult]:
+    """The commit sequence of one engine, the one place it is written: pause (``mode``),
+    apply staged sync ``sync_id`` on every worker; if every worker applied it, set the
+    weight version to ``version`` and reset the prefix cache inside the pause (requests in
+    flight recompute what they hold on the new weights); resume, whatever happened."""
+    await client.pause(mode)
+    try:
+        results = await client.apply_staged(sync_id, version=version)
+        if all(r.ok for r in results):
+            if isinstance(client, VersionClient):
+                await client.set_weight_version(version)
+            await client.reset_prefix_cache()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await client.resume()
+    return results
+
+
 class ChannelStaging:
     """One channel's staged version and each engine's committed one."""
 
@@ -187,7 +213,7 @@ class ChannelStaging:
             where = "the engine" if not channel.fanout else f"engine {e}"
             await sync.collect(
                 e,
-                clients[e].commit(staged.sync_id, version=label, mode=mode),
+                commit_paused(clients[e], staged.sync_id, version=label, mode=mode),
                 limit=limit,
                 engine=channel.engine_index(e),
                 late=f"{where} did not commit within {limit:g} s",

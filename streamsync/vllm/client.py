@@ -127,6 +127,9 @@ class VllmClient:
         return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
 
     async def after_sync(self) -> None:
+        await self.reset_prefix_cache()
+
+    async def reset_prefix_cache(self) -> None:
         # With the requests in flight preempted (they recompute what they hold), so the
         # reset cannot fail for blocks they hold and leave the old weights' KV cached.
         if not await self._call(partial(self.llm.reset_prefix_cache, True)):
@@ -147,24 +150,18 @@ class VllmClient:
         raw = await self._rpc(_STAGED, sync_id, wait)
         return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
 
-    async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:
-        """An ``AsyncLLM`` pauses (``mode``) around the apply; an ``LLM`` serves no request
-        while its caller commits, so it needs no pause."""
+    async def pause(self, mode: PauseMode) -> None:
+        # An LLM serves no request while its caller commits: only an AsyncLLM pauses.
         if self.loop_bound:
             await self.llm.pause_generation(mode=mode, clear_cache=False)
-        try:
-            raw = await self._rpc(_COMMIT, sync_id)
-            results = [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
-            if all(r.ok for r in results):
-                await self.set_weight_version(version)
-                # Inside the pause: no request reads a prefix cached from the old weights,
-                # and those in flight recompute what they hold on the new ones.
-                await self.after_sync()
-        finally:
-            if self.loop_bound:
-                with anyio.CancelScope(shield=True):
-                    await self.llm.resume_generation()
-        return results
+
+    async def apply_staged(self, sync_id: int, *, version: str) -> list[WorkerResult]:
+        raw = await self._rpc(_COMMIT, sync_id)
+        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+
+    async def resume(self) -> None:
+        if self.loop_bound:
+            await self.llm.resume_generation()
 
     async def drop(self) -> None:
         await self._rpc(_DROP)

@@ -118,23 +118,25 @@ class _VllmClient:
             StagedStep(staged="wait" if wait else "poll", sync_id=sync_id)
         )
 
-    async def commit(self, sync_id: int, *, version: str, mode: PauseMode) -> list[WorkerResult]:
-        """The server pauses (``/pause?mode=``), its workers apply the staged version, its
-        weight version becomes ``version`` and its prefix cache is reset (requests in
-        flight recompute theirs), then it resumes."""
-        step = StagedStep(staged="commit", sync_id=sync_id)
+    async def pause(self, mode: PauseMode) -> None:
+        """The server's ``/pause?mode=`` (its cache kept: the commit resets it)."""
         pause = partial(_control, self.client, "pause", mode=mode)
         await anyio.to_thread.run_sync(pause, abandon_on_cancel=True)
-        try:
-            results = await self._staged_step(step, version=version)
-            if all(r.ok for r in results):
-                reset = partial(_control, self.client, "reset_prefix_cache")
-                await anyio.to_thread.run_sync(reset, abandon_on_cancel=True)
-        finally:
-            with anyio.CancelScope(shield=True):
-                resume = partial(_control, self.client, "resume")
-                await anyio.to_thread.run_sync(resume, abandon_on_cancel=True)
-        return results
+
+    async def apply_staged(self, sync_id: int, *, version: str) -> list[WorkerResult]:
+        """The commit step in one of vLLM's weight-update sessions, which labels the
+        server's weight version ``version`` as it ends."""
+        return await self._staged_step(
+            StagedStep(staged="commit", sync_id=sync_id), version=version
+        )
+
+    async def reset_prefix_cache(self) -> None:
+        reset = partial(_control, self.client, "reset_prefix_cache")
+        await anyio.to_thread.run_sync(reset, abandon_on_cancel=True)
+
+    async def resume(self) -> None:
+        resume = partial(_control, self.client, "resume")
+        await anyio.to_thread.run_sync(resume, abandon_on_cancel=True)
 
     async def drop(self) -> None:
         failed = [r for r in await self._staged_step(StagedStep(staged="drop")) if not r.ok]
