@@ -33,8 +33,10 @@ def run_per_tensor(*, count: int, tensor_bytes: int, runs: int) -> dict[str, Any
     """Time each step; returns microseconds per tensor by step (the ``--json``)."""
     import streamsync as ss
     from streamsync.adapters.bucket import Bucketer
-    from streamsync.wire.bucket import Bucket, Unpacker, allocate_slot
     from streamsync.wire.frames import BucketHeader
+    from streamsync.wire.pack import Bucket
+    from streamsync.wire.slot import allocate_slot
+    from streamsync.wire.unpack import Unpacker
 
     numel = max(1, tensor_bytes // 2)
     source = torch.nn.Module()

@@ -25,7 +25,7 @@ import torch
 from streamsync._copies import copy_tensors
 from streamsync._log import log
 from streamsync.wire import patch as patches
-from streamsync.wire.bucket import BucketBuilder, CastRule
+from streamsync.wire.pack import BucketBuilder, CastRule
 
 #: Below this many bytes a sync is too short to time: it does not count towards the verdict.
 DECLINE_MIN_BYTES = 16 << 20

@@ -21,7 +21,7 @@ from typing import Final, NamedTuple
 import torch
 
 from streamsync._dtypes import dtype_from_name
-from streamsync.wire.bucket import Bucket, BucketBuilder, CastRule
+from streamsync.wire.pack import Bucket, BucketBuilder, CastRule
 
 #: Plans one sender keeps (its model, a LoRA adapter beside it, ...): the oldest goes first.
 PLANS_PER_SENDER: Final = 4

@@ -27,7 +27,8 @@ from streamsync._copies import CopyBatch, MovePlan
 from streamsync.errors import DtypeMismatchError, ShapeMismatchError, UnknownTensorError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.wire.bucket import BucketTensors, CheckedLayout
+from streamsync.wire.checks import CheckedLayout
+from streamsync.wire.unpack import BucketTensors
 
 #: Name of the tensor in which :func:`~streamsync.adapters.split_buffers` declares the
 #: trainer's buffer names; ``::`` never occurs in a PyTorch state-dict name.

@@ -40,13 +40,9 @@ from streamsync.sink import (
 from streamsync.sources import named_tensors
 from streamsync.transports import one_shot_options, open_receiver, open_sender
 from streamsync.transports.base import Incoming, Receiver, ReceiverState, Sender
-from streamsync.wire.bucket import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_MAX_TENSOR_BYTES,
-    Bucket,
-    BucketTensors,
-)
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES, Bucket
+from streamsync.wire.unpack import DEFAULT_MAX_TENSOR_BYTES, BucketTensors
 
 #: Seconds any single wait may take unless told otherwise.
 DEFAULT_TIMEOUT = 60.0

@@ -38,8 +38,9 @@ from streamsync.transports import (
     register,
 )
 from streamsync.transports.linked import FrameFilter
-from streamsync.wire.bucket import Unpacker, allocate_slot
 from streamsync.wire.frames import BucketHeader, Entry, Layout, WireCodec
+from streamsync.wire.slot import allocate_slot
+from streamsync.wire.unpack import Unpacker
 
 #: Every wait of a sync, in seconds: the faults must surface within twice this.
 TIMEOUT = 2.0

@@ -14,7 +14,7 @@ from streamsync.adapters import bucket, cast, rename, select
 from streamsync.adapters.bucket import Bucketer
 from streamsync.pipeline import Adapter, Chain, Stage
 from streamsync.testing.buckets import pack_bucket, unbucket
-from streamsync.wire.bucket import BucketBuilder
+from streamsync.wire.pack import BucketBuilder
 
 
 async def collect(stream) -> list:  # type: ignore[no-untyped-def]

@@ -13,7 +13,6 @@ from conftest import WIRE_DTYPES, random_tensor, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import streamsync.wire.bucket as bucket_module
 from streamsync.errors import (
     ChecksumError,
     ConfigError,
@@ -21,8 +20,10 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.testing.buckets import pack_bucket
-from streamsync.wire.bucket import ALIGN, BucketBuilder, BucketTensors, Unpacker
 from streamsync.wire.frames import BucketHeader, End, Entry, Layout
+from streamsync.wire.pack import KEPT_PLAN_ENTRIES, BucketBuilder
+from streamsync.wire.slot import ALIGN, allocate_slot
+from streamsync.wire.unpack import BucketTensors, Unpacker
 
 
 def roundtrip(
@@ -460,7 +461,7 @@ def test_staging_never_grows_past_the_tensor() -> None:
 
     def recording(nbytes: int) -> torch.Tensor:
         sizes.append(nbytes)
-        return bucket_module.allocate_slot(nbytes)
+        return allocate_slot(nbytes)
 
     unpacker = Unpacker(allocate=recording)
     unpacker.begin(1)
@@ -477,7 +478,7 @@ def test_the_old_staging_buffer_is_freed_before_a_larger_one_is_allocated() -> N
 
     def recording(nbytes: int) -> torch.Tensor:
         alive.append(sum(ref() is not None for ref in buffers))
-        buf = bucket_module.allocate_slot(nbytes)
+        buf = allocate_slot(nbytes)
         buffers.append(weakref.ref(buf))
         return buf
 
@@ -673,7 +674,7 @@ def test_module_sink_reports_each_name_once_when_a_bucket_comes_twice() -> None:
 
 _DEVICE_SLOT = """
 import sys, torch
-from streamsync.wire.bucket import BucketBuilder
+from streamsync.wire.pack import BucketBuilder
 
 def build():
     cast = sys.argv[1] == "cast"
@@ -738,7 +739,7 @@ def test_a_refilled_bucket_reuses_its_copy_plan_only_while_its_sources_stay_put(
 def test_a_bucket_of_many_entries_keeps_no_copy_plan() -> None:
     # Past KEPT_PLAN_ENTRIES entries the plan is built at each packing: kept, it would cost
     # the sender memory per tensor (small-tensors' peak).
-    count = bucket_module.KEPT_PLAN_ENTRIES + 1
+    count = KEPT_PLAN_ENTRIES + 1
     tensors = [(f"t{i}", random_tensor((16,), torch.float32, seed=i)) for i in range(count)]
     builder = BucketBuilder(1 << 20)
     (bucket,) = [b for name, t in tensors for b in builder.add(name, t)] + [builder.flush()]

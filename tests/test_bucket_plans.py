@@ -19,8 +19,9 @@ from streamsync._replay import PLANS_PER_SENDER, BucketPlans
 from streamsync.adapters import cast
 from streamsync.adapters.bucket import Bucketer
 from streamsync.pipeline import Chain
-from streamsync.wire.bucket import Bucket, CastRule, Unpacker
 from streamsync.wire.frames import BucketHeader
+from streamsync.wire.pack import Bucket, CastRule
+from streamsync.wire.unpack import Unpacker
 
 Spec = tuple[str, torch.dtype, tuple[int, ...], bool]
 

@@ -21,8 +21,9 @@ import streamsync as ss
 from streamsync import _copies as copies
 from streamsync._dtypes import CASTABLE
 from streamsync.testing.buckets import pack_bucket
-from streamsync.wire.bucket import BucketBuilder, Unpacker
 from streamsync.wire.frames import BucketHeader, Layout
+from streamsync.wire.pack import BucketBuilder
+from streamsync.wire.unpack import Unpacker
 
 PIECE = copies.PIECE_BYTES
 CAST_PAIRS = [(a, b) for a in sorted(CASTABLE, key=str) for b in sorted(CASTABLE, key=str)]
@@ -151,7 +152,8 @@ _NO_OPENMP_WORKERS = textwrap.dedent(
         ss.ModuleSink(module)  # warm-up of its own imports
         rule = lambda name, dtype: torch.bfloat16 if dtype == torch.float32 else None
         from streamsync.testing.buckets import pack_bucket
-        from streamsync.wire.bucket import BucketBuilder, Unpacker
+        from streamsync.wire.pack import BucketBuilder
+        from streamsync.wire.unpack import Unpacker
         from streamsync.wire.frames import BucketHeader, Layout
         builder = BucketBuilder(4 << 20, cast=rule)
         buckets = [*builder.add("a", bf16), *builder.add("b", f32), builder.flush()]

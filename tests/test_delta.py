@@ -31,8 +31,9 @@ import streamsync as ss
 from streamsync.adapters import cast
 from streamsync.testing.buckets import pack_bucket
 from streamsync.wire import patch as patches
-from streamsync.wire.bucket import BucketBuilder, Unpacker
 from streamsync.wire.frames import BucketHeader, Layout
+from streamsync.wire.pack import BucketBuilder
+from streamsync.wire.unpack import Unpacker
 
 _names = itertools.count()
 

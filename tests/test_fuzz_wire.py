@@ -36,16 +36,7 @@ from streamsync.errors import (
     StreamsyncError,
     WireFormatError,
 )
-from streamsync.wire.bucket import (
-    ALIGN,
-    BucketBuilder,
-    Unpacker,
-    allocate_slot,
-    check_bucket,
-    check_entry,
-    check_fits,
-    check_layout,
-)
+from streamsync.wire.checks import check_bucket, check_entry, check_fits, check_layout
 from streamsync.wire.frames import (
     PROTOCOL_VERSION,
     Abort,
@@ -63,6 +54,9 @@ from streamsync.wire.frames import (
     Welcome,
     WireCodec,
 )
+from streamsync.wire.pack import BucketBuilder
+from streamsync.wire.slot import ALIGN, allocate_slot
+from streamsync.wire.unpack import Unpacker
 
 DECODE_ERRORS = (WireFormatError, AuthenticationError)
 UNPACK_ERRORS = (WireFormatError, DuplicateTensorError)

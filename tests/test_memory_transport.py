@@ -310,7 +310,7 @@ async def test_unknown_scheme_lists_valid_ones() -> None:
 async def test_a_receiver_failing_on_the_last_bucket_aborts_the_others() -> None:
     # Bucket 1 (the last) fails on one receiver before the sender ends the sync: the other
     # receiver must hear that the sync is abandoned, not wait out its timeout for an End.
-    from streamsync.wire.bucket import BucketBuilder
+    from streamsync.wire.pack import BucketBuilder
 
     failed = anyio.Event()
 

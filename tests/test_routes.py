@@ -20,7 +20,7 @@ from streamsync.engine.channel import EngineChannel
 from streamsync.engine.messages import Box, Need, Needs, Route, WorkerOptions
 from streamsync.engine.routes import derive_endpoint, plan_routes
 from streamsync.testing.peers import free_port
-from streamsync.wire.bucket import ALIGN
+from streamsync.wire.slot import ALIGN
 
 SHAPES = {"rows": (8, 4), "cols": (4, 8), "norm": (4,), "bias": (8,)}
 

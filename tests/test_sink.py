@@ -8,7 +8,8 @@ from conftest import run_both
 
 import streamsync as ss
 from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
-from streamsync.wire.bucket import Unpacker, allocate_slot
+from streamsync.wire.slot import allocate_slot
+from streamsync.wire.unpack import Unpacker
 
 
 class Tiny(torch.nn.Module):

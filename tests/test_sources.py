@@ -17,7 +17,7 @@ from streamsync.adapters import bucket, cast
 from streamsync.adapters.bucket import Bucketer
 from streamsync.errors import ConfigError
 from streamsync.pipeline import Chain
-from streamsync.wire.bucket import Bucket
+from streamsync.wire.pack import Bucket
 
 
 class WithBuffers(torch.nn.Module):

@@ -18,7 +18,7 @@ import streamsync as ss
 from streamsync.boxes import slices_of
 from streamsync.engine.messages import Needs
 from streamsync.testing.models import build_tiny_model
-from streamsync.wire.bucket import ALIGN
+from streamsync.wire.slot import ALIGN
 
 pytestmark = pytest.mark.vllm
 

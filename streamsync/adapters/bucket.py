@@ -1,6 +1,6 @@
 """``bucket(bucket_bytes)``: the last adapter of a sending chain.
 
-The bucketer turns named tensors into :class:`~streamsync.wire.bucket.Bucket` plans that a
+The bucketer turns named tensors into :class:`~streamsync.wire.pack.Bucket` plans that a
 transport packs straight into its slots; it holds at most one bucket's worth of tensors plus
 the one being split.
 """
@@ -17,16 +17,11 @@ from streamsync._delta import DeltaRun
 from streamsync._replay import BucketPlans, PlanRun
 from streamsync.errors import ConfigError
 from streamsync.pipeline import Adapter, reading
-from streamsync.wire.bucket import (
-    DEFAULT_BUCKET_BYTES,
-    Bucket,
-    BucketBuilder,
-    CastRule,
-)
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES, Bucket, BucketBuilder, CastRule
 
 
 class Bucketer(Adapter):
-    """The bucket builder: named tensors in, :class:`~streamsync.wire.bucket.Bucket` plans
+    """The bucket builder: named tensors in, :class:`~streamsync.wire.pack.Bucket` plans
     out, at most ``bucket_bytes`` each. Buckets already made upstream pass through.
 
     How a tensor is placed is the builder's strategy: as it is (converted by ``cast`` while

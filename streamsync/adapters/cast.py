@@ -12,7 +12,7 @@ from streamsync._dtypes import CASTABLE
 from streamsync.adapters.bucket import Bucketer
 from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
 from streamsync.pipeline import Adapter, NamedTensor, Stage, adapter
-from streamsync.wire.bucket import CastRule
+from streamsync.wire.pack import CastRule
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from streamsync.sources import named_tensors
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 LOGPROB_TOL = 1e-4
 

@@ -59,8 +59,8 @@ from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
 from streamsync.transports import check_options
 from streamsync.transports.base import Sender
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 from streamsync.wire.frames import Abort
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 __all__ = ["EngineChannel"]
 

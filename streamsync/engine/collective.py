@@ -45,7 +45,7 @@ from streamsync.errors import ConfigError, PeerBrokenError, error_class, root_ca
 from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 T = TypeVar("T")
 

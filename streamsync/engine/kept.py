@@ -22,7 +22,7 @@ from streamsync.errors import ConfigError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 
 @dataclass

@@ -22,8 +22,8 @@ from anyio.from_thread import BlockingPortal
 from streamsync.errors import ClosedError, SyncTimeoutError
 from streamsync.transports import open_sender
 from streamsync.transports.base import Attendance, Sender, SenderStatistics
-from streamsync.wire.bucket import Bucket
 from streamsync.wire.frames import Abort, Done, End
+from streamsync.wire.pack import Bucket
 
 T = TypeVar("T")
 

@@ -41,7 +41,7 @@ from streamsync.engine.messages import Box, Needs, Route
 from streamsync.errors import ShapeMismatchError, root_cause
 from streamsync.pipeline import Adapter, AdapterLike, Chain, reading
 from streamsync.report import SyncReport
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 _TCP_SCHEMES = ("zmq+tcp", "torch+gloo", "torch+nccl")
 

@@ -31,7 +31,7 @@ from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.server import BACKEND, SERVER_FLAG, call
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 __all__ = ["WeightTransfer"]
 

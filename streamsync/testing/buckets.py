@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from streamsync.pipeline import NamedTensor, adapter
-from streamsync.wire.bucket import Bucket, Unpacker, allocate_slot
 from streamsync.wire.frames import BucketHeader, Entry, Layout
+from streamsync.wire.pack import Bucket
+from streamsync.wire.slot import allocate_slot
+from streamsync.wire.unpack import Unpacker
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,7 +39,7 @@ def pack_bucket(bucket: Bucket, *, checksum: bool = False) -> PackedBucket:
 @adapter
 async def unbucket(source: AsyncIterable[PackedBucket]) -> AsyncIterator[NamedTensor]:
     """``unbucket()``: packed buckets back into named tensors, chunks reassembled, through
-    the receiver's :class:`~streamsync.wire.bucket.Unpacker`; yields copies (the results
+    the receiver's :class:`~streamsync.wire.unpack.Unpacker`; yields copies (the results
     outlive the buffer)."""
     unpacker = Unpacker()
     unpacker.begin(0)

@@ -59,8 +59,8 @@ from streamsync.testing.conformance_sides import (
 )
 from streamsync.testing.peers import Peers, held_elsewhere
 from streamsync.transports import open_receiver, open_sender
-from streamsync.wire.bucket import BucketBuilder
 from streamsync.wire.frames import Abort
+from streamsync.wire.pack import BucketBuilder
 
 
 class TransportConformance:

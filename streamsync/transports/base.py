@@ -20,8 +20,9 @@ import torch
 
 from streamsync._delta import Baseline
 from streamsync._replay import BucketPlans
-from streamsync.wire.bucket import Bucket, Unpacker
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
+from streamsync.wire.pack import Bucket
+from streamsync.wire.unpack import Unpacker
 
 
 @dataclass(frozen=True, slots=True)

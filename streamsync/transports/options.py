@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamsync.errors import ConfigError
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

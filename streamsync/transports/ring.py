@@ -45,8 +45,8 @@ from streamsync.transports.base import (
 from streamsync.transports.handshake import resolve_secret
 from streamsync.transports.link import LAST_WORD_S
 from streamsync.transports.slots import SlotStore
-from streamsync.wire.bucket import Bucket
 from streamsync.wire.frames import Abort, Ack, BucketHeader, Bye, Done, End, Failed, Message
+from streamsync.wire.pack import Bucket
 
 _LAST_LOOK_S = 0.05
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from streamsync.errors import WireFormatError
-from streamsync.wire.bucket import allocate_slot
 from streamsync.wire.frames import BucketHeader, Welcome
+from streamsync.wire.slot import allocate_slot
 
 
 @dataclass(frozen=True)

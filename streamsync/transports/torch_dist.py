@@ -62,8 +62,8 @@ from streamsync.transports.torch_group import (
     local_address,
 )
 from streamsync.transports.zeromq import ZmqDialer, ZmqLink, file_id
-from streamsync.wire.bucket import allocate_slot
 from streamsync.wire.frames import Abort, BucketHeader, Bye, End, Welcome
+from streamsync.wire.slot import allocate_slot
 
 #: Where the sender writes its link's port in the store.
 _CONTROL_KEY = "streamsync/control-port"

@@ -29,7 +29,7 @@ from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.extension import WorkerExtension
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 _RECEIVE = "streamsync_receive"
 _CLOSE = "streamsync_close"

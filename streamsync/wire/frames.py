@@ -78,7 +78,7 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
     builds a few objects per bucket instead of a struct and a tuple per tensor.
 
     Untrusted when received: :meth:`entries` checks that the columns agree with each other,
-    and the :class:`~streamsync.wire.bucket.Unpacker` checks what they say.
+    and the :class:`~streamsync.wire.unpack.Unpacker` checks what they say.
     """
 
     names: tuple[str, ...]

@@ -2,7 +2,7 @@
 
 A patch of ``k`` elements of a tensor with ``numel`` elements of ``itemsize`` bytes travels
 as one bucket entry (``Entry.patch == k``): ``k`` positions (int32 below 2**31 elements,
-else int64), strictly ascending, then at the next :data:`~streamsync.wire.bucket.ALIGN`
+else int64), strictly ascending, then at the next :data:`~streamsync.wire.slot.ALIGN`
 boundary the ``k`` new elements' bytes. Elements are compared as bit patterns, never as
 floats: a NaN that stays NaN is unchanged, ``-0.0`` against ``0.0`` is a change, FP8 bytes
 are bytes.

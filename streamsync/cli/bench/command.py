@@ -15,7 +15,7 @@ from streamsync.cli.bench.models import GiB, MiB, human, parse_size
 from streamsync.cli.bench.plot import plot
 from streamsync.cli.bench.report import format_table
 from streamsync.cli.bench.scenarios import SCENARIOS, TRANSPORTS
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 DESCRIPTION = """\
 Measure each transport's end-to-end throughput against this machine's bounds.

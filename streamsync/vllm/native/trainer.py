@@ -37,7 +37,7 @@ from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.extension import WorkerExtension
 from streamsync.vllm.native.worker import StagedStep, TransferInit
 from streamsync.vllm.server import BACKEND, call
-from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 T = TypeVar("T")
 
