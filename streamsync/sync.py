@@ -33,6 +33,7 @@ from streamsync.sink import (
     BUFFER_MANIFEST,
     ModuleSink,
     Sink,
+    WrappingSink,
     as_target,
     as_versioned,
     call_phase,
@@ -623,7 +624,9 @@ async def _receive(
 
 def _module_sink(sink: Sink) -> ModuleSink | None:
     """``sink`` if a :class:`ModuleSink`, or the one a staging sink wraps; else ``None``."""
-    inner = getattr(sink, "inner", sink)
+    if isinstance(sink, ModuleSink):
+        return sink
+    inner = sink.inner if isinstance(sink, WrappingSink) else None
     return inner if isinstance(inner, ModuleSink) else None
 
 
