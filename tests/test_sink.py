@@ -8,6 +8,7 @@ from conftest import run_both
 
 import streamsync as ss
 from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
+from streamsync._channel import receiver_state
 from streamsync.wire.bucket import Unpacker, allocate_slot
 
 
@@ -156,7 +157,7 @@ async def test_chunks_go_straight_into_the_module_tensor() -> None:
         return allocate_slot(nbytes)
 
     async with sender_side as tx, receiving as rx:
-        rx.state.unpacker = Unpacker(allocate=recording)
+        receiver_state(rx).unpacker = Unpacker(allocate=recording)
         out = await run_both(
             rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
             tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
