@@ -5,6 +5,7 @@ Weights flow as ``AsyncIterator[tuple[str, torch.Tensor]]`` through stackable ad
 into a receiver-side sink that runs prepare → load each bucket → finalize.
 """
 
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync.errors import (
     AuthenticationError,
     ChecksumError,
@@ -30,10 +31,11 @@ from streamsync.errors import (
     WireFormatError,
 )
 from streamsync.pipeline import adapter
+from streamsync.receiving import receive
 from streamsync.report import DeltaReport, LoadResult, LoraReport, SyncReport
+from streamsync.sending import send
 from streamsync.sink import AbortableSink, ModuleSink, Sink, TargetSink
 from streamsync.sources import named_tensors
-from streamsync.sync import DEFAULT_TIMEOUT, receive, send
 from streamsync.transports import open_receiver, open_sender
 from streamsync.transports.base import Receiver, Sender
 

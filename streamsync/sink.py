@@ -88,6 +88,39 @@ class AbortableSink(Sink, Protocol):
         """Leave the model able to serve after a failed sync."""
 
 
+@runtime_checkable
+class WrappingSink(Sink, Protocol):
+    """A sink around another, ``inner``, the sink a plain sync would load into
+    (:class:`~streamsync.staging.StagingSink`): a receive that keeps a
+    :class:`ModuleSink`'s version between syncs keeps it for ``inner``'s model."""
+
+    inner: Sink
+
+
+@runtime_checkable
+class StageCheckedSink(Sink, Protocol):
+    """A sink that refuses, by name, a staged version (:mod:`streamsync.staging`) that it
+    would refuse to load, when the staging ends rather than at the commit."""
+
+    def learn_staged(self) -> None:
+        """Learn what :meth:`check_staged` checks against; called when a staging around
+        this sink begins (where the engine does not step)."""
+
+    def check_staged(self, staged: Mapping[str, torch.Tensor], buffers: frozenset[str]) -> None:
+        """Raise the error loading ``staged`` (``buffers``: the declared buffer names)
+        would raise, before anything is loaded."""
+
+
+@runtime_checkable
+class CopyKeepingSink(VersionedSink, Protocol):
+    """A versioned sink whose patches land in copies it keeps of the model's tensors
+    (``VllmSink``), not in the model's own: a staged delta starts from that copy."""
+
+    def kept(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The kept copy of ``name`` if there is one of that dtype and shape; allocates
+        nothing."""
+
+
 def as_target(sink: Sink) -> TargetSink | None:
     """``sink`` if it is a :class:`TargetSink`, else ``None``: one attribute lookup, where
     ``isinstance`` against a runtime-checkable protocol collects its members again on every
@@ -200,6 +233,9 @@ class ModuleSink:
                 f"tensor {name!r}: received dtype {dtype}, the module's is {meta[1]}"
             )
         return self._targets[name]
+
+    def learn_staged(self) -> None:
+        """Nothing to learn: :meth:`check_staged` checks against the module's own tensors."""
 
     def check_staged(self, staged: Mapping[str, torch.Tensor], buffers: frozenset[str]) -> None:
         """Refuse, by name, a staged version (:mod:`streamsync.staging`) that ``load``

@@ -25,7 +25,13 @@ from streamsync._log import log
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
-from streamsync.sink import Sink, as_versioned, call_phase
+from streamsync.sink import (
+    CopyKeepingSink,
+    Sink,
+    StageCheckedSink,
+    as_versioned,
+    call_phase,
+)
 
 
 class StagingSink:
@@ -40,6 +46,8 @@ class StagingSink:
     def __init__(self, inner: Sink) -> None:
         self.inner = inner
         self._versioned = as_versioned(inner)
+        # Looked up once, not per tensor in ``target``: a protocol check is slow.
+        self._kept = inner.kept if isinstance(inner, CopyKeepingSink) else None
         self._staged: dict[str, torch.Tensor] = {}
         self._buffers: frozenset[str] = frozenset()
         #: The sync id the receive gave the staged version (``None``: not wholly staged).
@@ -47,9 +55,8 @@ class StagingSink:
         self.complete = False
         # What ``finalize`` checks against, learned now: a staging sink is made where the
         # engine does not step (its RPC's thread), and the learning may drive its loaders.
-        learn = getattr(inner, "learn_staged", None)
-        if learn is not None:
-            learn()
+        if isinstance(inner, StageCheckedSink):
+            inner.learn_staged()
 
     @property
     def nbytes(self) -> int:
@@ -83,8 +90,7 @@ class StagingSink:
             # The tensor a patch applies to, without making one where there is none: a
             # sink that keeps copies says which it holds (``kept``), one that patches its
             # model in place gives its own tensor.
-            kept = getattr(self._versioned, "kept", None)
-            base = (kept or self._versioned.target)(name, dtype, shape)
+            base = (self._kept or self._versioned.target)(name, dtype, shape)
             if base is not None:
                 held.copy_(base)
         self._staged[name] = held
@@ -106,9 +112,8 @@ class StagingSink:
     def finalize(self) -> LoadResult:
         # What the commit would refuse, refused now: a wrong name or shape fails the
         # staging, with every model untouched.
-        check = getattr(self.inner, "check_staged", None)
-        if check is not None:
-            check(self._staged, self._buffers)
+        if isinstance(self.inner, StageCheckedSink):
+            self.inner.check_staged(self._staged, self._buffers)
         self.complete = True
         log("staging.staged", tensors=len(self._staged), nbytes=self.nbytes)
         return LoadResult(loaded=tuple(sorted(self._staged)))

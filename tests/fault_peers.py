@@ -27,6 +27,7 @@ import anyio
 import torch
 
 import streamsync as ss
+from streamsync._channel import receiver_state
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink
 from streamsync.transports import (
     ENTRY_POINT_GROUP,
@@ -251,7 +252,7 @@ async def _receiver(tag: str, args: dict[str, Any], results: Any, control: Any) 
             with built_with(session["url"], receiver=_speaking(args)):
                 rx = open_receiver(session["url"], connect_timeout=CONNECT_S, **args["options"])
             await rx.__aenter__()
-            rx.state.unpacker = Unpacker(allocate=_recording)
+            receiver_state(rx).unpacker = Unpacker(allocate=_recording)
         except ss.StreamsyncError as exc:
             results.put({**_failure(_outcome(tag, s, 0, start), exc), "stage": "open"})
             continue

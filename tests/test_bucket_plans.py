@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streamsync as ss
+from streamsync._channel import sender_state
 from streamsync._replay import PLANS_PER_SENDER, BucketPlans
 from streamsync.adapters import cast
 from streamsync.adapters.bucket import Bucketer
@@ -241,7 +242,7 @@ async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(for
         async with anyio.create_task_group() as tg:
             tg.start_soon(ss.receive, rx, sink)
             await ss.send(sources[form](), tx, bucket_bytes=4096, pipeline=pipeline)
-        return tx.state.plans.replayed, tx.state.plans.placed
+        return sender_state(tx).plans.replayed, sender_state(tx).plans.placed
 
     async with ss.open_sender("memory://plans") as tx, ss.open_receiver("memory://plans") as rx:
         # The first sync builds its buckets.
@@ -261,7 +262,7 @@ async def test_a_sender_replays_an_unchanged_model_and_replans_a_changed_one(for
             assert torch.equal(targets.state_dict()[name], want), name
         # And the new shape is the plan from then on.
         assert await sync(tx, rx) == (len(names), 0)
-        assert len(tx.state.plans) == 1
+        assert len(sender_state(tx).plans) == 1
 
 
 async def test_named_tensors_partly_read_sends_the_rest_and_spent_yields_nothing() -> None:
@@ -305,10 +306,10 @@ async def test_a_cast_given_afresh_each_sync_is_the_same_cast() -> None:
 
     async with ss.open_sender("memory://cast") as tx, ss.open_receiver("memory://cast") as rx:
         await sync(tx, rx)
-        assert (tx.state.plans.replayed, tx.state.plans.placed) == (0, 20)
+        assert (sender_state(tx).plans.replayed, sender_state(tx).plans.placed) == (0, 20)
         weights = {k: v * 2 for k, v in weights.items()}  # new tensors, same names
         await sync(tx, rx)
-        assert (tx.state.plans.replayed, tx.state.plans.placed) == (20, 0)
+        assert (sender_state(tx).plans.replayed, sender_state(tx).plans.placed) == (20, 0)
         for k, v in weights.items():
             assert torch.equal(got[k], v.bfloat16())
     assert cast(torch.bfloat16).rule == cast(torch.bfloat16).rule  # type: ignore[attr-defined]
@@ -397,7 +398,7 @@ async def test_a_sender_that_cannot_be_weakly_referenced_keeps_plans_and_deltas(
         ss.open_receiver("memory://slotted") as rx,
     ):
         tx = Slotted(opened)
-        assert tx.state is opened.state
+        assert sender_state(tx) is sender_state(opened)
         for _ in range(2):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ss.receive, rx, sink)
@@ -405,12 +406,12 @@ async def test_a_sender_that_cannot_be_weakly_referenced_keeps_plans_and_deltas(
             for k, v in weights.items():
                 assert torch.equal(sink.got[k], v)
             weights = {k: v + 1 for k, v in weights.items()}
-        assert len(opened.state.plans) == 1
+        assert len(sender_state(opened).plans) == 1
         async with anyio.create_task_group() as tg:
             tg.start_soon(ss.receive, rx, sink)
             sent = await ss.send(weights, tx, delta=True)  # type: ignore[arg-type]
         # The sink keeps no version, so the delta-tracked sync goes full, and is recorded.
         assert sent.delta is not None and sent.delta.base is None
-        assert opened.state.baseline.version == sent.sync_id
+        assert sender_state(opened).baseline.version == sent.sync_id
         for k, v in weights.items():
             assert torch.equal(sink.got[k], v)

@@ -28,6 +28,7 @@ from conftest import run_both
 from hypothesis import given, settings
 
 import streamsync as ss
+from streamsync._channel import receiver_state, sender_state
 from streamsync.adapters import cast
 from streamsync.testing.buckets import pack_bucket
 from streamsync.wire import patch as patches
@@ -155,7 +156,7 @@ async def test_a_failed_delta_leaves_the_baseline_and_the_next_sync_is_full() ->
         sent, got = await sync(tx, rx, trainer, FailingSink(engine), delta=True, bucket_bytes=4096)
         assert isinstance(sent, ss.ReceiverFailedError) and isinstance(got, RuntimeError)
         assert ss.ModuleSink(engine).version is None  # part of a delta: no known version
-        assert rx.state.held is None and rx.state.version_of(engine) is None
+        assert receiver_state(rx).held is None and receiver_state(rx).version_of(engine) is None
         sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True, bucket_bytes=4096)
         assert "receiver 0 holds no known version" in sent.delta.full_reason
         assert same(trainer, engine)
@@ -172,7 +173,7 @@ async def test_a_failed_full_sync_over_the_old_storage_leaves_no_baseline() -> N
         step(trainer, 1, fraction=0.2)
         sent, _ = await sync(tx, rx, trainer, FailingSink(engine), delta="full", bucket_bytes=4096)
         assert isinstance(sent, ss.ReceiverFailedError)
-        assert tx.state.baseline.version is None and not tx.state.baseline.tensors
+        assert sender_state(tx).baseline.version is None and not sender_state(tx).baseline.tensors
         for s in (2, 3):
             step(trainer, s)
             sent, _ = await sync(
@@ -480,7 +481,7 @@ async def test_cold_syncs_are_not_judged() -> None:
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
         script = [5.0, 0.5, 0.85, 5.0, 0.85, 0.85, 5.0, 0.5, 0.5]
-        tx.state.baseline.verdict = costs(script)
+        sender_state(tx).baseline.verdict = costs(script)
         sent = await delta_syncs(tx, rx, trainer, engine, range(9))
         assert fulls(sent) == [0, TIMED, REBASED]
         assert sent[TIMED].delta.full_reason == "timing a dense sync to judge deltas against"
@@ -493,12 +494,12 @@ async def test_cold_syncs_are_not_judged() -> None:
         assert sent.delta.full_reason == "a full sync was asked for"
         sent = await delta_syncs(tx, rx, trainer, engine, range(9, 12))
         assert all(r.delta.base is not None and r.delta.full_reason is None for r in sent)
-        assert tx.state.baseline.verdict.declined is None
+        assert sender_state(tx).baseline.verdict.declined is None
 
 
 def storage(tx: Any) -> dict[str, tuple[torch.Tensor, int]]:
     """Each tensor of the sender's baseline: its bytes and where they live."""
-    held = tx.state.baseline.tensors.items()
+    held = sender_state(tx).baseline.tensors.items()
     return {name: (raw, raw.data_ptr()) for name, (_, _, raw) in held}
 
 
@@ -515,21 +516,21 @@ async def test_a_full_sync_records_its_baseline_into_the_old_ones_storage() -> N
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        tx.state.baseline.verdict = costs([5.0, 0.5, 0.85, 5.0, 0.85, 0.85])
+        sender_state(tx).baseline.verdict = costs([5.0, 0.5, 0.85, 5.0, 0.85, 0.85])
         sent = await delta_syncs(tx, rx, trainer, engine, range(1))
         first, size = storage(tx), sent[0].nbytes
-        assert len(first) == 4 and tx.state.baseline.nbytes == size
+        assert len(first) == 4 and sender_state(tx).baseline.nbytes == size
         sent += await delta_syncs(tx, rx, trainer, engine, range(1, TIMED + 1))
         assert fulls(sent) == [0, TIMED] and sent[TIMED].delta.dense == 4
-        assert tx.state.baseline.nbytes == size  # the timed dense sync kept the storage
+        assert sender_state(tx).baseline.nbytes == size  # the timed dense sync kept the storage
         sent = await delta_syncs(tx, rx, trainer, engine, range(TIMED + 1, REBASED + 1))
         assert sent[0].delta.full_reason == "recording a baseline again after a dense sync timed"
-        assert same_storage(storage(tx), first) and tx.state.baseline.nbytes == size
+        assert same_storage(storage(tx), first) and sender_state(tx).baseline.nbytes == size
         for s in (10, 11):
             step(trainer, s)
             sent, _ = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta="full")
             assert sent.delta.base is None and same(trainer, engine)
-            assert same_storage(storage(tx), first) and tx.state.baseline.nbytes == size
+            assert same_storage(storage(tx), first) and sender_state(tx).baseline.nbytes == size
 
 
 def test_a_full_sync_on_a_new_layout_frees_the_old_storage_first() -> None:
@@ -572,7 +573,7 @@ async def test_a_channel_declines_deltas_that_cost_more_in_steady_state() -> Non
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        tx.state.baseline.verdict = costs([0.2, 0.95, 0.95, 0.2, 0.95], probe_after=3)
+        sender_state(tx).baseline.verdict = costs([0.2, 0.95, 0.95, 0.2, 0.95], probe_after=3)
         sent = await delta_syncs(tx, rx, trainer, engine, range(11))
         assert fulls(sent) == [0, TIMED, REBASED, 8, 9, 10]
         why = sent[JUDGED].delta.full_reason
@@ -582,11 +583,11 @@ async def test_a_channel_declines_deltas_that_cost_more_in_steady_state() -> Non
         for r in sent[JUDGED + 1 :]:
             assert r.delta.full_reason == why and r.delta.dense == 4
             assert r.wire_bytes >= r.nbytes
-        assert tx.state.baseline.nbytes == 0  # declined: no copy kept
+        assert sender_state(tx).baseline.nbytes == 0  # declined: no copy kept
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        tx.state.baseline.verdict = costs([9.0] * 5, min_bytes=16 << 20)
+        sender_state(tx).baseline.verdict = costs([9.0] * 5, min_bytes=16 << 20)
         sent = await delta_syncs(tx, rx, trainer, engine, range(6))
         assert fulls(sent) == [0]
 
@@ -600,7 +601,7 @@ async def test_a_declined_channel_probes_again_after_a_back_off() -> None:
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
         script = [0.2, 0.95, 0.95, 0.2, 0.95, 3.0, 2.0, 2.0, 3.0, 0.3, 0.3, 0.3]
         verdict = costs(script, probe_after=2)
-        tx.state.baseline.verdict = verdict
+        sender_state(tx).baseline.verdict = verdict
         sent = await delta_syncs(tx, rx, trainer, engine, range(23))
         assert fulls(sent) == [0, TIMED, REBASED, 8, 9, 10, 14, 15, 16, 17, 18]
         assert "next 2 syncs" in str(sent[JUDGED].delta.full_reason)
@@ -616,7 +617,7 @@ async def test_a_declined_channel_sends_dense_syncs_until_a_full_one_is_asked_fo
     trainer, engine = model(), model().to(torch.bfloat16)
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
-        tx.state.baseline.verdict = costs([2.0] * 5 + [0.1] * 3, probe_after=100)
+        sender_state(tx).baseline.verdict = costs([2.0] * 5 + [0.1] * 3, probe_after=100)
         sent = await delta_syncs(tx, rx, trainer, engine, range(10))
         declined = sent[JUDGED].delta.full_reason
         assert declined is not None and "do not pay" in declined
@@ -634,11 +635,11 @@ async def test_the_receiver_keeps_its_models_version_and_not_the_model() -> None
     url = f"memory://delta-{next(_names)}"
     async with ss.open_sender(url) as tx, ss.open_receiver(url) as rx:
         sent, got = await sync(tx, rx, trainer, ss.ModuleSink(engine), delta=True)
-        assert rx.state.version_of(engine) == got.sync_id == sent.sync_id
-        assert rx.state.version_of(model()) is None
+        assert receiver_state(rx).version_of(engine) == got.sync_id == sent.sync_id
+        assert receiver_state(rx).version_of(model()) is None
         # Nothing outside the receiver knows it: another receiver's sync would be full.
         assert ss.ModuleSink(engine).version is None
         gone = weakref.ref(engine)
         del engine
         gc.collect()
-        assert gone() is None and rx.state.version_of(gone) is None
+        assert gone() is None and receiver_state(rx).version_of(gone) is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 import pytest
@@ -15,13 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import streamsync as ss
-import streamsync.sync
+from streamsync._channel import receiver_state, sorted_once
 from streamsync.report import LoadResult
 from streamsync.testing import FakeConfig, FakeVllmModel, LoadWeightsSink, fake_state_dict
-from streamsync.transports.base import Incoming, Receiver, ReceiverState
+from streamsync.transports.base import Incoming, Receiver
 from streamsync.wire.frames import BucketHeader, Done, Failed
 
 BUCKET = 4096
+_State = TypeVar("_State")
 
 
 def _model(extra: int = 0) -> torch.nn.Module:
@@ -51,9 +52,8 @@ class Recording(Receiver):
     def index(self) -> int:
         return self.inner.index
 
-    @property
-    def state(self) -> ReceiverState:
-        return self.inner.state
+    def sync_state(self, kind: type[_State]) -> _State:
+        return self.inner.sync_state(kind)
 
     async def receive(self, *, timeout: float) -> Incoming:
         return await self.inner.receive(timeout=timeout)
@@ -101,7 +101,7 @@ async def _syncs(url: str, weights: list[dict[str, torch.Tensor]], sinks: list[A
                 sent = await ss.send(step, sender, bucket_bytes=BUCKET, timeout=5)
             dones = [r.replies[-1] for r in receivers]
             assert all(isinstance(d, Done) for d in dones), dones
-            worked_out = [r.state.carried for r in receivers]
+            worked_out = [receiver_state(r).carried for r in receivers]
             out.append(Sync(sent, [got[k] for k in range(len(sinks))], dones, worked_out))  # type: ignore[arg-type]
     return out
 
@@ -215,4 +215,4 @@ async def test_two_receivers_one_that_leaves_names_out_and_one_that_sends_them()
 
 @given(st.lists(st.text(alphabet="ab.0", max_size=4), max_size=30))
 def test_sorted_once_is_the_sorted_set(names: list[str]) -> None:
-    assert streamsync.sync._sorted_once(names) == tuple(sorted(set(names)))
+    assert sorted_once(names) == tuple(sorted(set(names)))

@@ -35,7 +35,7 @@ from streamsync.engine.messages import (
     WorkerResult,
 )
 from streamsync.engine.worker import WorkerReceivers
-from streamsync.sync import next_sync_id
+from streamsync.sending import next_sync_id
 from streamsync.testing.peers import free_port
 from streamsync.wire.frames import Abort
 

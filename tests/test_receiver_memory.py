@@ -12,6 +12,7 @@ import anyio
 import torch
 
 import streamsync as ss
+from streamsync._channel import receiver_state
 
 
 async def test_a_zmq_receiver_holds_no_bucket_past_its_release() -> None:
@@ -64,7 +65,7 @@ async def test_a_receiver_keeps_one_string_per_name_in_its_plans_and_its_sink() 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(lambda: ss.receive(rx, sink, timeout=5))
                 await ss.send(weights, tx, bucket_bytes=4096, timeout=5)
-        kept = [n for plan in rx.state.unpacker._plans.values() for n in plan.names]
+        kept = [n for plan in receiver_state(rx).unpacker._plans.values() for n in plan.names]
     assert sorted(kept) == sorted(weights)  # every bucket was a kept plan
     assert not any(n is w for n in kept for w in weights)  # decoded, not the sender's
     own = {name: name for name in sink._targets}

@@ -8,6 +8,7 @@ from conftest import run_both
 
 import streamsync as ss
 from streamsync import DtypeMismatchError, ModuleSink, ShapeMismatchError, UnknownTensorError
+from streamsync._channel import receiver_state
 from streamsync.wire.slot import allocate_slot
 from streamsync.wire.unpack import Unpacker
 
@@ -157,7 +158,7 @@ async def test_chunks_go_straight_into_the_module_tensor() -> None:
         return allocate_slot(nbytes)
 
     async with sender_side as tx, receiving as rx:
-        rx.state.unpacker = Unpacker(allocate=recording)
+        receiver_state(rx).unpacker = Unpacker(allocate=recording)
         out = await run_both(
             rx=lambda: ss.receive(rx, ModuleSink(receiver), timeout=5),
             tx=lambda: ss.send(trainer, tx, bucket_bytes=4096, timeout=5),
@@ -285,3 +286,23 @@ def test_the_sink_kind_checks_agree_with_isinstance(sink: ss.Sink) -> None:
     versioned = isinstance(sink, VersionedSink)
     assert (as_versioned(sink) is sink) is versioned
     assert (as_versioned(sink) is None) is not versioned
+
+
+def test_each_sink_kind_declares_the_hooks_a_receive_and_a_staging_call() -> None:
+    # The receive and StagingSink find these hooks by protocol: a sink that lacks one is
+    # loaded, staged and checked without it.
+    from test_boxes import Direct
+
+    from streamsync.sink import CopyKeepingSink, StageCheckedSink, VersionedSink, WrappingSink
+    from streamsync.staging import StagingSink
+    from streamsync.vllm.sink import ModelInstance, VllmSink
+
+    plain = ModuleSink(Tiny())
+    engine = VllmSink([ModelInstance("main", Tiny())], lifecycle=Direct(), quirks=[], delta=True)
+    staged = StagingSink(plain)
+    assert isinstance(plain, StageCheckedSink) and isinstance(plain, VersionedSink)
+    assert not isinstance(plain, CopyKeepingSink) and not isinstance(plain, WrappingSink)
+    assert isinstance(engine, StageCheckedSink) and isinstance(engine, CopyKeepingSink)
+    assert not isinstance(engine, WrappingSink)
+    assert isinstance(staged, WrappingSink) and staged.inner is plain
+    assert not isinstance(staged, StageCheckedSink)

@@ -12,6 +12,7 @@ import torch
 
 import streamsync as ss
 from streamsync import ShapeMismatchError, UnknownTensorError, WireFormatError
+from streamsync._channel import receiver_state
 from streamsync.adapters import cast, split_buffers
 from streamsync.adapters.split_buffers import (
     BufferRouter,
@@ -312,5 +313,5 @@ async def test_buffer_sink_lets_large_parameters_go_straight_into_the_model() ->
     ):
         tg.start_soon(lambda: ss.receive(rx, sink, timeout=5))
         await ss.send(trainer, tx, pipeline=split_buffers(trainer), timeout=5)
-    assert rx.state.unpacker._staging is None  # no staging copy for "big"
+    assert receiver_state(rx).unpacker._staging is None  # no staging copy for "big"
     assert torch.equal(receiver.big, trainer.big) and torch.equal(receiver.bias, trainer.bias)

@@ -16,6 +16,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from streamsync._channel import DEFAULT_TIMEOUT, sender_state
 from streamsync._log import log, warn
 from streamsync.engine.blocking import BlockingFace, forwarded, run_blocking, two_faced
 from streamsync.engine.clients import (
@@ -56,7 +57,7 @@ from streamsync.errors import (
 )
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
-from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
+from streamsync.sending import next_sync_id, send, send_aside
 from streamsync.transports import check_options
 from streamsync.transports.base import Sender
 from streamsync.wire.frames import Abort
@@ -488,7 +489,7 @@ class EngineChannel:
     def drop_baselines(self) -> None:
         """Forget every route's delta baseline: the next sync is full everywhere."""
         for sender in self._senders:
-            sender.state.baseline.drop()
+            sender_state(sender).baseline.drop()
 
     async def sync_round(
         self,
@@ -612,7 +613,7 @@ class EngineChannel:
     ) -> None:
         """The send beside every engine's receive (``exchange``: a collective sync's cut); a
         failure that dooms the sync cancels the rest (see :meth:`_receive`). An adapter sync
-        (``options.lora``) is sent aside (:func:`~streamsync.sync.send_aside`), through
+        (``options.lora``) is sent aside (:func:`~streamsync.sending.send_aside`), through
         ``pipeline`` only."""
         if options.lora is None:
             pipeline = pipeline if pipeline is not None else self.pipeline
@@ -709,7 +710,7 @@ class EngineChannel:
             # A route that completed holds a worker one sync ahead of the others: the next
             # sync is full on every route.
             for sender in self._senders:
-                sender.state.baseline.drop()
+                sender_state(sender).baseline.drop()
             raise
         return combined(reports, [self._plans[g] for g in sorted(self._by_route)])
 

@@ -31,6 +31,7 @@ import anyio.to_thread
 import msgspec
 import torch
 
+from streamsync._channel import DEFAULT_TIMEOUT, sender_state
 from streamsync.boxes import Sharded, box_meet, narrowed
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.messages import Box, Versioned
@@ -44,7 +45,7 @@ from streamsync.engine.routes import (
 from streamsync.errors import ConfigError, PeerBrokenError, error_class, root_cause
 from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
-from streamsync.sync import DEFAULT_TIMEOUT, send
+from streamsync.sending import send
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 T = TypeVar("T")
@@ -459,7 +460,7 @@ class RankPeer:
         except Exception as exc:
             error = exc
             for sender in self._senders.values():
-                sender.state.baseline.drop()
+                sender_state(sender).baseline.drop()
         await exchange.drain(stream, head)
         sent = await self.ranks.outcome(sum(r.wire_bytes for r in reports), error)
         if error is not None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log
 from streamsync.engine.channel import EngineChannel
 from streamsync.engine.clients import EngineClient
@@ -21,7 +22,6 @@ from streamsync.engine.rounds import several
 from streamsync.errors import ConfigError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
-from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 

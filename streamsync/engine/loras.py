@@ -21,7 +21,7 @@ from streamsync.errors import ConfigError, LoraError, StreamsyncError
 from streamsync.lora import check_lora_name, lora_adapter, lora_id, version_path
 from streamsync.pipeline import AdapterLike
 from streamsync.report import LoraReport, SyncReport
-from streamsync.sync import next_sync_id
+from streamsync.sending import next_sync_id
 
 if TYPE_CHECKING:
     from streamsync.engine.channel import EngineChannel

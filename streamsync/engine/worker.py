@@ -22,6 +22,7 @@ import anyio
 import msgspec
 import torch
 
+from streamsync._channel import DEFAULT_TIMEOUT, receiver_state
 from streamsync._log import log, warn
 from streamsync.engine.loops import EventLoopThread
 from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
@@ -32,10 +33,10 @@ from streamsync.errors import (
     ReceiverFailedError,
     StreamsyncError,
 )
+from streamsync.receiving import receive
 from streamsync.report import SyncReport
 from streamsync.sink import AbortableSink, Sink
 from streamsync.staging import StagingSink
-from streamsync.sync import DEFAULT_TIMEOUT, receive
 from streamsync.transports import open_receiver
 from streamsync.transports.base import Receiver
 
@@ -222,7 +223,7 @@ class WorkerReceivers:
             if receiver is not None:
                 # This worker sits the sync out; the sender, told, gives it up: its abort
                 # is not the next sync's.
-                receiver.state.abandoned = True
+                receiver_state(receiver).abandoned = True
             return WorkerResult.failed(exc)
         timeout = opts.timeout if opts.timeout is not None else DEFAULT_TIMEOUT
 

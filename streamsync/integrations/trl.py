@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log
 from streamsync.errors import ConfigError, PeerBrokenError
 from streamsync.lora import check_lora_name, is_peft_model
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
-from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.server import BACKEND, SERVER_FLAG, call
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 

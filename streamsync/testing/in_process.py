@@ -17,9 +17,10 @@ import anyio
 
 from streamsync.errors import root_cause
 from streamsync.pipeline import AdapterLike
+from streamsync.receiving import receive
 from streamsync.report import SyncReport
+from streamsync.sending import send
 from streamsync.sink import Sink
-from streamsync.sync import receive, send
 from streamsync.transports import open_receiver, open_sender
 
 _channels = itertools.count()

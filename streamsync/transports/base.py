@@ -11,18 +11,18 @@ between syncs ends the receiver's iteration (:class:`~streamsync.EndOfStream`).
 from __future__ import annotations
 
 import warnings
-import weakref
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Self
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Self, TypeVar
 
 import torch
 
-from streamsync._delta import Baseline
-from streamsync._replay import BucketPlans
 from streamsync.wire.frames import Abort, BucketHeader, Done, End, Failed
-from streamsync.wire.pack import Bucket
-from streamsync.wire.unpack import Unpacker
+
+if TYPE_CHECKING:
+    from streamsync.wire.pack import Bucket
+
+_State = TypeVar("_State")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,8 @@ class Attendance:
 class _Resource(ABC):
     _closed = False
     _opened = False
+    # Owned by the sync layer; opaque here (see ``sync_state``).
+    _sync_state: object | None = None
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -74,6 +76,24 @@ class _Resource(ABC):
     async def aclose(self) -> None:
         """Release every resource this side holds; idempotent."""
 
+    def sync_state(self, kind: type[_State]) -> _State:
+        """The sync layer's state on this channel: a ``kind()`` made on first use, then the
+        same object for as long as this side lives. The sync layer owns it (what
+        :func:`~streamsync.send` and :func:`~streamsync.receive` keep between syncs); the
+        transport only holds it. A wrapper of a side hands this call to the side it
+        wraps, so the state stays with the channel."""
+        state = self._sync_state
+        if state is None:
+            made = kind()
+            self._sync_state = made
+            return made
+        if not isinstance(state, kind):
+            raise TypeError(
+                f"{type(self).__name__} holds sync state of type {type(state).__name__}, "
+                f"not {kind.__name__}"
+            )
+        return state
+
     def __del__(self) -> None:
         if self._opened and not self._closed:
             warnings.warn(
@@ -83,15 +103,6 @@ class _Resource(ABC):
             )
 
 
-@dataclass
-class SenderState:
-    """What :func:`~streamsync.send` keeps on a sender between syncs: the delta baseline and
-    the bucket plans of its sources."""
-
-    baseline: Baseline = field(default_factory=Baseline)
-    plans: BucketPlans = field(default_factory=BucketPlans)
-
-
 class Sender(_Resource):
     """Send side of a channel."""
 
@@ -99,14 +110,6 @@ class Sender(_Resource):
     receivers: int = 1
     #: Largest bucket one slot holds.
     slot_bytes: int
-    _state: SenderState | None = None
-
-    @property
-    def state(self) -> SenderState:
-        """The sync protocol's state on this channel (created on first use)."""
-        if self._state is None:
-            self._state = SenderState()
-        return self._state
 
     async def wait_ready(self, *, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until every receiver is there to be sent to."""
@@ -155,58 +158,15 @@ class Sender(_Resource):
         """Tell every receiver the sync is abandoned (best effort, never blocks long)."""
 
 
-@dataclass
-class ReceiverState:
-    """What :func:`~streamsync.receive` keeps on a receiver between syncs: the unpacker (and
-    its staging buffer), the last sync applied and the last one that failed here."""
-
-    unpacker: Unpacker = field(default_factory=Unpacker)
-    last_sync_id: int | None = None
-    failed_sync_id: int | None = None
-    #: A ``receive`` is running on this receiver (one sync at a time per channel).
-    busy: bool = False
-    #: The last ``receive`` was cancelled before its sync's first message: an abort of that
-    #: sync (which the sender sends when it gives the sync up before its first bucket) may
-    #: still be the next message, and the next ``receive`` skips it.
-    abandoned: bool = False
-    #: A ``receive`` is waiting for its sync's first message.
-    waiting: bool = False
-    #: What the last ``Done`` was worked out from, the names its sync carried and the
-    #: sink's loaded names, and what it said: ``skipped`` and ``added``.
-    carried: tuple[list[str], tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
-    #: The model the last sync here completed into, held weakly, and the version (sync id)
-    #: it holds since: a :class:`~streamsync.ModuleSink` made anew for that model each sync
-    #: takes deltas on it; another model, or a new receiver, starts at no known version.
-    held: tuple[weakref.ref[Any], int] | None = None
-
-    def version_of(self, model: Any) -> int | None:
-        """The version ``model`` holds, if the last sync here completed into it."""
-        if self.held is None or self.held[0]() is not model:
-            return None
-        return self.held[1]
-
-    def hold(self, model: Any, version: int | None) -> None:
-        """Record that ``model`` holds ``version`` (``None``: no known version)."""
-        self.held = None if version is None else (weakref.ref(model), version)
-
-
 class Receiver(_Resource):
     """Receive side of a channel."""
 
     _index = 0
-    _state: ReceiverState | None = None
 
     @property
     def index(self) -> int:
         """This receiver's index among the sender's receivers (assigned when it joins)."""
         return self._index
-
-    @property
-    def state(self) -> ReceiverState:
-        """The sync protocol's state on this channel (created on first use)."""
-        if self._state is None:
-            self._state = ReceiverState()
-        return self._state
 
     @abstractmethod
     async def receive(self, *, timeout: float) -> Incoming:

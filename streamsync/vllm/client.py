@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import warn
 from streamsync.engine.blocking import forwarded
 from streamsync.engine.channel import BlockingWeightSync, EngineChannel
@@ -27,7 +28,6 @@ from streamsync.engine.rounds import several
 from streamsync.errors import ConfigError, LoraError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
-from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.extension import WorkerExtension
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 

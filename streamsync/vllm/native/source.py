@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync.engine.loops import EventLoopThread, caller_cuda
 from streamsync.errors import ConfigError
 from streamsync.pipeline import AdapterLike
 from streamsync.sources import named_tensors
-from streamsync.sync import DEFAULT_TIMEOUT
 
 
 class _PipelineSource(WeightSource):

@@ -19,6 +19,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from streamsync import errors
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log
 from streamsync.engine.channel import BlockingWeightSync, EngineChannel
 from streamsync.engine.clients import PauseMode
@@ -33,7 +34,6 @@ from streamsync.errors import (
 )
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
-from streamsync.sync import DEFAULT_TIMEOUT
 from streamsync.vllm.extension import WorkerExtension
 from streamsync.vllm.native.worker import StagedStep, TransferInit
 from streamsync.vllm.server import BACKEND, call

@@ -10,11 +10,11 @@ import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log, warn
 from streamsync.engine.messages import Route, Versioned, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, StreamsyncError, describe
-from streamsync.sync import DEFAULT_TIMEOUT
 
 
 class TransferInit(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=True):
