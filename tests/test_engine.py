@@ -610,12 +610,12 @@ def test_a_dead_engine_fails_its_sync_and_rejoins_when_restarted(transport: str)
     try:
         with EngineChannel(pair, url, timeout=5) as sync:
             assert sync.update(ss.named_tensors(perturbed(trainer, 0))).complete
-            sender = sync.channel._sender
+            sender = sync.channel._fan.sender(0)
             pair[1].die()
             with pytest.raises(ss.StreamsyncError, match="engine 1") as info:
                 sync.update(ss.named_tensors(perturbed(trainer, 1)))
             assert info.value.engine == 1
-            assert sync.channel._sender is sender  # not torn down
+            assert sync.channel._fan.sender(0) is sender  # not torn down
             # The channel stayed open: the restarted engine's new worker takes the dead
             # one's place, and the next sync reaches both, on the same sender.
             pair[1].restart()

@@ -1,22 +1,21 @@
 """The engine seam's trainer side: :class:`EngineChannel`, a persistent channel into one
-inference engine, or into several from one stream (fan-out), each reached through an
-:class:`~streamsync.engine.clients.EngineClient`. It runs the send beside every client's
-receive and concludes the sync (:mod:`.rounds`).
+inference engine, or into several from one stream, each reached through an
+:class:`~streamsync.engine.clients.EngineClient`. Its :class:`~.fanout.FanOut` owns the
+senders and the cut; a sync round runs the fan-out's send beside every client's receive
+and concludes the sync (:mod:`.rounds`). Lifecycles (staging, LoRA adapters) run rounds.
 """
 
 from __future__ import annotations
 
 import types
-import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from functools import partial
 from typing import Any, Literal, Self, TypeVar, cast
 
 import anyio
 import anyio.to_thread
 import msgspec
 
-from streamsync._channel import DEFAULT_TIMEOUT, sender_state
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log, warn
 from streamsync.engine.blocking import BlockingFace, forwarded, run_blocking, two_faced
 from streamsync.engine.clients import (
@@ -26,8 +25,8 @@ from streamsync.engine.clients import (
     PauseMode,
     VersionClient,
 )
-from streamsync.engine.collective import Exchange, Ranks, check_pipeline, shard_stream
-from streamsync.engine.loops import EventLoopThread, HostedSender
+from streamsync.engine.collective import CollectiveCut, Ranks, check_pipeline
+from streamsync.engine.fanout import FanOut, RouteCut, Sends, WholeCut
 from streamsync.engine.loras import ChannelLoras
 from streamsync.engine.messages import (
     EngineFacts,
@@ -38,29 +37,13 @@ from streamsync.engine.messages import (
     sending_to,
 )
 from streamsync.engine.rounds import SyncRound, each, several
-from streamsync.engine.routes import (
-    RoutePlan,
-    combined,
-    derive_endpoint,
-    plan_routes,
-    routes_for,
-    send_routes,
-    split_cast,
-)
+from streamsync.engine.routes import plan_routes
 from streamsync.engine.staged import ChannelStaging, Receiving
-from streamsync.errors import (
-    ClosedError,
-    ConfigError,
-    StreamsyncError,
-    SyncTimeoutError,
-    describe,
-)
+from streamsync.errors import ClosedError, ConfigError, StreamsyncError, SyncTimeoutError
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
-from streamsync.sending import next_sync_id, send, send_aside
+from streamsync.sending import next_sync_id
 from streamsync.transports import check_options
-from streamsync.transports.base import Sender
-from streamsync.wire.frames import Abort
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 __all__ = ["EngineChannel"]
@@ -79,12 +62,6 @@ _WEIGHT_SYNC_KEYWORDS = (
     "sharded",
     "staged",
 )
-
-
-def _abandoned(loop: EventLoopThread, senders: list[Sender]) -> None:
-    # A channel dropped unclosed: close its sender on its loop, then stop that loop (without
-    # waiting: this may run on any thread).
-    loop.close_soon(*(sender.aclose for sender in senders))
 
 
 def _sharding(
@@ -165,7 +142,6 @@ class EngineChannel:
         self.endpoint = endpoint
         self.pipeline = pipeline
         self.bucket_bytes = bucket_bytes
-        self.timeout = timeout
         self.checksum = checksum
         #: Every update is a delta sync (see :func:`~streamsync.send`); each sync's worker
         #: options take it from here.
@@ -177,17 +153,16 @@ class EngineChannel:
         if not require_all:
             transport_options = {**transport_options, "require_all": False}
         check_options(endpoint, transport_options, caller=("WeightSync", _WEIGHT_SYNC_KEYWORDS))
-        self._transport_options = transport_options
-        # The sender lives on a loop thread of the channel's own, started at the first open
-        # and kept across reopenings until aclose; _open is what its finalizer closes.
-        self._loop: EventLoopThread | None = None
-        self._sender: HostedSender | None = None
-        #: A sharded channel's routes (empty: one sender, everything to every worker), with
-        #: one sender each (the first is ``_sender``).
-        self._plans: list[RoutePlan] = []
-        self._senders: list[HostedSender] = []
-        self._by_route: dict[int, HostedSender] = {}
-        self._open: list[Sender] = []
+        # The senders live on a loop thread of the channel's own, started at the first open
+        # and kept across reopenings until aclose.
+        self._fan = FanOut(
+            endpoint,
+            bucket_bytes=bucket_bytes,
+            timeout=timeout,
+            checksum=checksum,
+            transport_options=transport_options,
+            name="channel",
+        )
         self._loras = ChannelLoras(self)
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
@@ -222,11 +197,18 @@ class EngineChannel:
         self._worker_options = coerced
 
     @property
+    def timeout(self) -> float:
+        """Seconds any single wait of a sync may take (the workers' too)."""
+        return self._fan.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._fan.timeout = seconds
+
+    @property
     def url(self) -> str:
         """The URL workers connect to: ``endpoint``, with a port 0 resolved once open."""
-        if self._sender is None:
-            return self.endpoint
-        return str(getattr(self._sender.sender, "url", self.endpoint))
+        return self._fan.url
 
     @property
     def receivers(self) -> int:
@@ -238,11 +220,11 @@ class EngineChannel:
             run_blocking(
                 self.clients,
                 "with WeightSync(...)",
-                self._ensure_sender,
+                self._ensure_open,
                 instead="async with WeightSync(...)",
             )
         except BaseException:
-            self._stop()
+            self._fan.stop()
             raise
         return BlockingWeightSync(self)
 
@@ -251,10 +233,10 @@ class EngineChannel:
 
     async def __aenter__(self) -> EngineChannel:
         try:
-            await self._ensure_sender()
+            await self._ensure_open()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._stop)
+                await anyio.to_thread.run_sync(self._fan.stop)
             raise
         return self
 
@@ -268,13 +250,13 @@ class EngineChannel:
             try:
                 await self._close_both()
             finally:
-                if self._loop is not None and not self._loop.is_current():
-                    await anyio.to_thread.run_sync(self._stop)
+                if not self._fan.is_current():
+                    await anyio.to_thread.run_sync(self._fan.stop)
 
     async def _close_both(self) -> None:
         # What the workers connected to (a port 0 resolved): each route's endpoint.
-        urls = [self.url, *(plan.endpoint for plan in self._plans[1:])]
-        await self._close_sender()
+        urls = [self.url, *(plan.endpoint for plan in self._fan.cut.plans[1:])]
+        await self._fan.close()
 
         async def close(client: EngineClient) -> int:
             return sum([await client.close_receivers(url) for url in urls])
@@ -300,71 +282,39 @@ class EngineChannel:
         await each(len(self.clients), ask)
         return answers
 
-    async def _close_sender(self) -> None:
-        """Close the senders (the loop thread keeps running; the next sync reopens them)."""
-        senders, self._senders, self._sender = self._senders, [], None
-        self._by_route = {}
-        try:
-            for sender in senders:
-                await sender.aclose()
-        finally:
-            self._open.clear()
-
-    def _stop(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            self._finalizer.detach()
-            loop.stop()
-
-    async def _ensure_sender(self) -> HostedSender:
-        if self._sender is None:
-            if self._loop is None:
-                self._loop = EventLoopThread(f"streamsync-channel {self.endpoint}")
-                self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
+    async def _ensure_open(self) -> FanOut:
+        """The fan-out, open: each engine's facts asked, and on a sharded channel each
+        worker's needs and the cut they make, once per opening."""
+        if not self._fan.is_open:
             self.facts = await self._hello()
+            cut = WholeCut()
             if self.sharded:
                 self._needs = await self._ask_needs()
-                self._plans = self._route()
-                if self.ranks is not None:
-                    await self.ranks.share_plans(self._plans)
-            for i, plan in enumerate(self._plans or [None]):
-                if self.ranks is not None and not self.ranks.owns(i):
-                    continue
-                options = {
-                    "receivers": self.receivers if plan is None else len(plan.workers),
-                    "slot_bytes": self.bucket_bytes,
-                    **self._transport_options,
-                }
-                endpoint = derive_endpoint(self.endpoint, i)
-                sender = await HostedSender.open_on(self._loop, endpoint, options)
-                self._open.append(sender.sender)
-                self._senders.append(sender)
-                self._by_route[i] = sender
-                if plan is not None:
-                    plan.endpoint = str(getattr(sender.sender, "url", endpoint))
-            if self.ranks is not None:
-                await self.ranks.share_endpoints(self._plans)
-            self._sender = self._senders[0]
-        return self._sender
+                cut = self._cut()
+            await self._fan.open(cut, self.receivers)
+        return self._fan
 
     def routes(self, e: int = 0) -> tuple[Route, ...]:
         """Where each worker of engine ``e`` receives a sharded sync from, by rank (empty
         unless the channel, open, sends slices): what an engine that connects its workers
         ahead of the first sync tells them."""
-        return routes_for(self._plans, self._workers(e)) if self._plans else ()
+        return self._fan.cut.routes_for(self._workers(e))
 
     def _workers(self, e: int) -> list[str]:
         """Engine ``e``'s workers, by rank, named as in a report."""
         where = f"engine{e}." if self.fanout else ""
         return [f"{where}worker{w}" for w in range(self.clients[e].receivers)]
 
-    def _route(self) -> list[RoutePlan]:
-        """The routes of a sharded channel: none when every worker reads everything."""
+    def _cut(self) -> WholeCut:
+        """A sharded channel's cut: its routes, planned from the workers' needs, fed by the
+        ranks, or by this process (everything to one route when every worker reads it all)."""
         workers = [w for e in range(len(self.clients)) for w in self._workers(e)]
         plans = plan_routes(workers, self._needs)
-        sliced = len(plans) > 1 or any(plan.slices for plan in plans)
         log("engine.routes", endpoint=self.endpoint, routes=[p.workers for p in plans])
-        return plans if sliced or self.ranks is not None else []
+        if self.ranks is not None:
+            return CollectiveCut(self.ranks, plans)
+        sliced = len(plans) > 1 or any(plan.slices for plan in plans)
+        return RouteCut(plans) if sliced else WholeCut()
 
     @property
     def needs(self) -> Mapping[str, Needs]:
@@ -406,9 +356,7 @@ class EngineChannel:
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every worker has joined the channel (``timeout``: the channel's); raises
         why one was refused (a wrong secret, more workers than ``receivers``)."""
-        await self._ensure_sender()
-        for sender in self._senders:
-            await sender.wait_ready(timeout=self.timeout if timeout is None else timeout)
+        await (await self._ensure_open()).wait_ready(timeout)
 
     def engine_index(self, e: int) -> int | None:
         """The index errors name for engine ``e`` (``exc.engine``): ``None`` with one."""
@@ -434,7 +382,9 @@ class EngineChannel:
             await self._staging.stage(weights, pipeline=pipeline, mode=mode)
             return await self._staging.commit("keep")
         try:
-            report = await self.sync_round(weights, self.worker_options, pipeline, mode)
+            report = await self.sync_round(
+                weights, self.worker_options, pipeline, Sends.weights(mode)
+            )
         except BaseException:
             self._staging.synced(None)
             raise
@@ -488,57 +438,41 @@ class EngineChannel:
 
     def drop_baselines(self) -> None:
         """Forget every route's delta baseline: the next sync is full everywhere."""
-        for sender in self._senders:
-            sender_state(sender).baseline.drop()
+        self._fan.drop_baselines()
 
     async def sync_round(
         self,
         weights: Any,
         options: WorkerOptions,
         pipeline: AdapterLike | None,
-        mode: bool | Literal["full"] = False,
+        sends: Sends,
         *,
         sync_id: int | None = None,
         receiving: Receiving | None = None,
     ) -> SyncReport:
-        """One sync into every engine (``options.lora``: of an adapter, sent aside;
-        ``mode``: the send's ``delta``; ``receiving``: how the workers take it, applied as
-        it lands by default)."""
+        """One sync into every engine: the fan-out's ``sends`` beside every engine's
+        receive (``receiving``: how the workers take it, applied as it lands by default),
+        concluded through the cut."""
         receiving = receiving if receiving is not None else Receiving()
-        sender = await self._ensure_sender()
+        fan = await self._ensure_open()
         timeout = self.timeout if options.timeout is None else options.timeout
         # The workers learn the sync's id up front, so none takes an earlier one's leftovers.
-        sync_id = next_sync_id() if sync_id is None else sync_id
+        sync_id = await fan.cut.begin(next_sync_id() if sync_id is None else sync_id)
         options = msgspec.structs.replace(
             options, timeout=timeout, sync_id=sync_id, delta=self.delta
         )
         sync = SyncRound.of(len(self.clients))
-        exchange = None
-        if self.ranks is not None:
-            if options.lora is not None:
-                raise ConfigError("a LoRA adapter syncs from one trainer, not from ranks")
-            check_pipeline(pipeline)
-            await self.ranks.sync_id(sync_id)
-            exchange = self.ranks.exchange(self._plans)
-            weights = shard_stream(weights, self.ranks)
-        await self._run(sync, sender, options, weights, pipeline, mode, exchange, receiving)
-        settled = [await one.settle() for one in self._senders]
-        if sync.report is None and sync.send_error is None and not all(settled):
+        pipeline = pipeline if pipeline is not None else self.pipeline
+        fan.cut.check(pipeline)
+        weights = fan.cut.stream(weights)
+        await self._run(sync, fan, options, weights, pipeline, sends, receiving)
+        settled = await fan.settle()
+        if sync.report is None and sync.send_error is None and not settled:
             # Cancelled (an engine failed first), and a call still runs on the channel's
             # loop: the sender's state is unknown, so it goes.
-            await self._close_sender()
-        after = options.lora is None and receiving.applies
-        if exchange is None:
-            return await self._conclude(sync, after=after)
-        assert self.ranks is not None
-        await exchange.drain(weights, split_cast(pipeline or self.pipeline)[0])
-        try:
-            report = await self._conclude(sync, after=after)
-        except BaseException as exc:
-            await self.ranks.outcome(0, exc)  # raises the root cause over every rank
-            raise
-        sent = await self.ranks.outcome(report.wire_bytes, None)
-        return msgspec.structs.replace(report, rank_bytes=sent)
+            await fan.close()
+        after = sends.resets and receiving.applies
+        return await fan.cut.end(weights, pipeline, lambda: self._conclude(sync, after=after))
 
     @two_faced
     async def update_lora(
@@ -603,24 +537,16 @@ class EngineChannel:
     async def _run(
         self,
         sync: SyncRound,
-        sender: HostedSender,
+        fan: FanOut,
         options: WorkerOptions,
         weights: Any,
         pipeline: AdapterLike | None,
-        delta: bool | Literal["full"],
-        exchange: Exchange | None = None,
-        receiving: Receiving | None = None,
+        sends: Sends,
+        receiving: Receiving,
     ) -> None:
-        """The send beside every engine's receive (``exchange``: a collective sync's cut); a
-        failure that dooms the sync cancels the rest (see :meth:`_receive`). An adapter sync
-        (``options.lora``) is sent aside (:func:`~streamsync.sending.send_aside`), through
-        ``pipeline`` only."""
-        if options.lora is None:
-            pipeline = pipeline if pipeline is not None else self.pipeline
-            sends: Callable[..., Awaitable[SyncReport]] = partial(send, delta=delta)
-        else:
-            sends = send_aside
-        receiving = receiving if receiving is not None else Receiving()
+        """The send beside every engine's receive; a failure that dooms the sync cancels
+        the rest (see :meth:`_receive`)."""
+        assert options.sync_id is not None  # set by sync_round
         told = sending_to.set(self.facts)  # what the pipeline's adapters decide from
         try:
             async with anyio.create_task_group() as tg:
@@ -630,31 +556,13 @@ class EngineChannel:
                     )
                 if not self.require_all:
                     receivers = [c.receivers for c in self.clients]
-                    await sync.joined(sender, receivers, within=self.timeout / 2)
+                    await sync.joined(fan.sender(0), receivers, within=self.timeout / 2)
                 try:
-                    send_one = partial(
-                        sends,
-                        bucket_bytes=self.bucket_bytes,
-                        timeout=self.timeout,
-                        checksum=self.checksum,
-                        sync_id=options.sync_id,
-                    )
-                    if self._plans:
-                        assert options.sync_id is not None  # set by sync_round
-                        sync.report = await self._send_routes(
-                            weights,
-                            pipeline,
-                            send_one,
-                            sliced=options.lora is None,
-                            sync_id=options.sync_id,
-                            exchange=exchange,
-                        )
-                    else:
-                        sync.report = await send_one(weights, sender, pipeline=pipeline)
+                    sync.report = await fan.send(weights, pipeline, sends, sync_id=options.sync_id)
                 except StreamsyncError as exc:
                     sync.send_error = exc
                     if isinstance(exc, ClosedError):
-                        await self._close_sender()  # reopened by the next sync
+                        await fan.close()  # reopened by the next sync
                 except Exception as exc:  # the trainer's own source or pipeline (aborted)
                     sync.source_error = exc
                 finally:
@@ -665,54 +573,11 @@ class EngineChannel:
                 # timeout to report, not their receive's. So do the workers of a failed
                 # staged sync: nothing of it was applied, and it is dropped everywhere.
                 failed = sync.send_error is not None or sync.source_error is not None
-                gone = failed and (exchange is not None or not receiving.applies)
+                gone = failed and (fan.cut.peers or not receiving.applies)
                 if (absent or gone) and await sync.absent_after(self.timeout, self._late):
                     tg.cancel_scope.cancel()
         finally:
             sending_to.reset(told)
-
-    async def _send_routes(
-        self,
-        weights: Any,
-        pipeline: AdapterLike | None,
-        send_one: Callable[..., Awaitable[SyncReport]],
-        *,
-        sliced: bool,
-        sync_id: int,
-        exchange: Exchange | None,
-    ) -> SyncReport:
-        """One sync over every route of a sharded channel: the pipeline once, a trailing
-        cast fused into each route's packing copy, each route's cut of every tensor."""
-        head, tail = split_cast(pipeline)
-        try:  # every worker joins before the first tensor is cut, so each hears an abort
-            for sender in self._senders:
-                await sender.wait_ready(timeout=self.timeout)
-        except BaseException as exc:  # (a collective sync's exchange is drained after)
-            with anyio.CancelScope(shield=True):
-                for sender in self._senders:
-                    await sender.abort(Abort(sync_id, describe(exc)))
-            raise
-
-        async def one(r: int, stream: Any) -> SyncReport:
-            return await send_one(stream, self._by_route[r], pipeline=tail)
-
-        try:
-            reports = await send_routes(
-                weights,
-                self._plans,
-                head,
-                one,
-                sliced=sliced,
-                cut=exchange,
-                routes=sorted(self._by_route),
-            )
-        except BaseException:
-            # A route that completed holds a worker one sync ahead of the others: the next
-            # sync is full on every route.
-            for sender in self._senders:
-                sender_state(sender).baseline.drop()
-            raise
-        return combined(reports, [self._plans[g] for g in sorted(self._by_route)])
 
     def _late(self, e: int) -> StreamsyncError:
         where = "the engine" if not self.fanout else f"engine {e}"
@@ -740,10 +605,8 @@ class EngineChannel:
         where = "the engine" if not self.fanout else f"engine {e}"
 
         async def receive() -> Sequence[WorkerResult]:
-            opts = options
-            if self._plans:
-                routes = routes_for(self._plans, self._workers(e))
-                opts = msgspec.structs.replace(options, routes=routes)
+            routes = self._fan.cut.routes_for(self._workers(e))
+            opts = msgspec.structs.replace(options, routes=routes)
             return await receiving(client, self.url, opts, where)
 
         await sync.collect(

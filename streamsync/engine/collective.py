@@ -22,7 +22,7 @@ and plain tensors (held whole by every rank); anything else is refused by name.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from datetime import timedelta
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -31,21 +31,18 @@ import anyio.to_thread
 import msgspec
 import torch
 
-from streamsync._channel import DEFAULT_TIMEOUT, sender_state
+from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync.boxes import Sharded, box_meet, narrowed
-from streamsync.engine.loops import EventLoopThread, HostedSender
+from streamsync.engine.fanout import FanOut, RouteCut, Sends
 from streamsync.engine.messages import Box, Versioned
 from streamsync.engine.routes import (
     RoutePlan,
-    combined,
-    derive_endpoint,
     send_routes,
     split_cast,
 )
 from streamsync.errors import ConfigError, PeerBrokenError, error_class, root_cause
 from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
-from streamsync.sending import send
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 T = TypeVar("T")
@@ -369,13 +366,68 @@ async def shard_stream(weights: Any, ranks: Ranks) -> AsyncIterator[tuple[str, A
         yield name, sharded(name, tensor, ranks.rank, ranks.size)
 
 
+class CollectiveCut(RouteCut):
+    """Each trainer rank its own shards of the routes it owns (route ``g`` is rank
+    ``g % M``'s): rank 0's routes, shared with every rank when the fan-out opens; per sync,
+    rank 0's id, each route's box assembled on its owner (:class:`Exchange`), and every
+    rank's outcome agreed, so that a failure anywhere fails the sync everywhere."""
+
+    peers = True
+
+    def __init__(self, ranks: Ranks, plans: list[RoutePlan] | None = None) -> None:
+        """``plans``: rank 0's routes; ``None`` on the other ranks (told when it opens)."""
+        super().__init__(plans or ())
+        self.ranks = ranks
+        self._exchange: Exchange | None = None
+
+    def owned(self) -> list[int]:
+        return [g for g in range(len(self.plans)) if self.ranks.owns(g)]
+
+    async def agree(self) -> None:
+        self.plans = await self.ranks.share_plans(self.plans if self.ranks.rank == 0 else None)
+
+    async def opened(self) -> None:
+        await self.ranks.share_endpoints(self.plans)
+
+    async def begin(self, sync_id: int) -> int:
+        told = await self.ranks.sync_id(sync_id if self.ranks.rank == 0 else None)
+        self._exchange = self.ranks.exchange(self.plans)
+        return told
+
+    def check(self, pipeline: AdapterLike | None) -> None:
+        check_pipeline(pipeline)
+
+    def stream(self, weights: Any) -> Any:
+        return shard_stream(weights, self.ranks)
+
+    def pieces(self) -> Exchange | None:
+        return self._exchange
+
+    async def end(
+        self,
+        weights: Any,
+        pipeline: AdapterLike | None,
+        conclude: Callable[[], Awaitable[SyncReport]],
+    ) -> SyncReport:
+        assert self._exchange is not None  # made by begin
+        await self._exchange.drain(weights, split_cast(pipeline)[0])
+        try:
+            report = await conclude()
+        except BaseException as exc:
+            await self.ranks.outcome(0, exc)  # raises the root cause over every rank
+            raise
+        sent = await self.ranks.outcome(report.wire_bytes, None)
+        return msgspec.structs.replace(report, rank_bytes=sent)
+
+
 class RankPeer:
     """A trainer rank other than 0 in a collective sharded sync, beside rank 0's
-    ``WeightSync(engine, endpoint, sharded=True, ranks=Ranks())``: it opens the senders of
-    the routes it owns (at ``endpoint``, its own address, derived per route) and sends them
-    at every :meth:`update`, which every rank calls with its own shards. Options as rank
-    0's channel takes them (``pipeline``, ``bucket_bytes``, ``timeout``, ``checksum``,
-    ``delta``, the transport's); give every rank the same."""
+    ``WeightSync(engine, endpoint, sharded=True, ranks=Ranks())``: a fan-out with no engine
+    attached, which opens the senders of the routes it owns (at ``endpoint``, its own
+    address, derived per route) and sends them at every :meth:`update`, which every rank
+    calls with its own shards. Options as rank 0's channel takes them (``pipeline``,
+    ``bucket_bytes``, ``timeout``, ``checksum``, ``delta``, the transport's); give every
+    rank the same."""
 
     def __init__(
         self,
@@ -393,12 +445,20 @@ class RankPeer:
             raise ConfigError("RankPeer: rank 0 drives the engine with WeightSync(ranks=...)")
         check_pipeline(pipeline)
         self.ranks, self.endpoint, self.pipeline = ranks, endpoint, pipeline
-        self.bucket_bytes, self.timeout, self.checksum = bucket_bytes, timeout, checksum
         self.delta = delta
-        self._transport_options = transport_options
-        self._loop: EventLoopThread | None = None
-        self._senders: dict[int, HostedSender] = {}
-        self.plans: list[RoutePlan] = []
+        self._fan = FanOut(
+            endpoint,
+            bucket_bytes=bucket_bytes,
+            timeout=timeout,
+            checksum=checksum,
+            transport_options=transport_options,
+            name=f"rank{ranks.rank}",
+        )
+
+    @property
+    def plans(self) -> list[RoutePlan]:
+        """Rank 0's routes, as this rank was told them when it opened."""
+        return self._fan.cut.plans
 
     async def __aenter__(self) -> RankPeer:
         await self.open()
@@ -410,21 +470,7 @@ class RankPeer:
     async def open(self) -> None:
         """Take rank 0's routes, open this rank's senders, tell every rank where (a
         collective: rank 0 does the same when its channel opens)."""
-        self._loop = EventLoopThread(f"streamsync-rank{self.ranks.rank} {self.endpoint}")
-        self.plans = await self.ranks.share_plans(None)
-        for g, plan in enumerate(self.plans):
-            if not self.ranks.owns(g):
-                continue
-            options = {
-                "receivers": len(plan.workers),
-                "slot_bytes": self.bucket_bytes,
-                **self._transport_options,
-            }
-            endpoint = derive_endpoint(self.endpoint, g)
-            sender = await HostedSender.open_on(self._loop, endpoint, options)
-            self._senders[g] = sender
-            plan.endpoint = str(getattr(sender.sender, "url", endpoint))
-        await self.ranks.share_endpoints(self.plans)
+        await self._fan.open(CollectiveCut(self.ranks), 0)
 
     async def update(
         self, weights: Any, *, pipeline: AdapterLike | None = None, delta: bool | None = None
@@ -434,51 +480,28 @@ class RankPeer:
         to its routes. Raises any rank's failure, by name; returns this rank's report, with
         every rank's bytes in ``rank_bytes``."""
         check_pipeline(pipeline)
-        head, tail = split_cast(pipeline if pipeline is not None else self.pipeline)
+        pipeline = pipeline if pipeline is not None else self.pipeline
         mode: bool | Literal["full"] = self.delta and ("full" if delta is False else True)
-        sync_id = await self.ranks.sync_id(None)
-        exchange = self.ranks.exchange(self.plans)
-        stream = shard_stream(weights, self.ranks)
-        error: BaseException | None = None
-        reports: list[SyncReport] = []
-
-        async def one(g: int, items: AsyncIterable[Any]) -> SyncReport:
-            return await send(
-                items,
-                self._senders[g],
-                pipeline=tail,
-                bucket_bytes=self.bucket_bytes,
-                timeout=self.timeout,
-                checksum=self.checksum,
-                sync_id=sync_id,
-                delta=mode,
-            )
-
+        cut = self._fan.cut
+        sync_id = await cut.begin(0)
+        stream = cut.stream(weights)
+        sends = Sends.weights(mode)
+        sent: SyncReport | BaseException
         try:
-            owned = sorted(self._senders)
-            reports = await send_routes(stream, self.plans, head, one, cut=exchange, routes=owned)
+            sent = await self._fan.send(stream, pipeline, sends, sync_id=sync_id)
         except Exception as exc:
-            error = exc
-            for sender in self._senders.values():
-                sender_state(sender).baseline.drop()
-        await exchange.drain(stream, head)
-        sent = await self.ranks.outcome(sum(r.wire_bytes for r in reports), error)
-        if error is not None:
-            raise error
-        owned_plans = [self.plans[g] for g in sorted(self._senders)]
-        if not reports:
-            return SyncReport(
-                sync_id=0, side="send", tensors=0, nbytes=0, buckets=0, seconds=0.0, rank_bytes=sent
-            )
-        return msgspec.structs.replace(combined(reports, owned_plans), rank_bytes=sent)
+            sent = exc
+
+        async def concluded() -> SyncReport:
+            if isinstance(sent, BaseException):
+                raise sent
+            return sent
+
+        return await cut.end(stream, pipeline, concluded)
 
     async def aclose(self) -> None:
         """Close this rank's senders and their loop."""
-        senders, self._senders = list(self._senders.values()), {}
         try:
-            for sender in senders:
-                await sender.aclose()
+            await self._fan.close()
         finally:
-            loop, self._loop = self._loop, None
-            if loop is not None:
-                await anyio.to_thread.run_sync(loop.stop)
+            await anyio.to_thread.run_sync(self._fan.stop)

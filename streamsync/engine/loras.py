@@ -15,6 +15,7 @@ import msgspec
 
 from streamsync._log import log, warn
 from streamsync.engine.clients import LoraClient, able
+from streamsync.engine.fanout import ADAPTER
 from streamsync.engine.messages import LoraTarget
 from streamsync.engine.rounds import each
 from streamsync.errors import ConfigError, LoraError, StreamsyncError
@@ -53,6 +54,8 @@ class ChannelLoras:
         self._staged: dict[str, _Staged] = {}
 
     def _clients(self) -> list[LoraClient]:
+        if self._channel.ranks is not None:
+            raise ConfigError("a LoRA adapter syncs from one trainer, not from ranks")
         return able(self._channel.clients, LoraClient, "install LoRA adapters")
 
     async def update(
@@ -82,7 +85,7 @@ class ChannelLoras:
         path = version_path(name, sync_id)
         options = msgspec.structs.replace(channel.worker_options, lora=target)
         pipeline = pipeline if pipeline is not None else channel.pipeline
-        report = await channel.sync_round(lora.tensors, options, pipeline, sync_id=sync_id)
+        report = await channel.sync_round(lora.tensors, options, pipeline, ADAPTER, sync_id=sync_id)
         self._staged[name] = _Staged(_Lora(sync_id, path, lora.rank), report)
         log("lora.staged", name=name, path=path)
         return report
@@ -163,5 +166,5 @@ class ChannelLoras:
         self._staged.pop(name, None)
         target = LoraTarget(name=name, version=0, remove=True)
         options = msgspec.structs.replace(channel.worker_options, lora=target)
-        await channel.sync_round((), options, None)
+        await channel.sync_round((), options, None, ADAPTER)
         log("lora.removed", name=name)

@@ -230,7 +230,9 @@ async def send_routes(
 
 def combined(reports: list[SyncReport], plans: list[RoutePlan]) -> SyncReport:
     """The routes' reports as one sender's: bytes summed, the slowest route's seconds, and
-    the tensors carried whole for want of a slice."""
+    the tensors carried whole for want of a slice (none: this side sent no route)."""
+    if not reports:
+        return SyncReport(sync_id=0, side="send", tensors=0, nbytes=0, buckets=0, seconds=0.0)
     first = reports[0]
     phases: dict[str, float] = {}
     for report in reports:

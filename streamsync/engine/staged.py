@@ -34,6 +34,7 @@ from streamsync.engine.clients import (
     VersionClient,
     able,
 )
+from streamsync.engine.fanout import Sends
 from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.engine.rounds import SyncRound, each
 from streamsync.errors import (
@@ -183,7 +184,7 @@ class ChannelStaging:
                 weights,
                 channel.worker_options,
                 pipeline,
-                mode,
+                Sends.weights(mode),
                 receiving=Staging(channel.timeout),
             )
         except BaseException:
