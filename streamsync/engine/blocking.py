@@ -19,7 +19,7 @@ from streamsync.report import SyncReport
 
 if TYPE_CHECKING:
     from streamsync.engine.channel import EngineChannel
-    from streamsync.engine.messages import Needs
+    from streamsync.facts import Needs
 
 T = TypeVar("T")
 

@@ -27,14 +27,7 @@ from streamsync.engine.clients import (
 )
 from streamsync.engine.loops import EventLoopThread, HostedSender
 from streamsync.engine.loras import ChannelLoras
-from streamsync.engine.messages import (
-    EngineFacts,
-    Needs,
-    Route,
-    WorkerOptions,
-    WorkerResult,
-    sending_to,
-)
+from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
 from streamsync.engine.ranks import Exchange, Ranks, check_pipeline, shard_stream
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.engine.routes import (
@@ -54,7 +47,8 @@ from streamsync.errors import (
     SyncTimeoutError,
     describe,
 )
-from streamsync.pipeline import AdapterLike
+from streamsync.facts import EngineFacts, Needs
+from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, next_sync_id, send, send_aside
 from streamsync.transports import check_options
@@ -325,7 +319,7 @@ class EngineChannel:
                 self._needs = await self._ask_needs()
                 self._plans = self._route()
                 if self.ranks is not None:
-                    await self.ranks.share_plans(self._plans)
+                    await self.ranks.share_plans(self._plans, self.facts)
             for i, plan in enumerate(self._plans or [None]):
                 if self.ranks is not None and not self.ranks.owns(i):
                     continue
@@ -525,7 +519,7 @@ class EngineChannel:
         if exchange is None:
             return await self._conclude(sync, after=after)
         assert self.ranks is not None
-        await exchange.drain(weights, split_cast(pipeline or self.pipeline)[0])
+        await exchange.drain(weights, split_cast(self._told(pipeline or self.pipeline))[0])
         try:
             report = await self._conclude(sync, after=after)
         except BaseException as exc:
@@ -610,56 +604,56 @@ class EngineChannel:
             sends: Callable[..., Awaitable[SyncReport]] = partial(send, delta=delta)
         else:
             sends = send_aside
+        pipeline = self._told(pipeline)
         receiving = receiving if receiving is not None else Receiving()
-        told = sending_to.set(self.facts)  # what the pipeline's adapters decide from
-        try:
-            async with anyio.create_task_group() as tg:
-                for e, client in enumerate(self.clients):
-                    tg.start_soon(
-                        self._receive, sync, e, client, options, tg.cancel_scope, receiving
-                    )
-                if not self.require_all:
-                    receivers = [c.receivers for c in self.clients]
-                    await sync.joined(sender, receivers, within=self.timeout / 2)
-                try:
-                    send_one = partial(
-                        sends,
-                        bucket_bytes=self.bucket_bytes,
-                        timeout=self.timeout,
-                        checksum=self.checksum,
+        async with anyio.create_task_group() as tg:
+            for e, client in enumerate(self.clients):
+                tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope, receiving)
+            if not self.require_all:
+                receivers = [c.receivers for c in self.clients]
+                await sync.joined(sender, receivers, within=self.timeout / 2)
+            try:
+                send_one = partial(
+                    sends,
+                    bucket_bytes=self.bucket_bytes,
+                    timeout=self.timeout,
+                    checksum=self.checksum,
+                    sync_id=options.sync_id,
+                )
+                if self._plans:
+                    assert options.sync_id is not None  # set by sync_round
+                    sync.report = await self._send_routes(
+                        weights,
+                        pipeline,
+                        send_one,
+                        sliced=options.lora is None,
                         sync_id=options.sync_id,
+                        exchange=exchange,
                     )
-                    if self._plans:
-                        assert options.sync_id is not None  # set by sync_round
-                        sync.report = await self._send_routes(
-                            weights,
-                            pipeline,
-                            send_one,
-                            sliced=options.lora is None,
-                            sync_id=options.sync_id,
-                            exchange=exchange,
-                        )
-                    else:
-                        sync.report = await send_one(weights, sender, pipeline=pipeline)
-                except StreamsyncError as exc:
-                    sync.send_error = exc
-                    if isinstance(exc, ClosedError):
-                        await self._close_sender()  # reopened by the next sync
-                except Exception as exc:  # the trainer's own source or pipeline (aborted)
-                    sync.source_error = exc
-                finally:
-                    receiving.send_ended()
-                absent = sync.report is not None and not self.require_all
-                # A collective sync whose exchange failed (a rank is gone): the routes of
-                # the other ranks may never end, so their workers get the channel's
-                # timeout to report, not their receive's. So do the workers of a failed
-                # staged sync: nothing of it was applied, and it is dropped everywhere.
-                failed = sync.send_error is not None or sync.source_error is not None
-                gone = failed and (exchange is not None or not receiving.applies)
-                if (absent or gone) and await sync.absent_after(self.timeout, self._late):
-                    tg.cancel_scope.cancel()
-        finally:
-            sending_to.reset(told)
+                else:
+                    sync.report = await send_one(weights, sender, pipeline=pipeline)
+            except StreamsyncError as exc:
+                sync.send_error = exc
+                if isinstance(exc, ClosedError):
+                    await self._close_sender()  # reopened by the next sync
+            except Exception as exc:  # the trainer's own source or pipeline (aborted)
+                sync.source_error = exc
+            finally:
+                receiving.send_ended()
+            absent = sync.report is not None and not self.require_all
+            # A collective sync whose exchange failed (a rank is gone): the routes of
+            # the other ranks may never end, so their workers get the channel's
+            # timeout to report, not their receive's. So do the workers of a failed
+            # staged sync: nothing of it was applied, and it is dropped everywhere.
+            failed = sync.send_error is not None or sync.source_error is not None
+            gone = failed and (exchange is not None or not receiving.applies)
+            if (absent or gone) and await sync.absent_after(self.timeout, self._late):
+                tg.cancel_scope.cancel()
+
+    def _told(self, pipeline: AdapterLike | None) -> AdapterLike | None:
+        """``pipeline`` as it runs into this channel's engines: its adapters that decide
+        from the engines (``expand_moe("auto")``) told their facts."""
+        return None if pipeline is None else Chain(pipeline).for_engines(self.facts)
 
     async def _send_routes(
         self,

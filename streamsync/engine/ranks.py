@@ -5,7 +5,7 @@ routes it owns, and no rank gathers a whole tensor.
 
     rank 0 (drives the engine: WeightSync(..., sharded=True, ranks=Ranks()))   other ranks
       learns each worker's needs, plans the routes                        (RankPeer)
-      ── Plans (broadcast) ───────────────────────────────────────────────> the routes
+      ── Plans (broadcast) ─────────────────────────────> the routes, the engines' facts
       route g is owned by rank g % M; each rank opens the senders of its own routes
       <──────────────────── endpoints (all-gather) ─────────────────────────>
     every sync, every rank, tensor by tensor in the same order:
@@ -33,7 +33,6 @@ import torch
 
 from streamsync.boxes import Sharded, box_meet, narrowed
 from streamsync.engine.loops import EventLoopThread, HostedSender
-from streamsync.engine.messages import Box, Versioned
 from streamsync.engine.routes import (
     RoutePlan,
     combined,
@@ -42,6 +41,7 @@ from streamsync.engine.routes import (
     split_cast,
 )
 from streamsync.errors import ConfigError, PeerBrokenError, error_class, root_cause
+from streamsync.facts import Box, EngineFacts, Versioned
 from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT, send
@@ -64,6 +64,9 @@ class Plans(Versioned, frozen=True, kw_only=True):
 
     what: ClassVar[str] = "rank 0's routes"
     routes: tuple[_RouteMessage, ...]
+    #: The facts of the engines rank 0's channel feeds, which every rank's pipeline decides
+    #: from alike (``expand_moe("auto")``), whatever is installed beside it.
+    engines: tuple[EngineFacts, ...] = ()
 
 
 class Outcome(Versioned, frozen=True, kw_only=True):
@@ -177,19 +180,22 @@ class Ranks:
     def _global(self, rank: int) -> int:
         return int(torch.distributed.get_global_rank(self.group, rank))
 
-    async def share_plans(self, plans: list[RoutePlan] | None) -> list[RoutePlan]:
-        """Rank 0's ``plans``, on every rank."""
+    async def share_plans(
+        self, plans: list[RoutePlan] | None, engines: tuple[EngineFacts, ...] = ()
+    ) -> tuple[list[RoutePlan], tuple[EngineFacts, ...]]:
+        """Rank 0's ``plans`` and the facts of the ``engines`` it feeds, on every rank."""
         wire = None
         if plans is not None:
             routes = tuple(
                 _RouteMessage(p.workers, dict(p.slices), sorted(p.read), p.layouts) for p in plans
             )
-            wire = msgspec.msgpack.encode(Plans(routes=routes).to_wire())
+            wire = msgspec.msgpack.encode(Plans(routes=routes, engines=engines).to_wire())
         told = Plans.from_wire(msgspec.msgpack.decode(await self.broadcast(wire)))
-        return [
+        shared = [
             RoutePlan(list(r.workers), dict(r.slices), frozenset(r.read), r.layouts)
             for r in told.routes
         ]
+        return shared, told.engines
 
     async def share_endpoints(self, plans: list[RoutePlan]) -> None:
         """Each route's endpoint, from the rank that opened it, on every rank."""
@@ -400,6 +406,8 @@ class RankPeer:
         self._loop: EventLoopThread | None = None
         self._senders: dict[int, HostedSender] = {}
         self.plans: list[RoutePlan] = []
+        #: The facts of the engines rank 0's channel feeds (told with its plans).
+        self.facts: tuple[EngineFacts, ...] = ()
 
     async def __aenter__(self) -> RankPeer:
         await self.open()
@@ -412,7 +420,7 @@ class RankPeer:
         """Take rank 0's routes, open this rank's senders, tell every rank where (a
         collective: rank 0 does the same when its channel opens)."""
         self._loop = EventLoopThread(f"streamsync-rank{self.ranks.rank} {self.endpoint}")
-        self.plans = await self.ranks.share_plans(None)
+        self.plans, self.facts = await self.ranks.share_plans(None)
         for g, plan in enumerate(self.plans):
             if not self.ranks.owns(g):
                 continue
@@ -435,7 +443,9 @@ class RankPeer:
         to its routes. Raises any rank's failure, by name; returns this rank's report, with
         every rank's bytes in ``rank_bytes``."""
         check_pipeline(pipeline)
-        head, tail = split_cast(pipeline if pipeline is not None else self.pipeline)
+        chosen = pipeline if pipeline is not None else self.pipeline
+        told = None if chosen is None else Chain(chosen).for_engines(self.facts)
+        head, tail = split_cast(told)
         mode: bool | Literal["full"] = self.delta and ("full" if delta is False else True)
         sync_id = await self.ranks.sync_id(None)
         exchange = self.ranks.exchange(self.plans)

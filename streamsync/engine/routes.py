@@ -37,8 +37,9 @@ import torch
 
 from streamsync.adapters.bucket import Bucketer
 from streamsync.boxes import Slices, slices_of
-from streamsync.engine.messages import Box, Needs, Route
+from streamsync.engine.messages import Route
 from streamsync.errors import ShapeMismatchError, root_cause
+from streamsync.facts import Box, Needs
 from streamsync.pipeline import Adapter, AdapterLike, Chain, reading
 from streamsync.report import SyncReport
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES

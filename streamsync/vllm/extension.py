@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from streamsync.engine.messages import EngineFacts, Route, WorkerOptions
+from streamsync.engine.messages import Route, WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
+from streamsync.facts import EngineFacts
 from streamsync.sink import Sink
 
 if TYPE_CHECKING:
@@ -82,13 +83,13 @@ class WorkerExtension:
         return self.streamsync_receivers.drop()
 
     def streamsync_hello(self) -> dict[str, Any]:
-        """This engine's :class:`~streamsync.engine.messages.EngineFacts` as plain values
+        """This engine's :class:`~streamsync.facts.EngineFacts` as plain values
         (asked once when a trainer's channel opens)."""
         return EngineFacts.here().to_wire()
 
     def streamsync_needs(self) -> list[dict[str, Any]]:
         """What each model instance of this worker reads of each checkpoint tensor, as
-        :class:`~streamsync.engine.messages.Needs` in plain values (asked once when a
+        :class:`~streamsync.facts.Needs` in plain values (asked once when a
         sharded channel opens; learned at the first ask and when the layout changes)."""
         from streamsync.vllm.slices import worker_needs
 

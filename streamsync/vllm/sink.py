@@ -31,7 +31,6 @@ from streamsync._copies import clone, copy_tensors
 from streamsync._log import log, warn
 from streamsync.adapters.split_buffers import BufferRouter
 from streamsync.boxes import BoxTensor, wrap
-from streamsync.engine.messages import Box, Need
 from streamsync.errors import (
     ConfigError,
     ReceiverFailedError,
@@ -39,6 +38,7 @@ from streamsync.errors import (
     StreamsyncError,
     UnknownTensorError,
 )
+from streamsync.facts import Box, Need
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.sink import BUFFER_MANIFEST
@@ -46,7 +46,7 @@ from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
 
 if TYPE_CHECKING:
     from streamsync.boxes import Slices
-    from streamsync.engine.messages import Needs
+    from streamsync.facts import Needs
     from streamsync.vllm.lora import LoraStore
 
 

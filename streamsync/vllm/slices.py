@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from streamsync.engine.messages import Box, Need, Needs
 from streamsync.errors import ConfigError
+from streamsync.facts import Box, Need, Needs
 
 if TYPE_CHECKING:
     from streamsync.vllm.sink import ModelInstance

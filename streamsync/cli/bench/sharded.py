@@ -40,7 +40,7 @@ import torch
 
 from streamsync.boxes import slices_of
 from streamsync.cli.bench.engine import _engine_core_mode
-from streamsync.engine.messages import Needs
+from streamsync.facts import Needs
 
 SCHEMA = "streamsync.cli.bench.sharded/1"
 #: The model the comparison uses (the demo's).

@@ -23,7 +23,7 @@ from streamsync._log import log
 from streamsync.engine.blocking import BlockingWeightSync
 from streamsync.engine.channel import EngineChannel
 from streamsync.engine.clients import PauseMode
-from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
     LoraError,
@@ -32,6 +32,7 @@ from streamsync.errors import (
     SyncTimeoutError,
     error_class,
 )
+from streamsync.facts import EngineFacts, Needs
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT

@@ -11,9 +11,10 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from streamsync._log import log, warn
-from streamsync.engine.messages import Route, Versioned, WorkerOptions, WorkerResult
+from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, StreamsyncError, describe
+from streamsync.facts import Versioned
 from streamsync.sync import DEFAULT_TIMEOUT
 
 
