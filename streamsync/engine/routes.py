@@ -42,6 +42,7 @@ from streamsync.errors import ShapeMismatchError, root_cause
 from streamsync.facts import Box, Needs
 from streamsync.pipeline import Adapter, AdapterLike, Chain, reading
 from streamsync.report import SyncReport
+from streamsync.sources import named_tensors
 from streamsync.wire.bucket import DEFAULT_BUCKET_BYTES
 
 _TCP_SCHEMES = ("zmq+tcp", "torch+gloo", "torch+nccl")
@@ -141,8 +142,6 @@ def split_cast(pipeline: AdapterLike | None) -> tuple[AdapterLike | None, Adapte
 
 
 async def _stream(weights: Any) -> AsyncIterator[Any]:
-    from streamsync.sources import named_tensors
-
     source = weights if isinstance(weights, AsyncIterable) else named_tensors(weights)
     async for item in source:
         yield item

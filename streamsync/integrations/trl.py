@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from streamsync._log import log
+from streamsync._peft import is_peft_model
 from streamsync.errors import ConfigError, PeerBrokenError
-from streamsync.lora import check_lora_name, is_peft_model
+from streamsync.lora import check_lora_name
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sync import DEFAULT_TIMEOUT

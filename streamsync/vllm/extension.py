@@ -22,8 +22,7 @@ from streamsync.facts import EngineFacts
 from streamsync.sink import Sink
 
 if TYPE_CHECKING:
-    from streamsync.vllm.sink import WorkerState
-    from streamsync.vllm.worker_sink import WorkerModels
+    from streamsync.vllm.sink import WorkerModels, WorkerState
 
 
 class WorkerExtension:
@@ -102,8 +101,7 @@ class WorkerExtension:
 
 def _models(extension: WorkerExtension) -> WorkerModels:
     """What the worker ``extension`` is mixed into serves, with its state."""
-    from streamsync.vllm.sink import model_instances
-    from streamsync.vllm.worker_sink import WorkerModels
+    from streamsync.vllm.sink import WorkerModels, model_instances
 
     worker: Any = extension  # vLLM's worker, which the extension is mixed into
     return WorkerModels(model_instances(worker), worker.vllm_config, extension.streamsync_state)

@@ -26,8 +26,7 @@ from streamsync.errors import ConfigError
 from streamsync.facts import Box, Need, Needs
 
 if TYPE_CHECKING:
-    from streamsync.vllm.sink import ModelInstance
-    from streamsync.vllm.worker_sink import WorkerModels
+    from streamsync.vllm.sink import ModelInstance, WorkerModels
 
 #: A checkpoint's tensors: name -> (dtype as torch names it, shape).
 Manifest = Mapping[str, tuple[str, tuple[int, ...]]]
