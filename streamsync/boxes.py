@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from streamsync.engine.messages import Box, Needs
 from streamsync.errors import ConfigError, ReceiverFailedError, ShapeMismatchError
+from streamsync.facts import Box, Needs
 from streamsync.pipeline import NamedTensor
 
 #: Checkpoint name -> (the box one worker receives of it, the whole tensor's shape).

@@ -1,5 +1,4 @@
-"""LoRA adapters on the trainer side: what an adapter sync carries (:func:`lora_adapter`), and
-a peft model's own names (:func:`base_name`).
+"""LoRA adapters on the trainer side: what an adapter sync carries (:func:`lora_adapter`).
 
 An adapter is its LoRA tensors, named as peft saves them (``adapter_model.safetensors``:
 ``base_model.model.<module>.lora_A.weight`` and ``.lora_B.weight``, no adapter name in
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import re
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import torch
 import xxhash
 
+from streamsync._peft import is_peft_model
 from streamsync.errors import ConfigError
 from streamsync.sources import full_tensor
 
@@ -30,18 +29,6 @@ _REQUIRED = ("r", "lora_alpha", "target_modules")
 _LORA_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.weight$|\.(lora_embedding_A|lora_embedding_B)$")
 # peft's in-memory names carry the adapter's name: ``.lora_A.default.weight``.
 _NAMED_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.[^.]+\.weight$|\.(lora_embedding_[AB])\.[^.]+$")
-# Parts of a peft model's names that belong to an adapter, not to the base model.
-_ADAPTER_PARTS = frozenset(
-    {
-        "lora_A",
-        "lora_B",
-        "lora_embedding_A",
-        "lora_embedding_B",
-        "lora_magnitude_vector",
-        "lora_dropout",
-        "modules_to_save",
-    }
-)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 
 
@@ -70,23 +57,6 @@ def check_lora_name(name: object) -> str:
             "starting with a letter or digit"
         )
     return name
-
-
-def is_peft_model(obj: object) -> bool:
-    """Whether ``obj`` is a ``peft.PeftModel`` (without importing peft if it is not loaded)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(obj, peft.PeftModel)
-
-
-def base_name(name: str) -> str | None:
-    """The base checkpoint's name for a peft model's state-dict ``name``, or ``None`` for an
-    adapter's own tensor: ``base_model.model.`` and ``.base_layer`` / ``.original_module``
-    dropped (``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` is
-    ``model.layers.0.self_attn.q_proj.weight``)."""
-    parts = name.removeprefix("base_model.model.").split(".")
-    if any(part in _ADAPTER_PARTS for part in parts):
-        return None
-    return ".".join(p for p in parts if p not in ("base_layer", "original_module"))
 
 
 def _json(value: Any) -> Any:

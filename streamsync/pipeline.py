@@ -12,6 +12,11 @@ whose first argument is its source, made pipeable by :func:`adapter`::
 ``select(pred)`` is then a :class:`Stage`: ``select(pred)(source)`` runs it and ``a | b``
 composes (``a`` first, plain functions too) into a :class:`Chain`. A stage that stops early,
 fails or is closed closes its source (:func:`reading`).
+
+An adapter that decides from the engines a sync feeds (``expand_moe("auto")``) declares a
+keyword-only parameter ``engines`` (a tuple of :class:`~streamsync.facts.EngineFacts`): an
+engine's channel tells it them through :meth:`Adapter.for_engines` before it sends; run
+anywhere else, it gets its default.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeAlias, overload
 import torch
 
 from streamsync.errors import ConfigError
+from streamsync.facts import EngineFacts
 
 NamedTensor: TypeAlias = tuple[str, torch.Tensor]
 AdapterLike: TypeAlias = Callable[[AsyncIterable[Any]], AsyncIterator[Any]]
@@ -64,6 +70,11 @@ class Adapter:
         knows one; ``None`` otherwise."""
         return None
 
+    def for_engines(self, engines: tuple[EngineFacts, ...]) -> Adapter:
+        """This adapter as it runs in a sync that feeds ``engines`` (their facts, one per
+        engine): a copy told them if it decides from them, else itself."""
+        return self
+
     def __or__(self, other: AdapterLike) -> Chain:
         return Chain(self, other)
 
@@ -89,6 +100,11 @@ class Stage(Adapter):
     def fuse(self, following: Adapter) -> Adapter | None:
         return None if self.op.fuse is None else self.op.fuse(self, following)
 
+    def for_engines(self, engines: tuple[EngineFacts, ...]) -> Adapter:
+        if not self.op.takes_engines:
+            return self
+        return Stage(self.op, {**self.config, "engines": engines}, self._shown)
+
     def __getattr__(self, name: str) -> Any:
         config = self.__dict__.get("config", {})  # absent while copy or pickle rebuild it
         if name in config:
@@ -111,10 +127,17 @@ class Operator(Generic[P]):
     ) -> None:
         functools.update_wrapper(self, fn)
         self.fn, self.configure, self.fuse = fn, configure, fuse
-        # What a caller passes: ``configure``'s parameters, or ``fn``'s after the source.
-        options = inspect.signature(configure if configure is not None else fn)
+        signature = inspect.signature(fn)
+        engines = signature.parameters.get("engines")
+        #: Whether ``fn`` decides from the engines a sync feeds (see :meth:`Stage.for_engines`).
+        self.takes_engines = engines is not None and engines.kind is engines.KEYWORD_ONLY
+        # What a caller passes: ``configure``'s parameters, or ``fn``'s after the source
+        # but ``engines``, which a sync tells the stage.
+        options = inspect.signature(configure) if configure is not None else signature
         params = list(options.parameters.values())
-        self._options = options.replace(parameters=params if configure else params[1:])
+        if configure is None:
+            params = [p for p in params[1:] if not (self.takes_engines and p.name == "engines")]
+        self._options = options.replace(parameters=params)
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
         """The caller's arguments bound to the options; a :class:`ConfigError` naming a
@@ -194,6 +217,7 @@ class Chain(Adapter):
     never depends on how a pipeline was grouped."""
 
     def __init__(self, *stages: AdapterLike, fuse: bool = True) -> None:
+        self._fuse = fuse
         flat: list[AdapterLike] = []
         for stage in stages:
             if not callable(stage):
@@ -211,6 +235,11 @@ class Chain(Adapter):
             fused.append(stage)
         #: The stages run, after fusing.
         self.stages: tuple[AdapterLike, ...] = tuple(fused)
+
+    def for_engines(self, engines: tuple[EngineFacts, ...]) -> Chain:
+        """The chain with each of its stages told ``engines`` (:meth:`Adapter.for_engines`)."""
+        told = [s.for_engines(engines) if isinstance(s, Adapter) else s for s in self.parts]
+        return Chain(*told, fuse=self._fuse)
 
     def __call__(self, source: AsyncIterable[Any]) -> AsyncIterator[Any]:
         stream: AsyncIterable[Any] = source

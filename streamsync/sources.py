@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from streamsync._peft import base_name, is_peft_model
 from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor, reading
 
@@ -38,8 +39,6 @@ def _from_peft(model: Any, merged: bool) -> Iterator[NamedTensor]:
     # The base model's tensors under the base checkpoint's names; merged: each LoRA layer's
     # weight plus its active adapter's delta (computed one layer at a time, the model
     # untouched).
-    from streamsync.lora import base_name
-
     active = model.active_adapter
     layers = {
         prefix: module
@@ -158,8 +157,6 @@ def named_tensors(
 
 
 def _pairs(obj: Any, *, merged: bool) -> AsyncIterator[NamedTensor]:
-    from streamsync.lora import is_peft_model
-
     if is_peft_model(obj):
         return _from_iterable(_from_peft(obj, merged))
     if merged:

@@ -12,6 +12,7 @@ import torch
 from streamsync import ConfigError, adapter, named_tensors
 from streamsync.adapters import bucket, cast, rename, select
 from streamsync.adapters.bucket import Bucketer
+from streamsync.facts import EngineFacts
 from streamsync.pipeline import Adapter, Chain, Stage
 from streamsync.testing.buckets import pack_bucket, unbucket
 from streamsync.wire.pack import BucketBuilder
@@ -226,3 +227,31 @@ async def test_a_cast_before_a_bucket_that_casts_already_runs_on_its_own() -> No
     got = dict(await collect(unbucket()(_aiter(packed))))
     assert torch.equal(got["w"], src["w"].bfloat16().float())
     assert got["h"].dtype == torch.float32 and torch.equal(got["h"], src["h"].bfloat16().float())
+
+
+@adapter
+async def _told(
+    source: AsyncIterable[Any], tag: str, *, engines: tuple[EngineFacts, ...] = ()
+) -> AsyncIterator[Any]:
+    async for name, tensor in source:
+        yield f"{tag}:{len(engines)}:{name}", tensor
+
+
+async def test_a_chain_tells_the_engines_facts_to_the_stages_that_declare_them() -> None:
+    facts = (EngineFacts(vllm_version=(0, 24, 0)), EngineFacts(vllm_version=(0, 24, 0)))
+
+    def plain(source: AsyncIterable[Any]) -> AsyncIterator[Any]:
+        return aiter(source)
+
+    chain = Chain(rename({"w": "v"}), _told("t"), plain)
+    told = chain.for_engines(facts)
+    # The stages that do not decide from the engines are the same objects; the one that
+    # does is a copy told them, the original left as it was.
+    assert told.parts[0] is chain.parts[0] and told.parts[2] is plain
+    assert told.parts[1].engines == facts and "engines" not in chain.parts[1].config
+    weights = {"w": torch.zeros(1)}
+    assert [n for n, _ in await collect(told(named_tensors(weights)))] == ["t:2:v"]
+    assert [n for n, _ in await collect(chain(named_tensors(weights)))] == ["t:0:v"]
+    # Engines come from the sync, not from the caller.
+    with pytest.raises(ConfigError, match=r"unknown option 'engines'.*valid: tag"):
+        _told("t", engines=facts)  # type: ignore[call-arg]

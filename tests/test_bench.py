@@ -713,7 +713,7 @@ def test_the_package_leaves_the_lab_out() -> None:
 
 def _needs(instance: str, boxes: dict[str, Any]) -> Any:
     """One model instance's needs: per name, ``(shape, box or None)``."""
-    from streamsync.engine.messages import Box, Need, Needs
+    from streamsync.facts import Box, Need, Needs
 
     return Needs(
         instance=instance,

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamsync.boxes import BoxTensor, Sharded, box_union, data_of, slices_of, wrap
-from streamsync.engine.messages import Box, Need, Needs
 from streamsync.errors import ConfigError, ReceiverFailedError, ShapeMismatchError
+from streamsync.facts import Box, Need, Needs
 from streamsync.pipeline import NamedTensor
 from streamsync.vllm.sink import ModelInstance, VllmSink
 

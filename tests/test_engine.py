@@ -28,13 +28,9 @@ import torch
 import streamsync as ss
 from streamsync.engine.channel import BlockingWeightSync, EngineChannel, EngineClient
 from streamsync.engine.kept import KEPT, update_engine
-from streamsync.engine.messages import (
-    WORKER_PROTOCOL,
-    EngineFacts,
-    WorkerOptions,
-    WorkerResult,
-)
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
+from streamsync.facts import WORKER_PROTOCOL, EngineFacts
 from streamsync.sending import next_sync_id
 from streamsync.testing.peers import free_port
 from streamsync.wire.frames import Abort
@@ -993,14 +989,10 @@ async def _expands_for(engines: tuple[EngineFacts, ...]) -> bool:
     """Whether ``expand_moe()`` expands the packed experts in a sync that feeds ``engines``
     (none: outside an engine's channel)."""
     from streamsync.adapters import expand_moe
-    from streamsync.engine.messages import sending_to
 
     weights = packed_experts()
-    told = sending_to.set(engines)
-    try:
-        names = [name async for name, _ in expand_moe()(ss.named_tensors(weights))]
-    finally:
-        sending_to.reset(told)
+    stage = expand_moe().for_engines(engines)
+    names = [name async for name, _ in stage(ss.named_tensors(weights))]
     return names != list(weights)
 
 

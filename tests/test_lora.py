@@ -13,11 +13,11 @@ import torch
 from conftest import extra
 
 import streamsync as ss
+from streamsync._peft import base_name
 from streamsync.engine.channel import EngineChannel
 from streamsync.engine.messages import LoraTarget, WorkerOptions
 from streamsync.lora import (
     LORA_PATH_PREFIX,
-    base_name,
     lora_adapter,
     lora_id,
     path_version,

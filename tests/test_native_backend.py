@@ -298,7 +298,7 @@ def test_sharded_init_asks_the_workers_needs(worker: tuple[Any, FakeVllmModel]) 
     ``collective_rpc`` when the channel opens, keyed as ``EngineChannel.needs`` keys them,
     with workers of one layout sharing one tuple. (What a sharded sync then sends each worker
     is in ``test_vllm_native.py``, on a real TP=2 server.)"""
-    from streamsync.engine.messages import Box, Need, Needs
+    from streamsync.facts import Box, Need, Needs
 
     engine, _model = worker
     told = [
@@ -354,7 +354,7 @@ def test_sharded_init_asks_a_server_through_collective_rpc(
     import msgspec
     import vllm
 
-    from streamsync.engine.messages import Need, Needs
+    from streamsync.facts import Need, Needs
 
     told = Needs(instance="main", layout="tp0", needs=(Need("a", (2,), "float32", None),))
     bodies: list[Any] = []

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from test_engine import ThreadEngine, rpc
 
 from streamsync.engine.channel import EngineChannel
-from streamsync.engine.messages import WORKER_PROTOCOL, Box, Need, Needs
 from streamsync.errors import ConfigError, ProtocolVersionError, WireFormatError
+from streamsync.facts import WORKER_PROTOCOL, Box, Need, Needs
 from streamsync.vllm.slices import need_of, read_box, replay
 
 NARROW_ROWS = (("narrow", (0, 64, 64), ()),)

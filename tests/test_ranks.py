@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from streamsync.facts import EngineFacts
+
 WORLD = 2
 
 
@@ -69,9 +71,13 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
         from streamsync.engine.channel import EngineChannel
         from streamsync.vllm import RankPeer, Ranks
 
+        class TellingEngine(SlicedEngine):
+            async def hello(self) -> EngineFacts:
+                return EngineFacts(vllm_version=(0, 24, 0))
+
         out: dict[str, Any] = {"reports": [], "errors": [], "partial": []}
         if rank == 0:
-            engine = SlicedEngine()
+            engine = TellingEngine()
             for r, worker in enumerate(engine.workers):
                 worker.rank = r
             if fail == "worker":
@@ -84,6 +90,7 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
                     for step in range(3):
                         try:
                             out["reports"].append(sync.update(_shards(weights(step))))
+                            out["facts"] = sync.channel.facts
                         except ss.StreamsyncError as exc:
                             out["errors"].append(f"{type(exc).__name__}: {exc}")
                             out["partial"].append(exc.report is None or not exc.report.complete)
@@ -96,6 +103,7 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
                 async with RankPeer(
                     Ranks(), "zmq+tcp://127.0.0.1:0", delta=True, timeout=20
                 ) as peer:
+                    out["facts"] = peer.facts
                     for step in range(3):
                         if fail == "rank" and step == 1:
                             torch.save(out, Path(out_dir) / f"rank{rank}.pt")
@@ -134,6 +142,8 @@ def test_each_rank_sends_its_route_and_every_worker_gets_its_slices(tmp_path: Pa
 
     rank0, rank1 = run(tmp_path)
     assert rank0["errors"] == [] and rank1["errors"] == []
+    # Every rank's pipeline decides from the engine's facts, which rank 0 shares.
+    assert rank1["facts"] == rank0["facts"] == (EngineFacts(vllm_version=(0, 24, 0)),)
     for rank in (0, 1):
         for name, tensor in expected(weights(2), rank).items():
             assert torch.equal(rank0["stores"][rank][name], tensor), (rank, name)

@@ -17,8 +17,9 @@ from test_engine import ThreadEngine, rpc
 import streamsync as ss
 from streamsync.boxes import slices_of
 from streamsync.engine.channel import EngineChannel
-from streamsync.engine.messages import Box, Need, Needs, Route, WorkerOptions
+from streamsync.engine.messages import Route, WorkerOptions
 from streamsync.engine.routes import derive_endpoint, plan_routes
+from streamsync.facts import Box, Need, Needs
 from streamsync.testing.peers import free_port
 from streamsync.wire.slot import ALIGN
 

@@ -24,9 +24,8 @@ def _sink_load(worker: Any, tensors: dict[str, torch.Tensor], form: str) -> dict
     (``"short"``, whose failure is returned, the sync aborted)."""
     from streamsync.boxes import slices_of
     from streamsync.errors import ReceiverFailedError
-    from streamsync.vllm.sink import VllmSink, model_instances
+    from streamsync.vllm.sink import VllmSink, WorkerModels, model_instances
     from streamsync.vllm.slices import worker_needs
-    from streamsync.vllm.worker_sink import WorkerModels
 
     models = WorkerModels(model_instances(worker), worker.vllm_config, worker.streamsync_state)
     slices = dict(slices_of(worker_needs(models))) if form != "whole" else {}

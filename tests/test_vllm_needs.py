@@ -24,7 +24,7 @@ from vllm_harness import (
 )
 
 import streamsync as ss
-from streamsync.engine.messages import Needs
+from streamsync.facts import Needs
 from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = pytest.mark.vllm

@@ -16,7 +16,7 @@ from vllm_harness import assert_matches, engine_outputs, make_llm, reference_out
 
 import streamsync as ss
 from streamsync.boxes import slices_of
-from streamsync.engine.messages import Needs
+from streamsync.facts import Needs
 from streamsync.testing.models import build_tiny_model
 from streamsync.wire.slot import ALIGN
 

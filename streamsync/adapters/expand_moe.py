@@ -2,7 +2,8 @@
 
 Transformers ≥ 5 keeps the experts of an MoE layer packed (:mod:`streamsync._moe_names`);
 vLLM before 0.25 only loads the per-expert checkpoint keys. Which vLLM is the engine's fact,
-told to the trainer when a channel opens (:class:`~streamsync.engine.messages.EngineFacts`).
+told to the trainer when a channel opens (:class:`~streamsync.facts.EngineFacts`) and by the
+channel to this adapter (its ``engines``, :meth:`~streamsync.pipeline.Adapter.for_engines`).
 This adapter yields those keys expert by expert, as views of the packed tensor (no copy, no
 dict of the layer).
 
@@ -23,8 +24,8 @@ import torch
 from streamsync._log import warn
 from streamsync._moe_names import PACKED, ROUTER, block_kind, expert_name, router_name
 from streamsync._versions import vllm_version
-from streamsync.engine.messages import EngineFacts, sending_to
 from streamsync.errors import ConfigError
+from streamsync.facts import EngineFacts
 from streamsync.pipeline import NamedTensor, adapter
 
 #: Environment variable that forces ``when="auto"`` to ``always`` or ``never``.
@@ -160,7 +161,7 @@ RULES: dict[str, QwenStyleRule | None] = {
 
 def _configure(when: When = "auto", model_type: str | None = None) -> dict[str, Any]:
     # The environment is read once, when the stage is made (it may change before it runs);
-    # "auto" is decided when it runs, from the engine the sync feeds.
+    # "auto" is decided when it runs, from the engines the sync feeds.
     resolved = _resolve(when)
     if resolved == "never":
         return {"rule": None, "auto": False}
@@ -177,7 +178,11 @@ def _configure(when: When = "auto", model_type: str | None = None) -> dict[str, 
 
 @adapter(configure=_configure)
 async def expand_moe(
-    source: AsyncIterable[NamedTensor], *, rule: QwenStyleRule | None, auto: bool
+    source: AsyncIterable[NamedTensor],
+    *,
+    rule: QwenStyleRule | None,
+    auto: bool,
+    engines: tuple[EngineFacts, ...] = (),
 ) -> AsyncIterator[NamedTensor]:
     """``expand_moe(when="auto", model_type=None)``: packed experts into per-expert keys
     (module docstring). ``model_type`` picks the family rule from :data:`RULES`.
@@ -185,10 +190,11 @@ async def expand_moe(
     ``when="always"`` and ``"never"`` are obeyed. ``"auto"`` defers to the environment
     variable ``STREAMSYNC_EXPAND_MOE`` (``always``/``never``/``auto``) when it is set, and
     otherwise expands iff the engine's vLLM is ≤ 0.24.0: decided when the stream starts,
-    from the version each engine told the channel the sync feeds or, outside an engine's
-    channel, the vLLM installed here. An absent or unparsable vLLM version means "do not
-    expand"; engines that disagree are a :class:`~streamsync.ConfigError`."""
-    if auto and not _auto(sending_to.get()):
+    from ``engines``, the facts of the engines the sync feeds (an engine's channel tells the
+    stage them), or, with none (a plain :func:`~streamsync.send`), the vLLM installed here.
+    An absent or unparsable vLLM version means "do not expand"; engines that disagree are a
+    :class:`~streamsync.ConfigError`."""
+    if auto and not _auto(engines):
         rule = None
     async for name, tensor in source:
         # LoRA tensors are adapters of a module, never a packed checkpoint layout.

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from streamsync._dtypes import CASTABLE
 from streamsync._moe_names import PACKED, ROUTER, ROUTER_MODULES
 from streamsync.boxes import Sharded
-from streamsync.engine.messages import Box
 from streamsync.errors import ConfigError
+from streamsync.facts import Box
 from streamsync.pipeline import NamedTensor, adapter
 
 FP8_DTYPE: Final = torch.float8_e4m3fn

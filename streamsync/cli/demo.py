@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import msgspec
 import torch
 
+from streamsync.adapters import cast, expand_moe, split_buffers
 from streamsync.sources import named_tensors
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
@@ -133,7 +134,6 @@ def _run(args: argparse.Namespace, tmp: Path, progress: TextIO) -> int:
     import anyio
     from tqdm import tqdm
 
-    from streamsync.adapters import cast, expand_moe, split_buffers
     from streamsync.cli.verify import engine_outputs, make_llm, reference_outputs
     from streamsync.testing.models import build_tiny_model, perturb
     from streamsync.vllm import WeightSync

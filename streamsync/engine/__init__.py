@@ -7,8 +7,9 @@
   the channels ``update_weights`` keeps (:mod:`~streamsync.engine.kept`).
 - :mod:`streamsync.engine.worker` (worker side): ``WorkerReceivers``, the receivers an engine
   worker keeps across syncs, and the one handler every engine's RPC runs.
-- :mod:`streamsync.engine.messages`: ``EngineFacts`` / ``WorkerOptions`` / ``WorkerResult``,
-  the versioned structs that cross the engine's RPC as plain values.
+- :mod:`streamsync.engine.messages`: ``WorkerOptions`` / ``WorkerResult``, the versioned
+  structs that cross the engine's RPC as plain values (with what an engine tells of itself,
+  ``EngineFacts`` and ``Needs``, in :mod:`streamsync.facts`).
 - :mod:`streamsync.engine.loops`: event loops the channel and the workers own.
 
 This module imports nothing, so the worker side never loads the trainer side.

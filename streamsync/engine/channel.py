@@ -28,18 +28,12 @@ from streamsync.engine.clients import (
 from streamsync.engine.collective import CollectiveCut, Ranks, check_pipeline
 from streamsync.engine.fanout import FanOut, RouteCut, Sends, WholeCut
 from streamsync.engine.loras import ChannelLoras
-from streamsync.engine.messages import (
-    EngineFacts,
-    Needs,
-    Route,
-    WorkerOptions,
-    WorkerResult,
-    sending_to,
-)
+from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.engine.routes import plan_routes
 from streamsync.engine.staged import ChannelStaging, Receiving
 from streamsync.errors import ClosedError, ConfigError, StreamsyncError, SyncTimeoutError
+from streamsync.facts import EngineFacts, Needs
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sending import next_sync_id
@@ -291,7 +285,7 @@ class EngineChannel:
             if self.sharded:
                 self._needs = await self._ask_needs()
                 cut = self._cut()
-            await self._fan.open(cut, self.receivers)
+            await self._fan.open(cut, self.receivers, engines=self.facts)
         return self._fan
 
     def routes(self, e: int = 0) -> tuple[Route, ...]:
@@ -464,6 +458,7 @@ class EngineChannel:
         sync = SyncRound.of(len(self.clients))
         pipeline = pipeline if pipeline is not None else self.pipeline
         fan.cut.check(pipeline)
+        pipeline = fan.told(pipeline)
         weights = fan.cut.stream(weights)
         await self._run(sync, fan, options, weights, pipeline, sends, receiving)
         settled = await fan.settle()
@@ -547,37 +542,31 @@ class EngineChannel:
         """The send beside every engine's receive; a failure that dooms the sync cancels
         the rest (see :meth:`_receive`)."""
         assert options.sync_id is not None  # set by sync_round
-        told = sending_to.set(self.facts)  # what the pipeline's adapters decide from
-        try:
-            async with anyio.create_task_group() as tg:
-                for e, client in enumerate(self.clients):
-                    tg.start_soon(
-                        self._receive, sync, e, client, options, tg.cancel_scope, receiving
-                    )
-                if not self.require_all:
-                    receivers = [c.receivers for c in self.clients]
-                    await sync.joined(fan.sender(0), receivers, within=self.timeout / 2)
-                try:
-                    sync.report = await fan.send(weights, pipeline, sends, sync_id=options.sync_id)
-                except StreamsyncError as exc:
-                    sync.send_error = exc
-                    if isinstance(exc, ClosedError):
-                        await fan.close()  # reopened by the next sync
-                except Exception as exc:  # the trainer's own source or pipeline (aborted)
-                    sync.source_error = exc
-                finally:
-                    receiving.send_ended()
-                absent = sync.report is not None and not self.require_all
-                # A collective sync whose exchange failed (a rank is gone): the routes of
-                # the other ranks may never end, so their workers get the channel's
-                # timeout to report, not their receive's. So do the workers of a failed
-                # staged sync: nothing of it was applied, and it is dropped everywhere.
-                failed = sync.send_error is not None or sync.source_error is not None
-                gone = failed and (fan.cut.peers or not receiving.applies)
-                if (absent or gone) and await sync.absent_after(self.timeout, self._late):
-                    tg.cancel_scope.cancel()
-        finally:
-            sending_to.reset(told)
+        async with anyio.create_task_group() as tg:
+            for e, client in enumerate(self.clients):
+                tg.start_soon(self._receive, sync, e, client, options, tg.cancel_scope, receiving)
+            if not self.require_all:
+                receivers = [c.receivers for c in self.clients]
+                await sync.joined(fan.sender(0), receivers, within=self.timeout / 2)
+            try:
+                sync.report = await fan.send(weights, pipeline, sends, sync_id=options.sync_id)
+            except StreamsyncError as exc:
+                sync.send_error = exc
+                if isinstance(exc, ClosedError):
+                    await fan.close()  # reopened by the next sync
+            except Exception as exc:  # the trainer's own source or pipeline (aborted)
+                sync.source_error = exc
+            finally:
+                receiving.send_ended()
+            absent = sync.report is not None and not self.require_all
+            # A collective sync whose exchange failed (a rank is gone): the routes of
+            # the other ranks may never end, so their workers get the channel's
+            # timeout to report, not their receive's. So do the workers of a failed
+            # staged sync: nothing of it was applied, and it is dropped everywhere.
+            failed = sync.send_error is not None or sync.source_error is not None
+            gone = failed and (fan.cut.peers or not receiving.applies)
+            if (absent or gone) and await sync.absent_after(self.timeout, self._late):
+                tg.cancel_scope.cancel()
 
     def _late(self, e: int) -> StreamsyncError:
         where = "the engine" if not self.fanout else f"engine {e}"

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import ConfigError
+from streamsync.facts import EngineFacts, Needs
 
 __all__ = ["EngineClient"]
 
@@ -57,8 +58,8 @@ class LoopBoundClient(EngineClient, Protocol):
 @runtime_checkable
 class FactsClient(EngineClient, Protocol):
     """A client whose engine says what it is (its hello): the channel asks once when it
-    opens, and the adapters of each sync decide from the answers
-    (:data:`~streamsync.engine.messages.sending_to`), not from what is installed beside
+    opens, and the adapters of each sync decide from the answers (the channel tells them,
+    :meth:`~streamsync.pipeline.Adapter.for_engines`), not from what is installed beside
     the trainer."""
 
     async def hello(self) -> EngineFacts:
@@ -71,7 +72,7 @@ class NeedsClient(EngineClient, Protocol):
     opened with ``sharded=True`` asks once when it opens."""
 
     async def needs(self) -> list[list[Needs]]:
-        """Per worker (by rank), the :class:`~streamsync.engine.messages.Needs` of each of
+        """Per worker (by rank), the :class:`~streamsync.facts.Needs` of each of
         its model instances."""
 
 

@@ -5,7 +5,7 @@ routes it owns, and no rank gathers a whole tensor.
 
     rank 0 (drives the engine: WeightSync(..., sharded=True, ranks=Ranks()))   other ranks
       learns each worker's needs, plans the routes                        (RankPeer)
-      ── Plans (broadcast) ───────────────────────────────────────────────> the routes
+      ── Plans (broadcast) ─────────────────────────────> the routes, the engines' facts
       route g is owned by rank g % M; each rank opens the senders of its own routes
       <──────────────────── endpoints (all-gather) ─────────────────────────>
     every sync, every rank, tensor by tensor in the same order:
@@ -34,13 +34,13 @@ import torch
 from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync.boxes import Sharded, box_meet, narrowed
 from streamsync.engine.fanout import FanOut, RouteCut, Sends
-from streamsync.engine.messages import Box, Versioned
 from streamsync.engine.routes import (
     RoutePlan,
     send_routes,
     split_cast,
 )
 from streamsync.errors import ConfigError, PeerBrokenError, error_class, root_cause
+from streamsync.facts import Box, EngineFacts, Versioned
 from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
@@ -60,6 +60,9 @@ class Plans(Versioned, frozen=True, kw_only=True):
 
     what: ClassVar[str] = "rank 0's routes"
     routes: tuple[_RouteMessage, ...]
+    #: The facts of the engines rank 0's channel feeds, which every rank's pipeline decides
+    #: from alike (``expand_moe("auto")``), whatever is installed beside it.
+    engines: tuple[EngineFacts, ...] = ()
 
 
 class Outcome(Versioned, frozen=True, kw_only=True):
@@ -173,19 +176,22 @@ class Ranks:
     def _global(self, rank: int) -> int:
         return int(torch.distributed.get_global_rank(self.group, rank))
 
-    async def share_plans(self, plans: list[RoutePlan] | None) -> list[RoutePlan]:
-        """Rank 0's ``plans``, on every rank."""
+    async def share_plans(
+        self, plans: list[RoutePlan] | None, engines: tuple[EngineFacts, ...] = ()
+    ) -> tuple[list[RoutePlan], tuple[EngineFacts, ...]]:
+        """Rank 0's ``plans`` and the facts of the ``engines`` it feeds, on every rank."""
         wire = None
         if plans is not None:
             routes = tuple(
                 _RouteMessage(p.workers, dict(p.slices), sorted(p.read), p.layouts) for p in plans
             )
-            wire = msgspec.msgpack.encode(Plans(routes=routes).to_wire())
+            wire = msgspec.msgpack.encode(Plans(routes=routes, engines=engines).to_wire())
         told = Plans.from_wire(msgspec.msgpack.decode(await self.broadcast(wire)))
-        return [
+        shared = [
             RoutePlan(list(r.workers), dict(r.slices), frozenset(r.read), r.layouts)
             for r in told.routes
         ]
+        return shared, told.engines
 
     async def share_endpoints(self, plans: list[RoutePlan]) -> None:
         """Each route's endpoint, from the rank that opened it, on every rank."""
@@ -383,8 +389,10 @@ class CollectiveCut(RouteCut):
     def owned(self) -> list[int]:
         return [g for g in range(len(self.plans)) if self.ranks.owns(g)]
 
-    async def agree(self) -> None:
-        self.plans = await self.ranks.share_plans(self.plans if self.ranks.rank == 0 else None)
+    async def agree(self, engines: tuple[EngineFacts, ...]) -> tuple[EngineFacts, ...]:
+        mine = self.plans if self.ranks.rank == 0 else None
+        self.plans, told = await self.ranks.share_plans(mine, engines)
+        return told
 
     async def opened(self) -> None:
         await self.ranks.share_endpoints(self.plans)
@@ -460,6 +468,11 @@ class RankPeer:
         """Rank 0's routes, as this rank was told them when it opened."""
         return self._fan.cut.plans
 
+    @property
+    def facts(self) -> tuple[EngineFacts, ...]:
+        """The facts of the engines rank 0's channel feeds (told with its routes)."""
+        return self._fan.engines
+
     async def __aenter__(self) -> RankPeer:
         await self.open()
         return self
@@ -480,7 +493,7 @@ class RankPeer:
         to its routes. Raises any rank's failure, by name; returns this rank's report, with
         every rank's bytes in ``rank_bytes``."""
         check_pipeline(pipeline)
-        pipeline = pipeline if pipeline is not None else self.pipeline
+        pipeline = self._fan.told(pipeline if pipeline is not None else self.pipeline)
         mode: bool | Literal["full"] = self.delta and ("full" if delta is False else True)
         cut = self._fan.cut
         sync_id = await cut.begin(0)

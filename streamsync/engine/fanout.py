@@ -34,7 +34,8 @@ from streamsync.engine.routes import (
     split_cast,
 )
 from streamsync.errors import describe
-from streamsync.pipeline import AdapterLike
+from streamsync.facts import EngineFacts
+from streamsync.pipeline import AdapterLike, Chain
 from streamsync.report import SyncReport
 from streamsync.sending import send, send_aside
 from streamsync.transports.base import Sender
@@ -85,8 +86,10 @@ class WholeCut:
         """How many workers join route ``route`` of ``total``."""
         return total
 
-    async def agree(self) -> None:
-        """Before the senders open: settle the routes with the other trainer ranks."""
+    async def agree(self, engines: tuple[EngineFacts, ...]) -> tuple[EngineFacts, ...]:
+        """Before the senders open: settle the routes with the other trainer ranks; the
+        facts of the engines the sync feeds (``engines``, where this side knows them)."""
+        return engines
 
     async def opened(self) -> None:
         """After the senders opened: tell the other trainer ranks where."""
@@ -201,6 +204,9 @@ class FanOut:
         self._transport_options = transport_options
         self._name = name
         self.cut: WholeCut = WholeCut()
+        #: The facts of the engines the routes feed, which the pipeline's adapters decide
+        #: from (``expand_moe("auto")``; :meth:`told`).
+        self.engines: tuple[EngineFacts, ...] = ()
         self.routes: dict[int, HostedSender] = {}
         #: The sync being sent (the id each route's abort names).
         self.sync_id = 0
@@ -224,13 +230,16 @@ class FanOut:
         first = self.routes.get(0)
         return self.endpoint if first is None else str(getattr(first.sender, "url", self.endpoint))
 
-    async def open(self, cut: WholeCut, receivers: int) -> None:
-        """Open the senders of the routes ``cut`` owns, for ``receivers`` workers in all."""
+    async def open(
+        self, cut: WholeCut, receivers: int, *, engines: tuple[EngineFacts, ...] = ()
+    ) -> None:
+        """Open the senders of the routes ``cut`` owns, for ``receivers`` workers in all of
+        the ``engines`` (their facts, where this side knows them)."""
         if self._loop is None:
             self._loop = EventLoopThread(f"streamsync-{self._name} {self.endpoint}")
             self._finalizer = weakref.finalize(self, _abandoned, self._loop, self._open)
         self.cut = cut
-        await cut.agree()
+        self.engines = await cut.agree(engines)
         for g in cut.owned():
             options = {
                 "receivers": cut.receivers(g, receivers),
@@ -244,6 +253,11 @@ class FanOut:
             if cut.plans:
                 cut.plans[g].endpoint = str(getattr(sender.sender, "url", endpoint))
         await cut.opened()
+
+    def told(self, pipeline: AdapterLike | None) -> AdapterLike | None:
+        """``pipeline`` as it runs into the fan-out's engines: its adapters that decide from
+        the engines (``expand_moe("auto")``) told their facts."""
+        return None if pipeline is None else Chain(pipeline).for_engines(self.engines)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every worker joined every route (``timeout``: the fan-out's)."""

@@ -37,10 +37,12 @@ import torch
 
 from streamsync.adapters.bucket import Bucketer
 from streamsync.boxes import Slices, slices_of
-from streamsync.engine.messages import Box, Needs, Route
+from streamsync.engine.messages import Route
 from streamsync.errors import ShapeMismatchError, root_cause
+from streamsync.facts import Box, Needs
 from streamsync.pipeline import Adapter, AdapterLike, Chain, reading
 from streamsync.report import SyncReport
+from streamsync.sources import named_tensors
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 _TCP_SCHEMES = ("zmq+tcp", "torch+gloo", "torch+nccl")
@@ -140,8 +142,6 @@ def split_cast(pipeline: AdapterLike | None) -> tuple[AdapterLike | None, Adapte
 
 
 async def _stream(weights: Any) -> AsyncIterator[Any]:
-    from streamsync.sources import named_tensors
-
     source = weights if isinstance(weights, AsyncIterable) else named_tensors(weights)
     async for item in source:
         yield item

@@ -26,8 +26,9 @@ import torch
 
 from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log
+from streamsync._peft import is_peft_model
 from streamsync.errors import ConfigError, PeerBrokenError
-from streamsync.lora import check_lora_name, is_peft_model
+from streamsync.lora import check_lora_name
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.vllm.server import BACKEND, SERVER_FLAG, call

@@ -17,6 +17,7 @@ import anyio
 import torch
 
 import streamsync as ss
+from streamsync._copies import copy_tensors
 from streamsync.transports import open_receiver, open_sender
 
 #: Syncs of the suite's delta case: one full, then deltas.
@@ -128,8 +129,6 @@ class _HeldSink:
         return held
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        from streamsync._copies import copy_tensors
-
         pairs = []
         for name, tensor in tensors:
             own = self.target(name, tensor.dtype, tuple(tensor.shape))

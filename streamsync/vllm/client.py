@@ -23,9 +23,10 @@ from streamsync.engine.blocking import forwarded
 from streamsync.engine.channel import BlockingWeightSync, EngineChannel
 from streamsync.engine.clients import EngineClient, PauseMode
 from streamsync.engine.kept import update_engine
-from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.engine.rounds import several
 from streamsync.errors import ConfigError, LoraError
+from streamsync.facts import EngineFacts, Needs
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.vllm.extension import WorkerExtension

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from streamsync.engine.messages import EngineFacts, Route, WorkerOptions
+from streamsync.engine.messages import Route, WorkerOptions
 from streamsync.engine.worker import WorkerReceivers
+from streamsync.facts import EngineFacts
 from streamsync.sink import Sink
 
 if TYPE_CHECKING:
-    from streamsync.vllm.sink import WorkerState
-    from streamsync.vllm.worker_sink import WorkerModels
+    from streamsync.vllm.sink import WorkerModels, WorkerState
 
 
 class WorkerExtension:
@@ -82,13 +82,13 @@ class WorkerExtension:
         return self.streamsync_receivers.drop()
 
     def streamsync_hello(self) -> dict[str, Any]:
-        """This engine's :class:`~streamsync.engine.messages.EngineFacts` as plain values
+        """This engine's :class:`~streamsync.facts.EngineFacts` as plain values
         (asked once when a trainer's channel opens)."""
         return EngineFacts.here().to_wire()
 
     def streamsync_needs(self) -> list[dict[str, Any]]:
         """What each model instance of this worker reads of each checkpoint tensor, as
-        :class:`~streamsync.engine.messages.Needs` in plain values (asked once when a
+        :class:`~streamsync.facts.Needs` in plain values (asked once when a
         sharded channel opens; learned at the first ask and when the layout changes)."""
         from streamsync.vllm.slices import worker_needs
 
@@ -101,8 +101,7 @@ class WorkerExtension:
 
 def _models(extension: WorkerExtension) -> WorkerModels:
     """What the worker ``extension`` is mixed into serves, with its state."""
-    from streamsync.vllm.sink import model_instances
-    from streamsync.vllm.worker_sink import WorkerModels
+    from streamsync.vllm.sink import WorkerModels, model_instances
 
     worker: Any = extension  # vLLM's worker, which the extension is mixed into
     return WorkerModels(model_instances(worker), worker.vllm_config, extension.streamsync_state)

@@ -29,9 +29,9 @@ import xxhash
 
 from streamsync._copies import clone, copy_tensors
 from streamsync._log import log, warn
+from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
 from streamsync.adapters.split_buffers import BufferRouter
-from streamsync.boxes import BoxTensor, wrap
-from streamsync.engine.messages import Box, Need
+from streamsync.boxes import BoxTensor, Slices, wrap
 from streamsync.errors import (
     ConfigError,
     ReceiverFailedError,
@@ -39,14 +39,15 @@ from streamsync.errors import (
     StreamsyncError,
     UnknownTensorError,
 )
+from streamsync.facts import Box, Need, Needs
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.sink import BUFFER_MANIFEST
 from streamsync.vllm.lifecycles import Lifecycle, choose_lifecycle
+from streamsync.vllm.quirks import active_quirks
+from streamsync.vllm.slices import worker_needs
 
 if TYPE_CHECKING:
-    from streamsync.boxes import Slices
-    from streamsync.engine.messages import Needs
     from streamsync.vllm.lora import LoraStore
 
 
@@ -81,6 +82,18 @@ class ModelInstance:
     tied: dict[str, tuple[str, ...]] | None = None
     #: Names loaded in this sync as another name's tie, with the fingerprint of the bytes.
     tied_loaded: dict[str, tuple[str, Fingerprint, Box | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerModels:
+    """What one vLLM worker serves a sync into."""
+
+    #: The model instances a sync may target (``main``, ``drafter``).
+    instances: Sequence[ModelInstance]
+    #: The worker's ``VllmConfig``.
+    vllm_config: Any
+    #: What the worker keeps between syncs (versions held, delta copies).
+    state: WorkerState
 
 
 def checkpoint_name(name: str) -> str:
@@ -191,8 +204,6 @@ def _is_fp8(dtype: torch.dtype) -> bool:
 def _require_fp8_engine(inst: ModelInstance, tensors: Sequence[NamedTensor]) -> None:
     """Refuse FP8 weights (``quantize_fp8()``'s) for an instance whose engine is not FP8,
     before any is loaded: vLLM would cast some into its weights and fail on the scales."""
-    from streamsync.adapters.quantize_fp8 import SCALE_SUFFIX
-
     fp8 = next((n for n, t in tensors if _is_fp8(t.dtype) or n.endswith(SCALE_SUFFIX)), None)
     if fp8 is None or getattr(inst.model_config, "quantization", None) is not None:
         return
@@ -302,8 +313,6 @@ class VllmSink:
     ) -> None:
         if not instances:
             raise ConfigError("VllmSink needs at least one model instance")
-        from streamsync.vllm.quirks import active_quirks
-
         self.instances = list(instances)
         self.lifecycle = lifecycle or choose_lifecycle()
         self.vllm_config = vllm_config
@@ -452,9 +461,6 @@ class VllmSink:
         loaders with fakes, so it runs where the engine is not stepping: when the staging
         starts, on the RPC's thread. Where it cannot be learned (no local checkpoint) the
         check warns and passes."""
-        from streamsync.vllm.slices import worker_needs
-        from streamsync.vllm.worker_sink import WorkerModels
-
         try:
             learned = worker_needs(WorkerModels(self.instances, self.vllm_config, self.state))
         except Exception as exc:

@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from streamsync.engine.messages import Box, Need, Needs
 from streamsync.errors import ConfigError
+from streamsync.facts import Box, Need, Needs
 
 if TYPE_CHECKING:
-    from streamsync.vllm.sink import ModelInstance
-    from streamsync.vllm.worker_sink import WorkerModels
+    from streamsync.vllm.sink import ModelInstance, WorkerModels
 
 #: A checkpoint's tensors: name -> (dtype as torch names it, shape).
 Manifest = Mapping[str, tuple[str, tuple[int, ...]]]

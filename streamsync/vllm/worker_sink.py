@@ -4,29 +4,14 @@ points (``WorkerExtension`` and the ``streamsync`` weight-transfer backend).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
 from streamsync.boxes import Slices, slices_of
 from streamsync.engine.messages import Route, WorkerOptions
 from streamsync.errors import ConfigError, LoraError
-
-if TYPE_CHECKING:
-    from streamsync.sink import Sink
-    from streamsync.vllm.sink import ModelInstance, WorkerState
-
-
-@dataclass(frozen=True)
-class WorkerModels:
-    """What one vLLM worker serves a sync into."""
-
-    #: The model instances a sync may target (``main``, ``drafter``).
-    instances: Sequence[ModelInstance]
-    #: The worker's ``VllmConfig``.
-    vllm_config: Any
-    #: What the worker keeps between syncs (versions held, delta copies).
-    state: WorkerState
+from streamsync.sink import Sink
+from streamsync.vllm.lifecycles import choose_lifecycle
+from streamsync.vllm.lora import LoraEngine, LoraSink
+from streamsync.vllm.quirks import quirks_by_name
+from streamsync.vllm.sink import VllmSink, WorkerModels
 
 
 def worker_sink(models: WorkerModels, options: WorkerOptions, route: Route | None = None) -> Sink:
@@ -34,11 +19,6 @@ def worker_sink(models: WorkerModels, options: WorkerOptions, route: Route | Non
     main model for an adapter sync, else a :class:`~streamsync.vllm.sink.VllmSink` on the
     instances ``options`` target, with the lifecycle, quirks and delta it names, and the
     slices ``route`` (a sharded sync's) brings them."""
-    from streamsync.vllm.lifecycles import choose_lifecycle
-    from streamsync.vllm.lora import LoraEngine, LoraSink
-    from streamsync.vllm.quirks import quirks_by_name
-    from streamsync.vllm.sink import VllmSink
-
     if options.lora is not None:
         main = next((inst for inst in models.instances if inst.name == "main"), None)
         if main is None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+import streamsync as ss
+from streamsync.adapters import cast
 from streamsync.cli.bench.models import human, synthetic_model
 from streamsync.testing.conformance_sides import _HeldSink
 from streamsync.testing.peers import Peers, free_port
@@ -64,8 +66,6 @@ _Held = _HeldSink
 
 def child(job: dict[str, Any], results: Any) -> None:
     """A receiver process: ``syncs`` syncs into a held model; reports its digest."""
-    import streamsync as ss
-
     try:
         sink = _Held()
 
@@ -96,9 +96,6 @@ def _initialised(model: Any) -> dict[str, torch.Tensor]:
 async def _trajectory(
     config: DeltaConfig, lr: float, transport: str, receivers: int, peers: Peers
 ) -> dict[str, Any]:
-    import streamsync as ss
-    from streamsync.adapters import cast
-
     model = synthetic_model(config.size)
     params = {n: torch.nn.Parameter(t) for n, t in _initialised(model).items()}
     opt = torch.optim.AdamW(params.values(), lr=lr)

@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 
+from streamsync.adapters import cast
+from streamsync.sources import named_tensors
+from streamsync.vllm import WeightSync
 from streamsync.vllm.extension import WorkerExtension
 
 #: The model the comparison uses.
@@ -113,11 +116,8 @@ def _run(
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from streamsync.adapters import cast
     from streamsync.cli.verify import make_llm
-    from streamsync.sources import named_tensors
     from streamsync.testing.models import build_tiny_model
-    from streamsync.vllm import WeightSync
 
     with tempfile.TemporaryDirectory(prefix="streamsync-bench-vllm-") as tmp:
         note(f"vllm: building {KIND}")

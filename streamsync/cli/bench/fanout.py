@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+import streamsync as ss
 from streamsync._copies import copy_tensors
 from streamsync.cli.bench.models import GiB, human, synthetic_model
 from streamsync.testing.peers import Peers, free_port
@@ -69,8 +70,6 @@ class _CopySink:
 
 
 def _receiver(job: dict[str, Any]) -> dict[str, Any]:
-    import streamsync as ss
-
     model = synthetic_model(job["size"])
     targets = {n: torch.empty(s, dtype=d) for n, (s, d) in model.shapes.items()}
 
@@ -85,8 +84,6 @@ def _receiver(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sender(job: dict[str, Any]) -> dict[str, Any]:
-    import streamsync as ss
-
     weights = synthetic_model(job["size"]).weights()
     seconds: list[float] = []
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from streamsync.adapters import cast
+
 #: The model the comparison uses (the demo's).
 KIND = "dense-400m"
 #: Targets of the adapter sync against the full sync (at rank 8).
@@ -53,7 +55,6 @@ def run_lora_bench(
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from peft import LoraConfig, get_peft_model
 
-    from streamsync.adapters import cast
     from streamsync.cli.verify import make_llm
     from streamsync.testing.models import build_tiny_model
     from streamsync.vllm import WeightSync

@@ -40,7 +40,9 @@ import torch
 
 from streamsync.boxes import slices_of
 from streamsync.cli.bench.engine import _engine_core_mode
-from streamsync.engine.messages import Needs
+from streamsync.facts import Needs
+from streamsync.sources import named_tensors
+from streamsync.vllm import WeightSync
 
 SCHEMA = "streamsync.cli.bench.sharded/1"
 #: The model the comparison uses (the demo's).
@@ -193,8 +195,6 @@ class _Trainer:
 
 
 def _timed(sync: Any, weights: dict[str, torch.Tensor]) -> tuple[float, Any]:
-    from streamsync.sources import named_tensors
-
     start = time.perf_counter()
     report = sync.update(named_tensors(weights))
     seconds = time.perf_counter() - start
@@ -231,8 +231,6 @@ def _transport_rows(
     config: ShardedConfig, transport: str, llms: Any, trained: _Trainer, note: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     """One transport's three rows: full and sharded alternating, then sharded deltas."""
-    from streamsync.vllm import WeightSync
-
     url = SHARDED_TRANSPORTS[transport]
     opts = {"timeout": config.timeout}
     runs: dict[str, list[tuple[float, Any]]] = {"full": [], "sharded": []}

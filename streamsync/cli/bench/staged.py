@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from streamsync.sources import named_tensors
+
 SCHEMA = "streamsync.cli.bench.staged/1"
 #: The model the comparison uses (the demo's).
 KIND = "dense-400m"
@@ -175,8 +177,6 @@ async def _engine_runs(
 
 
 def _named(weights: dict[str, torch.Tensor]) -> Any:
-    from streamsync.sources import named_tensors
-
     return named_tensors(weights)
 
 

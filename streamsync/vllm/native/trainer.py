@@ -23,7 +23,7 @@ from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log
 from streamsync.engine.channel import BlockingWeightSync, EngineChannel
 from streamsync.engine.clients import PauseMode
-from streamsync.engine.messages import EngineFacts, Needs, WorkerOptions, WorkerResult
+from streamsync.engine.messages import WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
     LoraError,
@@ -32,6 +32,7 @@ from streamsync.errors import (
     SyncTimeoutError,
     error_class,
 )
+from streamsync.facts import EngineFacts, Needs
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.vllm.extension import WorkerExtension

@@ -12,9 +12,13 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log, warn
-from streamsync.engine.messages import Route, Versioned, WorkerOptions, WorkerResult
+from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, StreamsyncError, describe
+from streamsync.facts import Versioned
+from streamsync.vllm.sink import ModelInstance, WorkerModels, WorkerState
+from streamsync.vllm.slices import worker_needs
+from streamsync.vllm.worker_sink import worker_sink
 
 
 class TransferInit(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -72,8 +76,6 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
-        from streamsync.vllm.sink import WorkerState
-
         self._receivers: WorkerReceivers | None = None
         self._state = WorkerState()  # what this worker keeps between syncs for its models
         self._main_model = model  # vLLM targets the drafter by swapping ``self.model``
@@ -159,9 +161,6 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self, update_info: WorkerOptions
     ) -> tuple[WorkerOptions, Callable[[WorkerOptions, Route | None], Any]]:
         """The options of one receive into the session's model, and its sink's maker."""
-        from streamsync.vllm.sink import ModelInstance
-        from streamsync.vllm.worker_sink import WorkerModels, worker_sink
-
         _, init = self._require()
         if self._target is None:
             raise ConfigError("streamsync update_weights before start_weight_update")
@@ -176,8 +175,6 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             self._state,
         )
         if options.routes:  # a sharded sync: the slices this worker's loaders read
-            from streamsync.vllm.slices import worker_needs
-
             worker_needs(models)
         return options, partial(worker_sink, models)
 
