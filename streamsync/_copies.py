@@ -144,8 +144,6 @@ def _init_worker() -> None:
 
 
 class _Pool:
-    """The copy pool, created on first use in each process."""
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
@@ -201,7 +199,6 @@ def _pieces(nbytes: int) -> int:
 
 @functools.cache
 def _kernel(name: str) -> Callable[..., Any] | None:
-    """Function ``name`` of the compiled kernel, or ``None`` where it was not built."""
     lib = _library()
     return None if lib is None else getattr(lib, name)
 
@@ -319,7 +316,6 @@ def _cut(moves: np.ndarray, parts: int) -> list[np.ndarray]:
 
 
 def _move_batch(moves: np.ndarray) -> None:
-    """Do the ``(dst, src, nbytes)`` rows of a contiguous int64 array of moves."""
     batch = _kernel("ss_memmove_many")
     if batch is not None:
         batch(moves.ctypes.data, len(moves))
@@ -341,7 +337,6 @@ _KERNEL_CASTS: Final = {
 
 
 def _cast_kernel(src: torch.dtype, dst: torch.dtype) -> Callable[[int, int, int], Any] | None:
-    """The compiled kernel's cast from ``src`` to ``dst``, or ``None``."""
     name = _KERNEL_CASTS.get((src, dst))
     return None if name is None else _kernel(name)
 

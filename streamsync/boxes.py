@@ -257,7 +257,6 @@ class BoxTensor(torch.Tensor):
 
 
 def _dim(dim: int, ndim: int) -> int:
-    """``dim`` in ``0..ndim-1`` (a negative one counted from the end)."""
     if not -ndim <= dim < ndim:
         raise IndexError(f"dimension {dim} is out of range for {ndim} dimensions")
     return dim % ndim
