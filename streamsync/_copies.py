@@ -184,11 +184,8 @@ def shutdown() -> None:
 
 
 def _wait(futures: Sequence[Future[Any]]) -> None:
-    error: BaseException | None = None
-    for fut in futures:  # wait for every piece, even after one failed: all use the buffers
-        exc = fut.exception()
-        if exc is not None and error is None:
-            error = exc
+    # Wait for every piece, even after one failed: all use the buffers.
+    error = next((exc for exc in [fut.exception() for fut in futures] if exc is not None), None)
     if error is not None:
         raise error
 
