@@ -144,8 +144,6 @@ def _init_worker() -> None:
 
 
 class _Pool:
-    """The copy pool, created on first use in each process."""
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
@@ -186,11 +184,8 @@ def shutdown() -> None:
 
 
 def _wait(futures: Sequence[Future[Any]]) -> None:
-    error: BaseException | None = None
-    for fut in futures:  # wait for every piece, even after one failed: all use the buffers
-        exc = fut.exception()
-        if exc is not None and error is None:
-            error = exc
+    # Wait for every piece, even after one failed: all use the buffers.
+    error = next((exc for exc in [fut.exception() for fut in futures] if exc is not None), None)
     if error is not None:
         raise error
 
@@ -201,7 +196,6 @@ def _pieces(nbytes: int) -> int:
 
 @functools.cache
 def _kernel(name: str) -> Callable[..., Any] | None:
-    """Function ``name`` of the compiled kernel, or ``None`` where it was not built."""
     lib = _library()
     return None if lib is None else getattr(lib, name)
 
@@ -319,7 +313,6 @@ def _cut(moves: np.ndarray, parts: int) -> list[np.ndarray]:
 
 
 def _move_batch(moves: np.ndarray) -> None:
-    """Do the ``(dst, src, nbytes)`` rows of a contiguous int64 array of moves."""
     batch = _kernel("ss_memmove_many")
     if batch is not None:
         batch(moves.ctypes.data, len(moves))
@@ -341,7 +334,6 @@ _KERNEL_CASTS: Final = {
 
 
 def _cast_kernel(src: torch.dtype, dst: torch.dtype) -> Callable[[int, int, int], Any] | None:
-    """The compiled kernel's cast from ``src`` to ``dst``, or ``None``."""
     name = _KERNEL_CASTS.get((src, dst))
     return None if name is None else _kernel(name)
 

@@ -200,7 +200,6 @@ def choose(baseline: Baseline, held: dict[int, int | None], *, full: bool) -> st
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor's bytes as a flat uint8 view."""
     return tensor.reshape(-1).view(torch.uint8)
 
 

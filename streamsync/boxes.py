@@ -128,7 +128,7 @@ class BoxTensor(torch.Tensor):
             stop = tuple(a + n for a, n in zip(start, received.shape, strict=False))
             raise ShapeMismatchError(
                 f"tensor {name!r}: received data of shape {list(received.shape)} at "
-                f"{_show(start, stop)} does not fit in its whole shape {list(shape)}"
+                f"{_box_text(Box(start, stop))} does not fit in its whole shape {list(shape)}"
             )
         out: BoxTensor = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, shape, dtype=received.dtype, device=received.device
@@ -257,18 +257,13 @@ class BoxTensor(torch.Tensor):
 
 
 def _dim(dim: int, ndim: int) -> int:
-    """``dim`` in ``0..ndim-1`` (a negative one counted from the end)."""
     if not -ndim <= dim < ndim:
         raise IndexError(f"dimension {dim} is out of range for {ndim} dimensions")
     return dim % ndim
 
 
 def _box_text(box: Box) -> str:
-    return _show(box.start, box.stop)
-
-
-def _show(start: Sequence[int], stop: Sequence[int]) -> str:
-    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(start, stop, strict=False)) + "]"
+    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(box.start, box.stop, strict=False)) + "]"
 
 
 #: The ops a :class:`BoxTensor` answers itself, in their method and function forms.
@@ -286,12 +281,6 @@ _READS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.__getitem__: BoxTensor._getitem,
     torch.Tensor.__iter__: BoxTensor._iter,
 }
-
-
-def data_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The data this worker received of ``tensor``: a :class:`BoxTensor`'s received box,
-    any other tensor itself."""
-    return tensor.received if isinstance(tensor, BoxTensor) else tensor
 
 
 def wrap(tensors: Sequence[NamedTensor], slices: Slices) -> list[NamedTensor]:

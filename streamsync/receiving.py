@@ -244,7 +244,6 @@ def _against_carried(
 
 
 async def _phase(sync: _Progress, name: str, fn: Callable[[], Any]) -> Any:
-    """Run the sink's ``prepare`` or ``finalize``, timed and logged."""
     t0 = time.perf_counter()
     result = await call_phase(fn)
     sync.phases[name] = time.perf_counter() - t0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -183,6 +183,13 @@ async def _send_delta(
     async with _aborting(sender, sync_id):
         await sender.wait_ready(timeout=timeout)
         held = await sender.begin(sync_id, timeout=timeout)
+
+    def sending(bucketer: Bucketer, **delta: Any) -> Awaitable[SyncReport]:
+        buckets = _buckets(stream, pipeline, bucketer)
+        return _send(
+            buckets, sender, sync_id, timeout=timeout, checksum=checksum, begun=True, **delta
+        )
+
     verdict = baseline.verdict
     if full:
         verdict.retry()
@@ -191,14 +198,7 @@ async def _send_delta(
         # Deltas do not pay here (the baseline is freed), or a dense sync is timed (its
         # storage is kept for the full sync that follows to record into).
         baseline.drop(keep=verdict.declined is None)
-        report = await _send(
-            _buckets(stream, pipeline, Bucketer(size)),
-            sender,
-            sync_id,
-            timeout=timeout,
-            checksum=checksum,
-            begun=True,
-        )
+        report = await sending(Bucketer(size))
         verdict.record(report, report.nbytes, kind="dense", sync_id=sync_id)
         return msgspec.structs.replace(
             report, delta=DeltaReport(full_reason=declined, dense=report.tensors)
@@ -206,16 +206,7 @@ async def _send_delta(
     why = choose(baseline, held, full=full)
     base = baseline.version if why is None else None
     run = DeltaRun(baseline, base, size)
-    report = await _send(
-        _buckets(stream, pipeline, Bucketer(size, delta=run)),
-        sender,
-        sync_id,
-        timeout=timeout,
-        checksum=checksum,
-        base=base,
-        unchanged=lambda: run.unchanged,
-        begun=True,
-    )
+    report = await sending(Bucketer(size, delta=run), base=base, unchanged=lambda: run.unchanged)
     return _delta_done(run, report, why)
 
 

@@ -138,9 +138,7 @@ def as_versioned(sink: Sink) -> VersionedSink | None:
 async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
     """Call a sink method that may be plain or async."""
     result = fn(*args)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
+    return await result if inspect.isawaitable(result) else result
 
 
 class ModuleSink:

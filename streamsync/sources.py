@@ -20,11 +20,10 @@ _WHOLE = (torch.Tensor, torch.nn.Parameter)
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` whole and detached: a DTensor (FSDP2, tensor parallel) is gathered here,
     one parameter at a time."""
-    if type(tensor) in _WHOLE:
-        return tensor.detach() if tensor.requires_grad else tensor
-    full_tensor = getattr(tensor, "full_tensor", None)
-    if full_tensor is not None:
-        tensor = full_tensor()
+    if type(tensor) not in _WHOLE:
+        gather = getattr(tensor, "full_tensor", None)
+        if gather is not None:
+            tensor = gather()
     return tensor.detach() if tensor.requires_grad else tensor
 
 

@@ -104,10 +104,8 @@ class StagingSink:
 
     def load(self, tensors: Sequence[NamedTensor]) -> None:
         for name, tensor in tensors:
-            held = self._staged.get(name)
-            if held is tensor:
-                continue
-            self.target(name, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+            if self._staged.get(name) is not tensor:  # else it landed there already
+                self.target(name, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
 
     def finalize(self) -> LoadResult:
         # What the commit would refuse, refused now: a wrong name or shape fails the

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamsync.boxes import BoxTensor, Sharded, box_union, data_of, slices_of, wrap
+from streamsync.boxes import BoxTensor, Sharded, box_union, slices_of, wrap
 from streamsync.errors import ConfigError, ReceiverFailedError, ShapeMismatchError
 from streamsync.facts import Box, Need, Needs
 from streamsync.pipeline import NamedTensor
@@ -151,7 +151,7 @@ def test_a_cast_fails_and_a_no_op_one_stays_a_box() -> None:
     assert same.float() is same and same.to(torch.float32) is same  # reads nothing
 
 
-def test_shape_queries_clone_repr_and_data_of() -> None:
+def test_shape_queries_clone_and_repr() -> None:
     whole = torch.randn(6, 4)
     t = _box_tensor(whole, (2, 1), (5, 3), "x")
     assert (t.shape, t.dim(), t.numel(), len(t), t.dtype) == ((6, 4), 2, 24, 6, whole.dtype)
@@ -161,7 +161,6 @@ def test_shape_queries_clone_repr_and_data_of() -> None:
     assert isinstance(copy, BoxTensor) and copy.box == t.box
     assert copy.received.data_ptr() != t.received.data_ptr()
     assert torch.equal(copy.received, whole[2:5, 1:3])
-    assert data_of(t) is t.received and data_of(whole) is whole
 
 
 @pytest.mark.parametrize(

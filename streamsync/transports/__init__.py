@@ -108,12 +108,6 @@ class _Registry:
         self._loaded[scheme] = loaded
         return loaded
 
-    def add(self, scheme: str, transport: Transport) -> None:
-        self._loaded[scheme] = transport
-
-    def rescan(self) -> None:
-        self._found = None
-
 
 _registry = _Registry()
 
@@ -121,12 +115,12 @@ _registry = _Registry()
 def register(scheme: str, transport: Transport) -> None:
     """Make ``scheme://`` URLs open ``transport`` in this process (an installed
     distribution declares an entry point in :data:`ENTRY_POINT_GROUP` instead)."""
-    _registry.add(scheme, transport)
+    _registry._loaded[scheme] = transport
 
 
 def schemes() -> list[str]:
     """The URL schemes that can be opened (installed entry points are read again)."""
-    _registry.rescan()
+    _registry._found = None
     return _registry.schemes()
 
 

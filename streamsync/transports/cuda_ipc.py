@@ -140,20 +140,9 @@ class ThisProcess:
     factories of :data:`TRANSPORT`, that both sides are made by."""
 
     def __init__(self) -> None:
-        self._exported: dict[bytes, tuple[torch.Tensor, list[Any]]] = {}
+        #: The rings (and their slots' events) exported by the senders here, by handle.
+        self.exported: dict[bytes, tuple[torch.Tensor, list[Any]]] = {}
         self._hooked_pid = 0
-
-    def export(self, handle: bytes, ring: torch.Tensor, events: list[Any]) -> None:
-        """A sender here exported ``ring`` (and its slots' ``events``) as ``handle``."""
-        self._exported[handle] = (ring, events)
-
-    def withdraw(self, handle: bytes) -> None:
-        """The sender of ``handle`` closed."""
-        self._exported.pop(handle, None)
-
-    def exported(self, handle: bytes) -> tuple[torch.Tensor, list[Any]] | None:
-        """The ring and events a sender here exported as ``handle``, if one did."""
-        return self._exported.get(handle)
 
     def remove_files_at_exit(self) -> None:
         """Make sure this process removes its event files when it exits."""
@@ -214,7 +203,6 @@ class CudaSlots(SlotStore):
         self._here = here
         self._device_arg = device
         self.device: torch.device | None = None
-        self._ring: torch.Tensor | None = None
         self._events: list[Any] = []
         self._handle = b""
 
@@ -225,7 +213,6 @@ class CudaSlots(SlotStore):
         self._here.remove_files_at_exit()
         index = self.device.index
         ring = torch.zeros(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
-        self._ring = ring
         self._bufs = list(ring.view(self.slots, self.slot_bytes).unbind(0))
         self._events = [torch.cuda.Event(interprocess=True, blocking=False) for _ in self._bufs]
         with torch.cuda.device(self.device):
@@ -248,7 +235,7 @@ class CudaSlots(SlotStore):
             )
         )
         torch.cuda.synchronize(self.device)  # the zeroed ring exists before anyone maps it
-        self._here.export(self._handle, ring, self._events)
+        self._here.exported[self._handle] = (ring, self._events)
 
     def shared(self) -> Shared:
         return Shared(segment="cuda", layout=self._handle)
@@ -258,10 +245,9 @@ class CudaSlots(SlotStore):
         self._events[index].record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        self._here.withdraw(self._handle)
+        self._here.exported.pop(self._handle, None)
         self._bufs = []
         self._events = []
-        self._ring = None
         if self.device is not None:  # the ring and its count, if no receiver still maps it
             with contextlib.suppress(RuntimeError):
                 torch.cuda.ipc_collect()
@@ -299,7 +285,7 @@ class CudaView(SlotView):
             or len(ring.slot_events) != welcome.slots
         ):
             raise WireFormatError("the CUDA ring does not match its slot layout")
-        own = self._here.exported(welcome.layout)
+        own = self._here.exported.get(welcome.layout)
         if own is not None:
             buf, events = own
             self.device = buf.device

@@ -332,15 +332,14 @@ class UnixLink(SenderLink):
                 # bounded (one small frame, within the timeout).
                 with anyio.fail_after(self.timeout):
                     frame, _ = await link.receive(limit=MAX_HELLO_BYTES)
-            except StreamsyncError as exc:
+            except (StreamsyncError, LinkLost, TimeoutError) as exc:
+                if not isinstance(exc, StreamsyncError):
+                    exc = WireFormatError(
+                        "left before saying Hello"
+                        if isinstance(exc, LinkLost)
+                        else f"sent no Hello within {self.timeout:g} s"
+                    )
                 await events.on_refused(peer, exc)
-                return
-            except LinkLost:
-                await events.on_refused(peer, WireFormatError("left before saying Hello"))
-                return
-            except TimeoutError:
-                why = f"sent no Hello within {self.timeout:g} s"
-                await events.on_refused(peer, WireFormatError(why))
                 return
             while await events.on_frame(peer, frame):
                 try:

@@ -186,14 +186,12 @@ class MemoryReceiver(RingReceiver):
             assert self._refused is not None
             raise self._refused
         send, recv = anyio.create_memory_object_stream[Message](math.inf)
-        if None in chan.receivers:  # the place of a receiver that left
-            self._index = chan.receivers.index(None)
-            chan.receivers[self._index] = self
-            chan.inboxes[self._index] = send
-        else:
-            self._index = len(chan.receivers)
-            chan.receivers.append(self)
+        if None not in chan.receivers:  # else the place of a receiver that left
+            chan.receivers.append(None)
             chan.inboxes.append(send)
+        self._index = chan.receivers.index(None)
+        chan.receivers[self._index] = self
+        chan.inboxes[self._index] = send
         self._chan = chan
         self._inbox = recv
         if chan.sender is not None:

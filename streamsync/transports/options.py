@@ -32,8 +32,10 @@ from typing import Any
 from streamsync.errors import ConfigError
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+_BOOLS = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Option:
 
     def convert(self, where: str, raw: Any, *, from_url: bool) -> Any:
         """``raw`` (text from the URL, or a keyword's value) checked and converted."""
-        value = _from_text(where, self, raw) if from_url else raw
+        value = _from_text(self, raw) if from_url else raw
         if self.kind in (int, float):
             numeric = isinstance(value, int) if self.kind is int else isinstance(value, int | float)
             if isinstance(value, bool) or not numeric:
@@ -87,23 +89,15 @@ def _a(kind: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false"}.get(kind, kind.__name__)
 
 
-def _from_text(where: str, option: Option, raw: str) -> Any:
+def _from_text(option: Option, raw: str) -> Any:
+    """``raw`` as ``option.kind``; text that is not one stays text, for ``convert`` to
+    refuse."""
     try:
-        if option.kind is int:
-            return int(raw)
-        if option.kind is float:
-            return float(raw)
+        if option.kind in (int, float):
+            return option.kind(raw)
     except ValueError:
-        raise ConfigError(
-            f"{where}: option {option.name}={raw!r} is not {_a(option.kind)} ({option.help})"
-        ) from None
-    if option.kind is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise ConfigError(f"{where}: option {option.name}={raw!r} is not true or false")
-    return raw
+        return raw
+    return _BOOLS.get(raw.lower(), raw) if option.kind is bool else raw
 
 
 def _unknown(where: str, name: str, valid: Sequence[str], what: str) -> ConfigError:

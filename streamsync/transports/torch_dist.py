@@ -197,8 +197,6 @@ class GroupLink(ZmqLink):
 
 @dataclass
 class _Broadcast:
-    """The sender's broadcast in flight."""
-
     sync_id: int
     nbytes: int
     deadline: float

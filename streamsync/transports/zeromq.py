@@ -163,7 +163,6 @@ class _Socket:
 
 
 def _peer_address(frame: Any) -> str | None:
-    """The address of the peer a message came from, if ZeroMQ knows it."""
     return str(_metadata(frame, "Peer-Address") or "") or None
 
 

@@ -355,8 +355,8 @@ class VllmSink:
         copies: chunks and patches land in it."""
         if self._copies is None:
             return None
-        copy = self._copies.get(name)
-        if copy is None or copy.dtype != dtype or tuple(copy.shape) != shape:
+        copy = self.kept(name, dtype, shape)
+        if copy is None:
             copy = self._copies[name] = torch.empty(shape, dtype=dtype)
         return copy
 

@@ -108,7 +108,6 @@ def check_entry(entry: Entry, max_tensor_bytes: int) -> torch.dtype:
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
     strides: list[int] = []
     step = 1
     for d in reversed(shape):

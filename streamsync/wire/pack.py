@@ -209,13 +209,9 @@ class BucketBuilder:
                 f"bucket_bytes={bucket_bytes} is too small; use at least {MIN_BUCKET_BYTES}"
             )
         self.bucket_bytes = bucket_bytes
-        self._cast = cast
+        #: The fused cast, if any.
+        self.cast_rule = cast
         self._current = Bucket()
-
-    @property
-    def cast_rule(self) -> CastRule | None:
-        """The fused cast, if any."""
-        return self._cast
 
     def resume(self, bucket: Bucket) -> None:
         """Go on filling ``bucket`` (nothing placed yet is lost: the builder's current
@@ -233,8 +229,8 @@ class BucketBuilder:
             )
         source_dtype = tensor.dtype
         dtype = source_dtype
-        if self._cast is not None:
-            dtype = self._cast(name, dtype) or dtype
+        if self.cast_rule is not None:
+            dtype = self.cast_rule(name, dtype) or dtype
         wire_dtype, itemsize = _WIRE.get(dtype) or _wire(dtype)  # raises if it can't travel
         shape = tensor.shape  # a tuple (torch.Size)
         nbytes = tensor.numel() * itemsize

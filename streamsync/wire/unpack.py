@@ -268,7 +268,6 @@ class Unpacker:
         return BucketTensors(self._feed_entries(header, data, target))
 
     def _checked_layout(self, layout: Layout) -> CheckedLayout:
-        """:func:`check_layout` of ``layout``, remembered by its value."""
         checked = self._plans.get(layout)
         if checked is None:
             checked = check_layout(layout, self.max_tensor_bytes)
