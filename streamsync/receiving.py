@@ -30,6 +30,7 @@ from streamsync.errors import (
 from streamsync.report import LoadResult, SyncReport
 from streamsync.sink import (
     BUFFER_MANIFEST,
+    BufferDeclaringSink,
     ModuleSink,
     Sink,
     WrappingSink,
@@ -308,9 +309,8 @@ def _declare_buffers(sink: Sink, batch: BucketTensors) -> BucketTensors:
     ``declare_buffers`` where it has one: a fact of the stream, not a tensor to load."""
     from streamsync.adapters.split_buffers import manifest_names
 
-    declare = getattr(sink, "declare_buffers", None)
-    if declare is not None:
-        declare(manifest_names(dict(batch)[BUFFER_MANIFEST]))
+    if isinstance(sink, BufferDeclaringSink):
+        sink.declare_buffers(manifest_names(dict(batch)[BUFFER_MANIFEST]))
     return BucketTensors([(name, tensor) for name, tensor in batch if name != BUFFER_MANIFEST])
 
 

@@ -89,6 +89,15 @@ class AbortableSink(Sink, Protocol):
 
 
 @runtime_checkable
+class BufferDeclaringSink(Sink, Protocol):
+    """A sink told which names of a sync are buffers (the trainer's manifest, from
+    :func:`~streamsync.adapters.split_buffers`), not parameters to load."""
+
+    def declare_buffers(self, names: frozenset[str]) -> None:
+        """The sync's buffer names, before the tensors that carry them."""
+
+
+@runtime_checkable
 class WrappingSink(Sink, Protocol):
     """A sink around another, ``inner``, the sink a plain sync would load into
     (:class:`~streamsync.staging.StagingSink`): a receive that keeps a

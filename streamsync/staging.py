@@ -26,6 +26,8 @@ from streamsync.errors import ConfigError
 from streamsync.pipeline import NamedTensor
 from streamsync.report import LoadResult
 from streamsync.sink import (
+    AbortableSink,
+    BufferDeclaringSink,
     CopyKeepingSink,
     Sink,
     StageCheckedSink,
@@ -135,15 +137,13 @@ class StagingSink:
         inner = self.inner
         try:
             await call_phase(inner.prepare)
-            declare = getattr(inner, "declare_buffers", None)
-            if self._buffers and declare is not None:
-                await call_phase(declare, self._buffers)
+            if self._buffers and isinstance(inner, BufferDeclaringSink):
+                await call_phase(inner.declare_buffers, self._buffers)
             await call_phase(inner.load, list(self._staged.items()))
             result = await call_phase(inner.finalize)
         except BaseException:
-            abort = getattr(inner, "abort", None)
-            if abort is not None:
-                abort()
+            if isinstance(inner, AbortableSink):
+                inner.abort()
             if self._versioned is not None:
                 self._versioned.version = None
             raise

@@ -32,6 +32,7 @@ import msgspec
 import torch
 
 from streamsync._channel import DEFAULT_TIMEOUT
+from streamsync.adapters import cast, expand_moe, quantize_fp8, rename, select, split_buffers
 from streamsync.boxes import Sharded, box_meet, narrowed
 from streamsync.engine.fanout import FanOut, RouteCut, Sends
 from streamsync.engine.routes import (
@@ -41,7 +42,7 @@ from streamsync.engine.routes import (
 )
 from streamsync.errors import ConfigError, PeerBrokenError, error_class, root_cause
 from streamsync.facts import Box, EngineFacts, Versioned
-from streamsync.pipeline import AdapterLike, Chain
+from streamsync.pipeline import AdapterLike, Chain, Operator, Stage
 from streamsync.report import SyncReport
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
@@ -80,8 +81,13 @@ class Outcome(Versioned, frozen=True, kw_only=True):
 #: by indexing a :class:`~streamsync.boxes.Sharded` (``expand_moe`` takes each expert's
 #: slice of the shards), or block by block on each rank (``quantize_fp8``, which refuses by
 #: name a shard that cuts a block).
-SHARD_ADAPTERS = frozenset(
-    {"cast", "expand_moe", "quantize_fp8", "rename", "select", "split_buffers"}
+SHARD_ADAPTERS: tuple[Operator[Any], ...] = (
+    cast,
+    expand_moe,
+    quantize_fp8,
+    rename,
+    select,
+    split_buffers,
 )
 
 
@@ -91,12 +97,11 @@ def check_pipeline(pipeline: AdapterLike | None) -> None:
     if pipeline is None:
         return
     for stage in Chain(pipeline).parts:
-        name = getattr(getattr(stage, "op", None), "__name__", None)
-        if name not in SHARD_ADAPTERS:
+        if not (isinstance(stage, Stage) and stage.op in SHARD_ADAPTERS):
+            names = sorted(op.fn.__name__ for op in SHARD_ADAPTERS)
             raise ConfigError(
                 f"pipeline stage {stage!r} runs on whole tensors; in a collective sharded "
-                f"sync each rank holds shards, so only {', '.join(sorted(SHARD_ADAPTERS))} "
-                "may run there"
+                f"sync each rank holds shards, so only {', '.join(names)} may run there"
             )
 
 
