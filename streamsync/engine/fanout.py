@@ -111,7 +111,13 @@ class WholeCut:
         return ()
 
     async def send(
-        self, fan: FanOut, weights: Any, pipeline: AdapterLike | None, one: SendOne, sends: Sends
+        self,
+        fan: FanOut,
+        weights: Any,
+        pipeline: AdapterLike | None,
+        one: SendOne,
+        sends: Sends,
+        sync_id: int,
     ) -> SyncReport:
         """The sync's send over ``fan``'s routes."""
         return await one(weights, fan.sender(0), pipeline=pipeline)
@@ -145,7 +151,13 @@ class RouteCut(WholeCut):
         return None
 
     async def send(
-        self, fan: FanOut, weights: Any, pipeline: AdapterLike | None, one: SendOne, sends: Sends
+        self,
+        fan: FanOut,
+        weights: Any,
+        pipeline: AdapterLike | None,
+        one: SendOne,
+        sends: Sends,
+        sync_id: int,
     ) -> SyncReport:
         head, tail = split_cast(pipeline)
         routes = sorted(fan.routes)
@@ -154,7 +166,7 @@ class RouteCut(WholeCut):
         except BaseException as exc:  # (a collective sync's exchange is drained after)
             with anyio.CancelScope(shield=True):
                 for sender in fan.senders:
-                    await sender.abort(Abort(fan.sync_id, describe(exc)))
+                    await sender.abort(Abort(sync_id, describe(exc)))
             raise
 
         async def route(g: int, stream: AsyncIterable[Any]) -> SyncReport:
@@ -208,8 +220,6 @@ class FanOut:
         #: from (``expand_moe("auto")``; :meth:`told`).
         self.engines: tuple[EngineFacts, ...] = ()
         self.routes: dict[int, HostedSender] = {}
-        #: The sync being sent (the id each route's abort names).
-        self.sync_id = 0
         self._loop: EventLoopThread | None = None
         self._open: list[Sender] = []  # what the finalizer closes
 
@@ -268,7 +278,6 @@ class FanOut:
         self, weights: Any, pipeline: AdapterLike | None, sends: Sends, *, sync_id: int
     ) -> SyncReport:
         """Sync ``sync_id`` of ``weights`` (as the cut streams them) over every route."""
-        self.sync_id = sync_id
         one = partial(
             sends.send,
             bucket_bytes=self.bucket_bytes,
@@ -276,7 +285,7 @@ class FanOut:
             checksum=self.checksum,
             sync_id=sync_id,
         )
-        return await self.cut.send(self, weights, pipeline, one, sends)
+        return await self.cut.send(self, weights, pipeline, one, sends, sync_id)
 
     async def settle(self) -> bool:
         """Whether no call of a cancelled send still runs on the loop (see
