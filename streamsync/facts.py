@@ -113,3 +113,33 @@ class Needs(Versioned, frozen=True, kw_only=True):
     #: rank and size, quantization and the checkpoint's names, shapes and dtypes.
     layout: str
     needs: tuple[Need, ...]
+
+
+class WorkerFacts(Versioned, frozen=True, kw_only=True):
+    """What one engine worker tells the trainer of itself as it joins a channel (the
+    ``facts`` of its transport's hello), so that a trainer whose control client can only
+    start the engine's calls (vLLM's ``VLLMWeightSyncClient`` protocol) learns what it
+    would otherwise ask: how many workers there are, the engine's facts and, for a sharded
+    channel, what the worker reads."""
+
+    what: ClassVar[str] = "worker {rank}'s introduction"
+    #: The worker's rank in its engine.
+    rank: int
+    #: How many workers the engine has (tensor x pipeline x data parallel).
+    workers: int
+    engine: EngineFacts
+    #: What each of its model instances reads (told when the trainer asks: a sharded channel).
+    needs: tuple[Needs, ...] = ()
+
+    def to_bytes(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, who: str) -> WorkerFacts:
+        """The introduction ``who`` sent (refused by name if it is not one of this
+        protocol)."""
+        try:
+            data = msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise WireFormatError(f"{who} sent no worker introduction ({exc})") from None
+        return cls.from_wire(data)

@@ -256,8 +256,24 @@ def stop_server(server: Server) -> None:
     remove_vllm_segments(server.segments_before)
 
 
-def trainer_engine(server: Server, source: Any, **options: Any) -> Any:
-    """Exactly vLLM's usage, with the streamsync init info."""
+class ProtocolOnly:
+    """A client with only the calls of vLLM's ``VLLMWeightSyncClient`` protocol (as vLLM's
+    ``RayVLLMWeightSyncClient`` has): nothing to ask the engine's world size, version or
+    needs with, and no server to post to."""
+
+    def __init__(self, inner: Any) -> None:
+        self.init_weight_transfer_engine = inner.init_weight_transfer_engine
+        self.shutdown_weight_transfer_engine = inner.shutdown_weight_transfer_engine
+        self.start_weight_update = inner.start_weight_update
+        self.update_weights = inner.update_weights
+        self.finish_weight_update = inner.finish_weight_update
+
+
+def trainer_engine(
+    server: Server, source: Any, *, protocol_only: bool = False, **options: Any
+) -> Any:
+    """Exactly vLLM's usage, with the streamsync init info (``protocol_only``: through a
+    client that has only the calls of vLLM's protocol)."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -265,6 +281,8 @@ def trainer_engine(server: Server, source: Any, **options: Any) -> Any:
 
     return WeightTransferTrainerFactory.trainer_init(
         StreamsyncInitInfo(endpoint="zmq+tcp://127.0.0.1:0", rank=0, **options),
-        client=HTTPVLLMWeightSyncClient(server.url),
+        client=(ProtocolOnly if protocol_only else lambda c: c)(
+            HTTPVLLMWeightSyncClient(server.url)
+        ),
         source=source,
     )

@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from server_harness import ProtocolOnly
 
 import streamsync as ss
+from streamsync.facts import EngineFacts
 from streamsync.testing.fakes import FakeVllmModel, fake_state_dict
 
 pytestmark = pytest.mark.vllm
@@ -41,9 +43,6 @@ class InProcessClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.engine.shutdown()
-
-    def get_world_size(self) -> int:
-        return 1  # one worker engine
 
     def start_weight_update(self) -> None:
         if self.active:
@@ -132,27 +131,25 @@ def test_send_weights_through_vllms_factories(worker: tuple[Any, FakeVllmModel])
     sender.shutdown()
 
 
-class CountlessClient(InProcessClient):
-    """A client that cannot say how many workers its engine has (vLLM's Ray client)."""
-
-    get_world_size = None  # type: ignore[assignment]
-
-
-def test_the_worker_count_comes_from_the_engine_and_is_checked(
+def test_the_worker_count_comes_from_the_workers_and_is_checked(
     worker: tuple[Any, FakeVllmModel],
 ) -> None:
-    engine, _ = worker
-    sender = trainer(InProcessClient(engine), None)  # asked of the client
+    """The workers say how many they are as they connect: a client with only vLLM's
+    protocol calls needs no ``receivers``; a count given that they contradict is refused
+    by name at init (not after a connect timeout)."""
+    engine, model = worker
+    sender = trainer(ProtocolOnly(InProcessClient(engine)), None)
     try:
         assert sender.receivers == 1
-        sender.send_weights(fake_state_dict(seed=3))
+        weights = fake_state_dict(seed=3)
+        sender.send_weights(weights)
+        assert torch.equal(model.named_weights()["lm_head.weight"], weights["lm_head.weight"])
+        assert sender.channel.facts == (EngineFacts.here(),)  # the worker's, not asked
     finally:
         sender.shutdown()
-    with pytest.raises(ss.ConfigError, match=r"receivers=2\) but the engine .* has 1 workers"):
-        trainer(InProcessClient(engine), None, receivers=2)
-    with pytest.raises(ss.ConfigError, match=r"cannot ask CountlessClient .*receivers=N"):
-        trainer(CountlessClient(engine), None)
-    sender = trainer(CountlessClient(engine), None, receivers=1)  # the override, unchecked
+    with pytest.raises(ss.ConfigError, match=r"receivers=2\) but the engine's workers say .* 1"):
+        trainer(ProtocolOnly(InProcessClient(engine)), None, receivers=2)
+    sender = trainer(ProtocolOnly(InProcessClient(engine)), None, receivers=1)
     try:
         sender.send_weights(fake_state_dict(seed=4))
     finally:
@@ -250,14 +247,6 @@ def test_weight_source_runs_our_pipeline_for_vllms_backends() -> None:
         weight_source(iter(weights.items()))
 
 
-def test_more_receivers_than_workers_fails_at_init(worker: tuple[Any, FakeVllmModel]) -> None:
-    """``receivers`` says how many workers join where the engine cannot be asked;
-    trainer_init waits for all of them (an engine that can be asked is checked first)."""
-    engine, _ = worker
-    with pytest.raises(ss.SyncTimeoutError, match="receivers"):
-        trainer(CountlessClient(engine), None, receivers=2, timeout=2)
-
-
 def test_a_worker_error_crosses_http_as_data(worker: tuple[Any, FakeVllmModel]) -> None:
     """Over HTTP only the server's error text comes back: the worker's error kind, message
     and partial report ride in it as data, and come out as the worker's own class."""
@@ -293,14 +282,16 @@ def test_a_worker_error_crosses_http_as_data(worker: tuple[Any, FakeVllmModel]) 
     assert error.report is not None and error.report == failure.report
 
 
-def test_sharded_init_asks_the_workers_needs(worker: tuple[Any, FakeVllmModel]) -> None:
-    """``StreamsyncInitInfo(sharded=True)`` asks every worker's needs through the client's
-    ``collective_rpc`` when the channel opens, keyed as ``EngineChannel.needs`` keys them,
-    with workers of one layout sharing one tuple. (What a sharded sync then sends each worker
-    is in ``test_vllm_native.py``, on a real TP=2 server.)"""
-    from streamsync.facts import Box, Need, Needs
+def test_sharded_init_learns_the_workers_needs_as_they_connect() -> None:
+    """``StreamsyncInitInfo(sharded=True)``: each worker says what it reads as it connects
+    (nothing is asked of the client), keyed as ``EngineChannel.needs`` keys them, with
+    workers of one layout sharing one tuple; workers that read slices are told their routes
+    in a second init and the channel serves them there. (What a sharded sync then sends each
+    worker is in ``test_vllm_native.py``, on a real TP=2 server.)"""
+    from streamsync.engine.worker import WorkerReceivers
+    from streamsync.facts import Box, Need, Needs, WorkerFacts
+    from streamsync.vllm.native.worker import TransferInit
 
-    engine, _model = worker
     told = [
         Needs(
             instance="main",
@@ -314,20 +305,51 @@ def test_sharded_init_asks_the_workers_needs(worker: tuple[Any, FakeVllmModel]) 
         ),
         Needs(instance="main", layout="tp1", needs=(Need("a", (4, 2), "float32", None, "why"),)),
     ]
-    asked: list[str] = []
+    engine_facts = EngineFacts(vllm_version=(0, 1, 2))
 
-    class Rpc(InProcessClient):
-        def collective_rpc(self, method: str) -> list[Any]:
-            asked.append(method)
-            return [over_json([needs.to_wire()]) for needs in told]
+    class Workers(ProtocolOnly):
+        """Three workers that connect where the init says and introduce themselves."""
 
-    client = Rpc(engine)
-    plain = trainer(client, None)
-    assert dict(plain.needs) == {} and asked == []
-    plain.shutdown()
-    sender = trainer(client, None, sharded=True)
+        def __init__(self) -> None:
+            self.inits: list[TransferInit] = []
+            self.workers: list[WorkerReceivers] = []
+
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            init = TransferInit.from_wire(over_json(init_info))
+            self.inits.append(init)
+            self.shutdown_weight_transfer_engine()
+            for rank, needs in enumerate(told):
+                facts = WorkerFacts(
+                    rank=rank,
+                    workers=len(told),
+                    engine=engine_facts,
+                    needs=(needs,) if init.needs else (),
+                )
+                worker = WorkerReceivers(f"worker{rank}", rank=rank)
+                self.workers.append(worker)
+                introduction = {"group": len(told), "facts": facts.to_bytes()}
+                worker.open(init.endpoint_of(rank), {**init.transport, **introduction}, timeout=10)
+
+        def shutdown_weight_transfer_engine(self) -> None:
+            for worker in self.workers:
+                worker.shutdown()
+            self.workers = []
+
+    client = Workers()
+    plain = trainer(client, None, endpoint="zmq+tcp://127.0.0.1:0")
     try:
-        assert asked == ["streamsync_needs"]
+        assert dict(plain.needs) == {} and plain.receivers == 3
+        assert [i.needs for i in client.inits] == [False]
+        assert plain.channel.facts == (engine_facts,)
+    finally:
+        plain.shutdown()
+    client.inits.clear()
+    sender = trainer(client, None, sharded=True, endpoint="zmq+tcp://127.0.0.1:0")
+    try:
+        assert [i.needs for i in client.inits] == [True, False]
+        first, second = client.inits
+        assert first.routes == () and len(second.routes) == 3
+        assert {r.endpoint for r in second.routes[:2]} != {second.routes[2].endpoint}
         needs = sender.needs
         assert sorted(needs) == ["worker0.main", "worker1.main", "worker2.main"]
         assert needs["worker0.main"].needs is needs["worker1.main"].needs
@@ -336,67 +358,46 @@ def test_sharded_init_asks_the_workers_needs(worker: tuple[Any, FakeVllmModel]) 
         assert needs["worker2.main"].instance == "worker2.main"
         with pytest.raises(TypeError):
             needs["worker0.main"] = told[0]  # type: ignore[index]
+        sender._sync.wait_ready(timeout=10)  # every worker is on its route
     finally:
         sender.shutdown()
 
 
-@pytest.mark.parametrize("extension", [True, False])
-def test_sharded_init_asks_a_server_through_collective_rpc(
-    worker: tuple[Any, FakeVllmModel], extension: bool, caplog: pytest.LogCaptureFixture
+def test_staging_through_any_client_that_can_also_pause(
+    worker: tuple[Any, FakeVllmModel],
 ) -> None:
-    """Without the client's own ``collective_rpc``, the needs are asked with the server's
-    ``POST /collective_rpc``; a server that has no such route leaves them out with a
-    warning that says how to start it."""
-    import http.server
-    import logging
-    import threading
+    """``staged=True`` through a client with vLLM's protocol calls and ``pause``,
+    ``reset_prefix_cache`` and ``resume`` (the few lines that make vLLM's Ray client one):
+    each ``send_weights`` stages, then commits in one pause, in that order. A client that
+    cannot pause is refused by name before anything moves."""
+    engine, model = worker
+    calls: list[str] = []
 
-    import msgspec
-    import vllm
+    class Pausing(ProtocolOnly):
+        def pause(self, mode: str = "keep") -> None:
+            calls.append(f"pause:{mode}")
 
-    from streamsync.facts import Need, Needs
+        def reset_prefix_cache(self) -> None:
+            calls.append("reset")
 
-    told = Needs(instance="main", layout="tp0", needs=(Need("a", (2,), "float32", None),))
-    bodies: list[Any] = []
+        def resume(self) -> None:
+            calls.append("resume")
 
-    class Server(http.server.BaseHTTPRequestHandler):
-        def answer(self, status: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            self.answer(200, {"version": vllm.__version__})
-
-        def do_POST(self) -> None:
-            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            if extension:
-                self.answer(200, {"results": [[told.to_wire()]]})
-            else:
-                self.answer(404, {"detail": "Not Found"})
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    client = InProcessClient(worker[0])
-    client.base_url = f"http://127.0.0.1:{httpd.server_address[1]}"  # type: ignore[attr-defined]
+    sender = trainer(Pausing(InProcessClient(engine)), None, staged=True, pause_mode="wait")
     try:
-        with caplog.at_level(logging.WARNING, logger="streamsync"):
-            sender = trainer(client, None, sharded=True)
-        sender.shutdown()
+        for step in range(2):
+            weights = fake_state_dict(seed=10 + step)
+            sender.send_weights(weights, weight_version=f"v{step}")
+            got = model.named_weights()["lm_head.weight"]
+            assert torch.equal(got, weights["lm_head.weight"])
+        assert calls == ["pause:wait", "reset", "resume"] * 2
     finally:
-        httpd.shutdown()
-        httpd.server_close()
-    assert bodies == [{"method": "streamsync_needs"}]
-    if extension:
-        assert dict(sender.needs) == {
-            "worker0.main": msgspec.structs.replace(told, instance="worker0.main")
-        }
-    else:
-        assert dict(sender.needs) == {}
-        assert "engine.needs_failed" in caplog.text
-        assert "--worker-extension-cls streamsync.vllm.WorkerExtension" in caplog.text
+        sender.shutdown()
+    sender = trainer(ProtocolOnly(InProcessClient(engine)), None, staged=True)
+    try:
+        before = model.named_weights()["lm_head.weight"].clone()
+        with pytest.raises(ss.ConfigError, match="ProtocolOnly cannot pause its engine"):
+            sender.send_weights(fake_state_dict(seed=20))
+        assert torch.equal(model.named_weights()["lm_head.weight"], before)
+    finally:
+        sender.shutdown()

@@ -187,14 +187,28 @@ def test_dense_server_bad_input_leaves_it_serving(
 
 
 def test_moe_server_three_updates_with_the_expander(tmp_path: Path) -> None:
+    """A MoE model through a client with only vLLM's protocol calls and no ``receivers``:
+    ``expand_moe("auto")`` decides from the vLLM the worker said it runs (not this
+    process's), and ``always`` expands; both serve the trainer's weights."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from streamsync.adapters import expand_moe
+    from streamsync.facts import EngineFacts
 
     # Smaller weights than dense: the CPU MoE kernel sums experts in another order.
     trainer = build_tiny_model(tmp_path / "model", "moe", seed=0, init_std=0.12)
     server = start_server(tmp_path / "model", tmp_path)
     try:
+        pipeline = expand_moe(when="auto", model_type="qwen3_moe")
+        engine = trainer_engine(
+            server, ModuleSource(trainer), pipeline=pipeline, protocol_only=True
+        )
+        try:
+            running = EngineFacts.of_vllm(server.get("version")["version"])
+            assert engine.channel.facts == (running,) and engine.receivers == 1
+            three_steps(server, trainer, engine, seed=60)
+        finally:
+            engine.shutdown()
         pipeline = expand_moe(when="always", model_type="qwen3_moe")
         engine = trainer_engine(server, ModuleSource(trainer), pipeline=pipeline)
         try:
@@ -205,17 +219,17 @@ def test_moe_server_three_updates_with_the_expander(tmp_path: Path) -> None:
         stop_server(server)
 
 
-def test_sharded_init_asks_the_servers_worker_what_it_reads(tmp_path: Path) -> None:
-    """``StreamsyncInitInfo(sharded=True)`` on a TP=1 server with the worker extension: its
-    one worker reads every checkpoint tensor it loads whole, learned from its loaders, and
-    the syncs that follow serve the trainer's weights."""
+def test_sharded_init_learns_what_the_servers_worker_reads(tmp_path: Path) -> None:
+    """``StreamsyncInitInfo(sharded=True)`` on a TP=1 server without the worker extension
+    (no ``/collective_rpc`` answers our calls): its one worker says, as it connects, that
+    it reads every checkpoint tensor it loads whole, learned from its loaders, and the syncs
+    that follow serve the trainer's weights."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from streamsync.vllm.slices import checkpoint_manifest
 
     trainer = build_tiny_model(tmp_path / "model", "dense", seed=0)
-    extension = ("--worker-extension-cls", "streamsync.vllm.WorkerExtension")
-    server = start_server(tmp_path / "model", tmp_path, *extension)
+    server = start_server(tmp_path / "model", tmp_path)
     try:
         engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, sharded=True)
         try:
@@ -343,10 +357,11 @@ def test_tied_model_and_tied_drafter_from_module_source_and_weight_source(
 
 
 def test_tensor_parallel_server_learns_its_workers(tmp_path: Path) -> None:
-    """``--tensor-parallel-size 2`` (one core per worker): the trainer asks the server how
-    many workers receive, a wrong explicit count is refused by name, each worker says it
-    reads its half of a TP-split tensor and all of a replicated one (``sharded=True``), and
-    three syncs of a tied model reach both workers."""
+    """``--tensor-parallel-size 2`` (one core per worker), no worker extension: the workers
+    say how many they are as they connect, a wrong explicit count is refused by name, each
+    worker says it reads its half of a TP-split tensor and all of a replicated one
+    (``sharded=True``), and three syncs of a tied model reach both workers, through vLLM's
+    HTTP client and through a client with only vLLM's protocol calls."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     import streamsync as ss
@@ -358,14 +373,21 @@ def test_tensor_parallel_server_learns_its_workers(tmp_path: Path) -> None:
         "--tensor-parallel-size",
         "2",
         *PREFIX_CACHE,
-        "--worker-extension-cls",
-        "streamsync.vllm.WorkerExtension",
         env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
     try:
         assert server.get("get_world_size") == {"world_size": 2}
-        with pytest.raises(ss.ConfigError, match=r"receivers=1\) but the engine at .* has 2"):
+        with pytest.raises(ss.ConfigError, match=r"receivers=1\) but the engine's workers say"):
             trainer_engine(server, ModuleSource(trainer), receivers=1)
+        engine = trainer_engine(
+            server, ModuleSource(trainer), bucket_bytes=256 << 10, sharded=True, protocol_only=True
+        )
+        try:
+            assert engine.receivers == 2
+            tied_steps(server, trainer, engine, seed=650, steps=1)
+            assert engine.last_report.receivers == 2
+        finally:
+            engine.shutdown()
         engine = trainer_engine(server, ModuleSource(trainer), bucket_bytes=256 << 10, sharded=True)
         try:
             assert engine.receivers == 2
@@ -391,7 +413,7 @@ def test_same_trainer_code_against_an_in_process_async_llm(
 ) -> None:
     """The trainer code of the server tests, on an ``AsyncLLM`` in this process through
     ``AsyncLLMWeightSyncClient`` (its engine core and worker are processes of their own),
-    which asks the workers' needs through the engine's ``collective_rpc``."""
+    whose workers say what they read as they connect."""
     import uuid
 
     from vllm import AsyncEngineArgs, SamplingParams
@@ -414,7 +436,6 @@ def test_same_trainer_code_against_an_in_process_async_llm(
         max_num_seqs=4,
         seed=0,
         weight_transfer_config=WeightTransferConfig(backend="streamsync"),
-        worker_extension_cls="streamsync.vllm.WorkerExtension",  # for sharded=True
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -442,7 +463,7 @@ def test_same_trainer_code_against_an_in_process_async_llm(
             source=ModuleSource(trainer),
         )
         try:
-            assert list(engine.needs) == ["worker0.main"]  # asked through collective_rpc
+            assert list(engine.needs) == ["worker0.main"]  # told as the worker connected
             for step in range(3):
                 perturb(trainer, seed=900 + step)
                 want = reference_outputs(trainer).tokens

@@ -7,6 +7,7 @@ and concludes the sync (:mod:`.rounds`). Lifecycles (staging, LoRA adapters) run
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Self, TypeVar, cast
@@ -19,6 +20,7 @@ from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log, warn
 from streamsync.engine.blocking import BlockingFace, forwarded, run_blocking, two_faced
 from streamsync.engine.clients import (
+    ConnectingClient,
     EngineClient,
     FactsClient,
     NeedsClient,
@@ -32,8 +34,15 @@ from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
 from streamsync.engine.rounds import SyncRound, each, several
 from streamsync.engine.routes import plan_routes
 from streamsync.engine.staged import ChannelStaging, Receiving
-from streamsync.errors import ClosedError, ConfigError, StreamsyncError, SyncTimeoutError
-from streamsync.facts import EngineFacts, Needs
+from streamsync.errors import (
+    ClosedError,
+    ConfigError,
+    ReceiverFailedError,
+    StreamsyncError,
+    SyncTimeoutError,
+    WireFormatError,
+)
+from streamsync.facts import EngineFacts, Needs, WorkerFacts
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.sending import next_sync_id
@@ -63,7 +72,7 @@ def _sharding(
 ) -> bool:
     """Whether a channel into ``clients`` is sharded: as asked, or by default where an engine
     has several workers (tensor parallel) and every client can ask them what they read."""
-    can_ask = all(isinstance(c, NeedsClient) for c in clients)
+    can_ask = all(isinstance(c, NeedsClient | ConnectingClient) for c in clients)
     if sharded is None:
         sharded = can_ask and require_all and any(c.receivers > 1 for c in clients)
     if sharded and not can_ask:
@@ -82,6 +91,18 @@ def _sharding(
             "worker its own slices, so it cannot complete without one"
         )
     return sharded
+
+
+def _check_introductions(workers: list[WorkerFacts], url: str) -> None:
+    """The workers that joined ``url`` are one engine's, each rank once."""
+    ranks = [w.rank for w in workers]
+    if ranks != list(range(len(workers))) or {w.workers for w in workers} != {len(workers)}:
+        raise WireFormatError(
+            f"{url}: the workers that joined are not one engine's, each rank once (ranks "
+            f"{ranks}, saying {sorted({w.workers for w in workers})} workers)"
+        )
+    if len({w.engine for w in workers}) > 1:
+        raise WireFormatError(f"{url}: the workers that joined run different engines")
 
 
 class EngineChannel:
@@ -157,6 +178,14 @@ class EngineChannel:
             transport_options=transport_options,
             name="channel",
         )
+        connecting = [c for c in self.clients if isinstance(c, ConnectingClient)]
+        if connecting and (self.fanout or ranks is not None):
+            raise ConfigError(
+                f"WeightSync: {type(connecting[0]).__name__} connects its engine's workers "
+                "itself; open one channel per engine, without ranks"
+            )
+        #: The client whose workers connect when told and say what they are.
+        self._connecting = connecting[0] if connecting else None
         self._loras = ChannelLoras(self)
         #: What each engine that says so told of itself when the channel opened.
         self.facts: tuple[EngineFacts, ...] = ()
@@ -280,6 +309,9 @@ class EngineChannel:
         """The fan-out, open: each engine's facts asked, and on a sharded channel each
         worker's needs and the cut they make, once per opening."""
         if not self._fan.is_open:
+            if self._connecting is not None:
+                await self._join(self._connecting)
+                return self._fan
             self.facts = await self._hello()
             cut = WholeCut()
             if self.sharded:
@@ -287,6 +319,53 @@ class EngineChannel:
                 cut = self._cut()
             await self._fan.open(cut, self.receivers, engines=self.facts)
         return self._fan
+
+    async def _join(self, client: ConnectingClient) -> None:
+        """Open for the workers of an engine that connects them when told
+        (:class:`ConnectingClient`), and learn from their introductions how many they are,
+        the engine's facts and, sharded, their needs; a sharded channel whose workers read
+        slices then reopens with its routes and tells the workers again."""
+        try:
+            await self._fan.open(WholeCut(), client.receivers)  # 0: as the first one says
+            await self._connect(client, needs=self.sharded)
+            told = self._fan.sender(0).introductions()
+            workers = sorted(
+                (
+                    WorkerFacts.from_bytes(raw, who=f"receiver {i} of {self.url}")
+                    for i, raw in told.items()
+                ),
+                key=lambda w: w.rank,
+            )
+            _check_introductions(workers, self.url)
+            client.introduced(len(workers))
+            self.facts = (workers[0].engine,)
+            self._fan.engines = self.facts
+            if not self.sharded:
+                return
+            self._needs = self._named_needs([[list(w.needs) for w in workers]])
+            cut = self._cut()
+            if type(cut) is WholeCut:
+                return
+            await self._fan.close()
+            await self._fan.open(cut, self.receivers, engines=self.facts)
+            await self._connect(client, needs=False)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._fan.close()
+            raise
+
+    async def _connect(self, client: ConnectingClient, *, needs: bool) -> None:
+        """Tell ``client``'s workers where to connect, and wait until they joined. Where
+        the engine says only that its call failed, the sender may know why it refused one
+        (a wrong secret, another protocol): that is raised."""
+        try:
+            await client.connect(self.url, self.routes(), needs=needs)
+        except ReceiverFailedError as exc:
+            if type(exc) is ReceiverFailedError:
+                with contextlib.suppress(SyncTimeoutError):
+                    await self._fan.wait_ready(timeout=1.0)
+            raise
+        await self._fan.wait_ready()
 
     def routes(self, e: int = 0) -> tuple[Route, ...]:
         """Where each worker of engine ``e`` receives a sharded sync from, by rank (empty
@@ -325,6 +404,10 @@ class EngineChannel:
         told = await self._each_client(
             "engine.needs_failed", lambda client: cast("NeedsClient", client).needs()
         )
+        return self._named_needs(told)
+
+    def _named_needs(self, told: Sequence[list[list[Needs]] | None]) -> dict[str, Needs]:
+        """Each engine's needs (per worker, per instance), by name in a report."""
         found: dict[str, Needs] = {}
         by_layout: dict[str, Needs] = {}
         for e, workers in enumerate(told):

@@ -1,6 +1,7 @@
 """How a channel reaches an inference engine: the :class:`EngineClient` protocol, and the
 protocols of clients that can do more (:class:`LoopBoundClient`, :class:`FactsClient`,
-:class:`NeedsClient`, :class:`LoraClient`, :class:`StagingClient`). vLLM's clients are in
+:class:`NeedsClient`, :class:`ConnectingClient`, :class:`LoraClient`,
+:class:`StagingClient`). vLLM's clients are in
 :mod:`streamsync.vllm.client`.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
 from streamsync.errors import ConfigError
 from streamsync.facts import EngineFacts, Needs
 
@@ -64,6 +65,25 @@ class FactsClient(EngineClient, Protocol):
 
     async def hello(self) -> EngineFacts:
         """The engine's facts."""
+
+
+@runtime_checkable
+class ConnectingClient(EngineClient, Protocol):
+    """A client whose engine's workers connect to the trainer when told where (vLLM's
+    ``init_weight_transfer_engine``) and introduce themselves as they join
+    (:class:`~streamsync.facts.WorkerFacts`): the channel opens for as many workers as the
+    first says, tells them where, and learns from their introductions how many they are,
+    the engine's facts and, sharded, what each reads. Nothing is asked of the client, so a
+    client with only the calls of vLLM's weight-sync protocol serves (its ``receivers`` is
+    0 until the workers said)."""
+
+    async def connect(self, endpoint: str, routes: tuple[Route, ...], *, needs: bool) -> None:
+        """Tell every worker to connect to ``endpoint`` (worker ``r`` to ``routes[r]``
+        where given), saying what it reads if ``needs``; returns once each has joined or
+        failed to."""
+
+    def introduced(self, workers: int) -> None:
+        """The workers said the engine has ``workers`` of them."""
 
 
 @runtime_checkable

@@ -157,7 +157,6 @@ class HostedSender(Sender):
         """``sender``: open, on ``loop`` (:meth:`open_on`)."""
         self.sender = sender
         self.loop = loop
-        self.receivers = sender.receivers
         self.slot_bytes = sender.slot_bytes
         self._running = 0  # calls running on the host's loop (touched only there)
 
@@ -215,6 +214,17 @@ class HostedSender(Sender):
 
     def attendance(self) -> Attendance:
         return self.sender.attendance()  # frozen
+
+    @property
+    def receivers(self) -> int:
+        return self.sender.receivers  # learned from its first receiver, with receivers=0
+
+    @receivers.setter
+    def receivers(self, count: int) -> None:
+        self.sender.receivers = count
+
+    def introductions(self) -> dict[int, bytes]:
+        return self.sender.introductions()  # copies made without yielding the GIL
 
     @property
     def present(self) -> int:

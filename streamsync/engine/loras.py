@@ -1,23 +1,22 @@
 """The LoRA lifecycle of a channel (:class:`ChannelLoras`): stream an adapter to every
-worker (which checks and stages it), then ask every engine to install the staged version
-(at once, or at a commit the trainer chooses); remember what serves under each name; remove
-an adapter.
+worker (which checks and stages it), then commit the staged version on every engine at
+once (:func:`~streamsync.engine.staged.commit_everywhere`, as a staged sync of the weights
+commits; at once, or when the trainer chooses); remember what serves under each name;
+remove an adapter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import msgspec
 
 from streamsync._log import log, warn
 from streamsync.engine.clients import LoraClient, able
 from streamsync.engine.fanout import ADAPTER
-from streamsync.engine.messages import LoraTarget
-from streamsync.engine.rounds import each
+from streamsync.engine.messages import LoraTarget, WorkerResult
+from streamsync.engine.staged import commit_everywhere
 from streamsync.errors import ConfigError, LoraError, StreamsyncError
 from streamsync.lora import check_lora_name, lora_adapter, lora_id, version_path
 from streamsync.pipeline import AdapterLike
@@ -99,8 +98,29 @@ class ChannelLoras:
                 "adapter) first"
             )
         lora = staged.lora
-        in_flight = await self._install(self._clients(), name, lora.path)
-        self._loras[name] = lora
+        clients, channel = self._clients(), self._channel
+        in_flight: list[int | None] = [None] * len(clients)
+
+        async def install(e: int) -> list[WorkerResult]:
+            try:
+                in_flight[e] = await clients[e].install_lora(name, lora_id(name), lora.path)
+            except StreamsyncError:
+                raise
+            except Exception as exc:
+                where = "the engine" if not channel.fanout else f"engine {e}"
+                raise LoraError(
+                    f"{where} did not install LoRA adapter {name!r} ({lora.path}): "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            return [WorkerResult(pid=0)] * clients[e].receivers
+
+        def settled(committed: list[int]) -> dict[int, int | None]:
+            if len(committed) == len(clients):
+                self._loras[name] = lora
+            return {e: lora.version if e in committed else None for e in range(len(clients))}
+
+        what = f"LoRA adapter {name!r} ({lora.path})"
+        await commit_everywhere(channel, staged.report, install, what=what, settled=settled)
         counts = [n for n in in_flight if n is not None]
         running = sum(counts) if len(counts) == len(in_flight) else None
         if running:
@@ -110,34 +130,6 @@ class ChannelLoras:
             staged.report,
             lora=LoraReport(name=name, path=lora.path, rank=lora.rank, in_flight=running),
         )
-
-    async def _install(
-        self, clients: Sequence[LoraClient], name: str, path: str
-    ) -> list[int | None]:
-        """Install the staged version at ``path`` on every engine; returns how many requests
-        each had generating with ``name`` (``None``: it cannot say)."""
-        channel = self._channel
-        engine_id = lora_id(name)
-        in_flight: list[int | None] = [None] * len(clients)
-
-        async def install(e: int) -> None:
-            try:
-                in_flight[e] = await clients[e].install_lora(name, engine_id, path)
-            except StreamsyncError as exc:
-                exc.engine = channel.engine_index(e)
-                raise
-            except Exception as exc:
-                where = "the engine" if not channel.fanout else f"engine {e}"
-                error = LoraError(
-                    f"{where} did not install LoRA adapter {name!r} ({path}): "
-                    f"{type(exc).__name__}: {exc}"
-                )
-                error.engine = channel.engine_index(e)
-                raise error from exc
-
-        with anyio.fail_after(channel.timeout):
-            await each(len(clients), install)
-        return in_flight
 
     def lora(self, name: str) -> tuple[int, str]:
         """``lora`` of :class:`~streamsync.engine.channel.EngineChannel`."""

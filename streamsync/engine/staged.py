@@ -20,7 +20,7 @@ failed with an unknown version, and the channel's next sync full on every engine
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
@@ -140,6 +140,54 @@ async def commit_paused(
     return results
 
 
+async def commit_everywhere(
+    channel: EngineChannel,
+    staged: SyncReport,
+    apply: Callable[[int], Awaitable[Sequence[WorkerResult]]],
+    *,
+    what: str,
+    settled: Callable[[list[int]], dict[int, int | None]],
+) -> SyncRound:
+    """Commit a version every worker of every engine holds (``staged``'s: the weights, or
+    an adapter) on every engine at once, ``apply(e)`` on engine ``e`` (each bounded): the
+    one place a staged version is committed. ``settled(committed)`` records which engines
+    committed and returns each engine's version. Returns the round; raises the root cause
+    where no engine committed, and :class:`~streamsync.PartialCommitError` where some did
+    (the next sync is then full everywhere)."""
+    clients = channel.clients
+    sync = SyncRound.of(len(clients))
+    sync.report = staged
+    limit = channel.timeout * 5
+
+    async def one(e: int) -> None:
+        where = "the engine" if not channel.fanout else f"engine {e}"
+        await sync.collect(
+            e,
+            apply(e),
+            limit=limit,
+            engine=channel.engine_index(e),
+            late=f"{where} did not commit {what} within {limit:g} s",
+            broken=f"{where} failed to commit {what}",
+        )
+
+    await each(len(clients), one)
+    committed = sync.applied([c.receivers for c in clients])
+    versions = settled(committed)
+    failure = sync.failure({}, channel.engine_index)
+    if failure is None:
+        return sync
+    channel.drop_baselines()
+    if committed:
+        failed = sorted(set(versions) - set(committed))
+        raise PartialCommitError(
+            f"{what} was committed on engines {committed} and failed on engines {failed} "
+            f"(their version is unknown; the next sync is full everywhere): "
+            f"{type(failure).__name__}: {failure}",
+            versions,
+        ) from failure
+    raise failure
+
+
 class ChannelStaging:
     """One channel's staged version and each engine's committed one."""
 
@@ -205,38 +253,18 @@ class ChannelStaging:
             raise ConfigError("commit(): nothing is staged; stage(weights) first")
         self.staged = None
         clients = self._clients()
-        sync = SyncRound.of(len(clients))
-        sync.report = staged
-        limit = channel.timeout * 5
         label = str(staged.sync_id) if version is None else version
 
-        async def one(e: int) -> None:
-            where = "the engine" if not channel.fanout else f"engine {e}"
-            await sync.collect(
-                e,
-                commit_paused(clients[e], staged.sync_id, version=label, mode=mode),
-                limit=limit,
-                engine=channel.engine_index(e),
-                late=f"{where} did not commit within {limit:g} s",
-                broken=f"{where} failed to commit sync {staged.sync_id}",
-            )
+        def apply(e: int) -> Awaitable[list[WorkerResult]]:
+            return commit_paused(clients[e], staged.sync_id, version=label, mode=mode)
 
-        await each(len(clients), one)
-        committed = sync.applied([c.receivers for c in clients])
-        for e in self.versions:
-            self.versions[e] = staged.sync_id if e in committed else None
-        failure = sync.failure({}, channel.engine_index)
-        if failure is not None:
-            channel.drop_baselines()
-            if committed:
-                failed = sorted(set(self.versions) - set(committed))
-                raise PartialCommitError(
-                    f"sync {staged.sync_id} was committed on engines {committed} and failed "
-                    f"on engines {failed} (their version is unknown; the next sync is full "
-                    f"everywhere): {type(failure).__name__}: {failure}",
-                    dict(self.versions),
-                ) from failure
-            raise failure
+        def settled(committed: list[int]) -> dict[int, int | None]:
+            for e in self.versions:
+                self.versions[e] = staged.sync_id if e in committed else None
+            return dict(self.versions)
+
+        what = f"sync {staged.sync_id}"
+        sync = await commit_everywhere(channel, staged, apply, what=what, settled=settled)
         merged = sync.merged(channel.fanout, {})
         applies = [
             r.report.phases["apply"]

@@ -187,11 +187,61 @@ class TransportConformance:
                     for _ in range(2):
                         await anyio.to_thread.run_sync(self._reached, peers, "joined")
                     assert (await self._send(tx)).receivers == 2
+                    if self.replaces_receivers:  # (a fixed group has no place to try)
+                        await self._refuses_another_count(url)
 
             asyncio.run(send())
             for item in self._outcomes(peers, 2, 30):
                 assert item["ok"], item
                 assert item["syncs"] == [_expected(0)]
+
+    def test_receivers_say_how_many_join_and_what_they_are(self) -> None:
+        """A sender opened with ``receivers=0`` waits for as many receivers as the first
+        says join with it (``group``), hears what each says of itself (``facts``), syncs
+        to all of them, and refuses by name one that says another count."""
+        url = self.with_receivers(self.make_url("introduced"), 0)
+        said = [
+            {**self.receiver_options, "group": 2, "facts": f"worker{i}".encode()} for i in range(2)
+        ]
+        if not self.cross_process:
+            asyncio.run(self._introduced_in_process(url, said))
+            return
+        with self._peers() as peers:
+            for options in said:
+                self._spawn(peers, "receiver", url=url, options=options)
+
+            async def send() -> None:
+                async with self._tx(url) as tx:
+                    await tx.wait_ready(timeout=_CONNECT_S)
+                    assert tx.receivers == 2
+                    assert sorted(tx.introductions().values()) == [b"worker0", b"worker1"]
+                    assert (await self._send(tx)).receivers == 2
+
+            asyncio.run(send())
+            for item in self._outcomes(peers, 2, 30):
+                assert item["ok"], item
+                assert item["syncs"] == [_expected(0)]
+
+    async def _introduced_in_process(self, url: str, said: list[dict[str, Any]]) -> None:
+        async with self._tx(url) as tx:
+            async with contextlib.AsyncExitStack() as stack:
+                for options in said:
+                    await stack.enter_async_context(open_receiver(url, **options))
+                await tx.wait_ready(timeout=_CONNECT_S)
+                assert tx.receivers == 2
+                assert sorted(tx.introductions().values()) == [b"worker0", b"worker1"]
+            await self._refuses_another_count(url)
+
+    async def _refuses_another_count(self, url: str) -> None:
+        """A receiver saying 3 join with it, on a sender that counted 2, is refused by name."""
+        odd = {**self.receiver_options, "group": 3, "connect_timeout": 5.0}
+        try:
+            async with open_receiver(url, **odd) as rx:
+                await ss.receive(rx, _HashingSink(), timeout=5.0)
+        except ss.ConfigError as exc:
+            assert "says 3 receivers join with it, but" in str(exc), exc
+        else:
+            raise AssertionError(f"{url}: a receiver of another count was let in")
 
     def test_delta_syncs_are_bit_exact(self) -> None:
         """A full sync, then deltas (bits flipped in a few % of every tensor, NaNs and all,

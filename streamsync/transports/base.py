@@ -119,6 +119,11 @@ class Sender(_Resource):
         transport does not count them."""
         return None
 
+    def introductions(self) -> dict[int, bytes]:
+        """What each receiver present said of itself as it joined (its ``facts``; empty
+        bytes where it said nothing), by index."""
+        return {}
+
     def attendance(self) -> Attendance:
         """Who the last finished sync did not reach (see :class:`Attendance`)."""
         return Attendance()

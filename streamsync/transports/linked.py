@@ -139,6 +139,11 @@ class LinkedSender(RingSender):
             await self.on_refused(peer, exc)
             return False
         taken = set(self.peers) | set(self._joining)
+        if not self._closed and not self._sealed:
+            refused = self.count(f"receiver {hello.receiver}", hello.group)
+            if refused is not None:
+                await self.on_refused(peer, refused)
+                return False
         free = [i for i in range(self.receivers) if i not in taken]
         if self._closed or self._sealed or not free:
             why = (
@@ -161,6 +166,7 @@ class LinkedSender(RingSender):
             shared=shared,
         )
         peer.index, peer.codec = index, codec
+        self._facts[index] = hello.facts
         peer.describe = f"receiver {index} ({hello.receiver}, pid {hello.pid})"
         self._joining[index] = peer
         try:
@@ -171,7 +177,7 @@ class LinkedSender(RingSender):
         return True
 
     async def on_refused(self, peer: Peer, exc: StreamsyncError) -> None:
-        if not isinstance(exc, AuthenticationError | ProtocolVersionError):
+        if not isinstance(exc, AuthenticationError | ProtocolVersionError | ConfigError):
             # Not a receiver trying to join (a port scanner, random bytes, malformed frames,
             # a late frame of an earlier session): dropped without an answer.
             log("channel.stranger", url=self.url, peer=peer.who, error=str(exc))
@@ -381,7 +387,7 @@ class LinkedReceiver(RingReceiver):
 
     async def _join(self) -> None:
         await self.link.connect()
-        nonce, hello = handshake.hello(self._codec)
+        nonce, hello = handshake.hello(self._codec, group=self.group, facts=self.facts)
         try:
             frame, fds = await self.link.handshake(hello)
         except PeerBrokenError as exc:  # our Hello could not be written: the sender went

@@ -29,6 +29,7 @@ from streamsync.errors import (
     ConfigError,
     EndOfStream,
     PeerBrokenError,
+    StreamsyncError,
 )
 from streamsync.transports import Transport
 from streamsync.transports.ring import RingReceiver, RingSender
@@ -92,12 +93,25 @@ class MemorySender(RingSender):
         for index, receiver in enumerate(chan.receivers):
             if receiver is None:
                 continue
-            if receiver._secret != self._secret:
-                receiver.refuse()
+            refused = self._meet(index, receiver)
+            if refused is not None:
+                receiver.refuse(refused)
                 chan.receivers[index] = None
             else:
                 receiver.met()
         self.store.open()  # allocated once and reused by every sync on this channel
+
+    def _meet(self, index: int, receiver: MemoryReceiver) -> StreamsyncError | None:
+        """Receiver ``index`` meets this sender: why it is refused, if it is."""
+        if receiver._secret != self._secret:
+            return AuthenticationError(
+                f"{self.url}: the sender has another secret; pass the same secret= (or "
+                "$STREAMSYNC_SECRET) to both sides"
+            )
+        refused = self.count(f"receiver {index}", receiver.group)
+        if refused is None:
+            self._facts[index] = receiver.facts
+        return refused
 
     async def wait_ready(self, *, timeout: float) -> None:
         await super().wait_ready(timeout=timeout)
@@ -155,7 +169,7 @@ class MemoryReceiver(RingReceiver):
         self._channels = channels
         self._chan: _Channel | None = None
         self._inbox: MemoryObjectReceiveStream[Message] | None = None
-        self._refused: AuthenticationError | None = None
+        self._refused: StreamsyncError | None = None
         # Set once a sender is there (or turned this receiver away); until then the first
         # receive waits for one, until connect_timeout after opening.
         self._met: anyio.Event | None = None
@@ -166,12 +180,10 @@ class MemoryReceiver(RingReceiver):
         if self._met is not None:
             self._met.set()
 
-    def refuse(self) -> None:
-        """Turned away by a sender whose secret differs: the next receive raises."""
-        self._refused = AuthenticationError(
-            f"{self.url}: the sender has another secret; pass the same secret= (or "
-            "$STREAMSYNC_SECRET) to both sides"
-        )
+    def refuse(self, why: StreamsyncError) -> None:
+        """Turned away by the sender (another secret, another count): the next receive
+        raises ``why``."""
+        self._refused = why
         if self._inbox is not None:
             self._inbox.close()
         self.met()
@@ -180,11 +192,12 @@ class MemoryReceiver(RingReceiver):
         self._met = anyio.Event()
         self._meet_by = anyio.current_time() + self.connect_timeout
         chan = self._channels.join(self.name)
-        if chan.sender is not None and chan.sender._secret != self._secret:
-            self.refuse()
+        index = chan.receivers.index(None) if None in chan.receivers else len(chan.receivers)
+        refused = None if chan.sender is None else chan.sender._meet(index, self)
+        if refused is not None:
+            self.refuse(refused)
             self._channels.leave(chan)
-            assert self._refused is not None
-            raise self._refused
+            raise refused
         send, recv = anyio.create_memory_object_stream[Message](math.inf)
         if None not in chan.receivers:  # else the place of a receiver that left
             chan.receivers.append(None)

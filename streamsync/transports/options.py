@@ -194,7 +194,13 @@ CONNECT_TIMEOUT = Option(
 
 #: What every sender takes.
 SENDER_OPTIONS: tuple[Option, ...] = (
-    Option("receivers", int, 1, "how many receivers each sync waits for", minimum=1),
+    Option(
+        "receivers",
+        int,
+        1,
+        "how many receivers each sync waits for (0: as many as the first to join says)",
+        minimum=0,
+    ),
     Option("slots", int, 2, "buckets in flight (2 or more to pipeline)", minimum=1),
     Option("slot_bytes", int, DEFAULT_BUCKET_BYTES, "bytes per slot", minimum=MIN_BUCKET_BYTES),
     Option("require_all", bool, True, "a sync needs every receiver (False: those there)"),
@@ -202,8 +208,29 @@ SENDER_OPTIONS: tuple[Option, ...] = (
     CONNECT_TIMEOUT,
 )
 
+
+def _bytes(value: Any) -> str | None:
+    return None if isinstance(value, bytes) else "use bytes"
+
+
+#: What a receiver of a transport between processes tells its sender as it joins: how
+#: many receivers join with it (a sender opened with ``receivers=0`` learns its count from
+#: the first), and opaque bytes of what it is (``Sender.introductions()``).
+INTRODUCTION: tuple[Option, ...] = (
+    Option("group", int, 0, "how many receivers join with this one (0: not said)", minimum=0),
+    Option(
+        "facts",
+        object,
+        b"",
+        "what this receiver tells the sender of itself",
+        in_url=False,
+        check=_bytes,
+    ),
+)
+
 #: What every receiver takes.
 RECEIVER_OPTIONS: tuple[Option, ...] = (
     SECRET,
     CONNECT_TIMEOUT,
+    *INTRODUCTION,
 )

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import anyio
 import torch
 
+from streamsync._log import log
 from streamsync.errors import (
     CONSEQUENCES,
     ClosedError,
+    ConfigError,
     EndOfStream,
     PeerBrokenError,
     ReceiverFailedError,
@@ -174,6 +176,10 @@ class RingSender(Sender):
         self._held: dict[int, int | None] = {}
         self._quorum_met = False
         self._stats = SenderStatistics()
+        #: Opened with ``receivers=0``: who said how many join (the first to join).
+        self._counted_by: str | None = None
+        #: Per receiver present, what it said of itself as it joined (its ``facts``).
+        self._facts: dict[int, bytes] = {}
 
     # -- transport hooks ---------------------------------------------------------------
     def slot(self, index: int) -> torch.Tensor:
@@ -204,10 +210,36 @@ class RingSender(Sender):
         try:
             await self._signal.wait_until(ready, timeout=limit, what="receivers")
         except SyncTimeoutError:
+            expected = self.receivers or "the (not yet said) count of"
             raise SyncTimeoutError(
-                f"{self.url}: {len(self._admit())} of {self.receivers} receivers joined "
+                f"{self.url}: {len(self._admit())} of {expected} receivers joined "
                 f"within {limit:g} s{self._whereabouts()}"
             ) from None
+
+    def count(self, who: str, group: int) -> StreamsyncError | None:
+        """A receiver (``who``) joins saying ``group`` receivers join with it; the error to
+        refuse it with, if any. A sender opened with ``receivers=0`` waits, from the first
+        on, for as many as that one says; a later one that says another count is refused
+        by name."""
+        if self.receivers == 0:
+            if group < 1:
+                return ConfigError(
+                    f"{self.url} was opened with receivers=0 (as many as the receivers "
+                    f"say), but {who} did not say how many join with it; open the sender "
+                    "with receivers=N, or the receivers with group=N"
+                )
+            self.receivers = self.ring.receivers = group
+            self._counted_by = who
+            log("channel.counted", url=self.url, receivers=group, by=who)
+        elif group and self._counted_by is not None and group != self.receivers:
+            return ConfigError(
+                f"{self.url}: {who} says {group} receivers join with it, but "
+                f"{self._counted_by} said {self.receivers}"
+            )
+        return None
+
+    def introductions(self) -> dict[int, bytes]:
+        return {i: self._facts.get(i, b"") for i in sorted(self._admit())}
 
     def _whereabouts(self) -> str:
         """What a timeout waiting for receivers adds: who left, who was refused."""
@@ -231,7 +263,7 @@ class RingSender(Sender):
     def _enough(self, present: int) -> bool:
         """A sync may begin with ``present`` receivers: all of them, or, once the channel
         was whole, any with ``require_all=False`` (the others are reported absent)."""
-        if present >= self.receivers:
+        if present >= self.receivers > 0:
             self._quorum_met = True
             return True
         return not self.require_all and self._quorum_met and present > 0
@@ -288,6 +320,7 @@ class RingSender(Sender):
         """Receiver ``index`` left or went away (transports call this): it owes nothing; a
         running sync it had not reported on fails (``require_all``) or goes on without it."""
         self.ring.forget(index)
+        self._facts.pop(index, None)
         sync = self._sync
         if sync is not None and index in sync.members and index not in sync.reports:
             sync.members.discard(index)
@@ -462,11 +495,19 @@ class RingReceiver(Receiver):
     """Receiver half of the ring protocol; transports provide ``_next`` and ``_post``."""
 
     def __init__(
-        self, url: str, *, secret: bytes | str | None = None, connect_timeout: float = 60.0
+        self,
+        url: str,
+        *,
+        secret: bytes | str | None = None,
+        connect_timeout: float = 60.0,
+        group: int = 0,
+        facts: bytes = b"",
     ) -> None:
         self.url = url
         self.connect_timeout = connect_timeout
         self._secret = resolve_secret(secret)
+        #: How many receivers join with this one, and what it says of itself, as it joins.
+        self.group, self.facts = group, facts
 
     def _silence(self, timeout: float) -> SyncTimeoutError:
         """The error of a receive that heard nothing within its ``timeout``."""

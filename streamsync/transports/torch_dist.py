@@ -223,6 +223,15 @@ class GroupSender(LinkedSender):
         self._marker = torch.zeros(_MARKER.size, dtype=torch.uint8)
         self._pending: _Broadcast | None = None
 
+    def count(self, who: str, group: int) -> StreamsyncError | None:
+        learning = self.receivers == 0
+        refused = super().count(who, group)
+        if learning and refused is None:  # the group's size, told in every Welcome
+            plan = self.member.plan
+            assert plan is not None
+            self.member.plan = GroupPlan(plan.backend, plan.prefix, self.receivers + 1)
+        return refused
+
     async def _post_all(
         self, msg: BucketHeader | End | Abort | Bye, payload: torch.Tensor | None
     ) -> None:

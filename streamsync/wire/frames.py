@@ -191,6 +191,12 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     #: Fresh random bytes the sender echoes in its ``Welcome``, so a recorded ``Welcome``
     #: cannot be replayed; with the nonces both sides derive the session's MAC key.
     nonce: bytes = b""
+    #: How many receivers join with this one, itself included (0: it does not say); a
+    #: sender opened with ``receivers=0`` waits for as many as the first one says.
+    group: int = 0
+    #: What the receiver tells the sender of itself (opaque here: an engine worker's
+    #: :class:`~streamsync.facts.WorkerFacts`), read with ``Sender.introductions()``.
+    facts: bytes = b""
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome"):

@@ -23,19 +23,19 @@ from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync._log import log
 from streamsync.engine.channel import BlockingWeightSync, EngineChannel
 from streamsync.engine.clients import PauseMode
-from streamsync.engine.messages import WorkerOptions, WorkerResult
+from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
 from streamsync.errors import (
     ConfigError,
     LoraError,
+    PeerBrokenError,
     ReceiverFailedError,
     StreamsyncError,
     SyncTimeoutError,
     error_class,
 )
-from streamsync.facts import EngineFacts, Needs
+from streamsync.facts import Needs
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
-from streamsync.vllm.extension import WorkerExtension
 from streamsync.vllm.native.worker import StagedStep, TransferInit
 from streamsync.vllm.server import BACKEND, call
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
@@ -61,9 +61,8 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: The channel's shared secret, sent to the workers in the init call, in clear; leave it
     #: ``None`` and set ``$STREAMSYNC_SECRET`` on both sides to keep it off the wire.
     secret: str | None = None
-    #: How many workers receive (tensor x pipeline x data parallel size). ``None``: asked of
-    #: the engine (the server's ``/get_world_size``, or the client's ``get_world_size()``);
-    #: a number given is checked against the engine's where the engine can be asked.
+    #: How many workers receive (tensor x pipeline x data parallel size). ``None``: as the
+    #: workers say when they connect; a number given is checked against what they say.
     receivers: int | None = None
     #: :class:`~streamsync.engine.channel.WorkerOptions` fields for every sync (``lifecycle``,
     #: ``quirks``, ``transport``).
@@ -71,10 +70,9 @@ class StreamsyncInitInfo(TrainerInitInfo):
     #: Delta syncs (see :func:`streamsync.send`): each ``send_weights`` moves only what
     #: changed since the last.
     delta: bool = False
-    #: Ask each worker, when the channel opens, what it reads of each checkpoint tensor
-    #: (:attr:`StreamsyncTrainerEngine.needs`), through the server's ``/collective_rpc``:
-    #: start it with ``--worker-extension-cls streamsync.vllm.WorkerExtension`` too. Each
-    #: worker then receives only the slices its loaders read (``docs/sharded.md``).
+    #: Each worker says, when it connects, what it reads of each checkpoint tensor
+    #: (:attr:`StreamsyncTrainerEngine.needs`), and then receives only the slices its
+    #: loaders read (``docs/sharded.md``).
     sharded: bool = False
     #: Staged syncs (``docs/staged.md``): each ``send_weights`` stages the version on every
     #: worker while the server generates, then commits it in a pause of its own (``pause_mode``)
@@ -88,11 +86,59 @@ class _VllmClient:
     """The :class:`~streamsync.engine.channel.EngineClient` over a ``VLLMWeightSyncClient``: the
     receive is vLLM's ``update_weights`` call (blocking, so in a thread)."""
 
-    def __init__(self, client: VLLMWeightSyncClient, receivers: int) -> None:
+    def __init__(
+        self,
+        client: VLLMWeightSyncClient,
+        receivers: int | None,
+        *,
+        transport: dict[str, Any],
+        timeout: float,
+    ) -> None:
+        if receivers is not None and (not isinstance(receivers, int) or receivers < 1):
+            raise ConfigError(
+                f"StreamsyncInitInfo(receivers={receivers!r}): use a count >= 1, or None"
+            )
         self.client = client
-        self.receivers = receivers
+        #: How many workers the engine has, as they said when they joined (0 before).
+        self.receivers = 0
+        self._given = receivers
+        self._transport, self._timeout = transport, timeout
         #: Whether the next staged receive goes into the speculative drafter.
         self.draft = False
+
+    async def connect(self, endpoint: str, routes: tuple[Route, ...], *, needs: bool) -> None:
+        """vLLM's ``init_weight_transfer_engine``: every worker connects to ``endpoint``
+        (its route's, sharded) and introduces itself
+        (:class:`~streamsync.facts.WorkerFacts`)."""
+        init = TransferInit(
+            endpoint=endpoint,
+            transport=self._transport,
+            timeout=self._timeout,
+            routes=routes,
+            needs=needs,
+        )
+        try:
+            await anyio.to_thread.run_sync(
+                self.client.init_weight_transfer_engine, init.to_wire(), abandon_on_cancel=True
+            )
+        except Exception as exc:
+            base_url = getattr(self.client, "base_url", None)
+            if base_url is not None and isinstance(exc, OSError):  # requests' errors are
+                raise PeerBrokenError(
+                    f"the vLLM server at {base_url} cannot be reached (init_weight_transfer_"
+                    f"engine: {type(exc).__name__}: {exc}); check that it runs and that this "
+                    "machine reaches it"
+                ) from exc
+            raise _rpc_error("init_weight_transfer_engine", exc) from exc
+
+    def introduced(self, workers: int) -> None:
+        if self._given is not None and self._given != workers:
+            raise ConfigError(
+                f"StreamsyncInitInfo(receivers={self._given}) but the engine's workers say "
+                f"they are {workers} (tensor x pipeline x data parallel); leave receivers "
+                "unset: the workers say how many they are"
+            )
+        self.receivers = workers
 
     async def _staged_step(
         self, step: StagedStep, *, draft: bool = False, version: str | None = None
@@ -143,18 +189,6 @@ class _VllmClient:
         failed = [r for r in await self._staged_step(StagedStep(staged="drop")) if not r.ok]
         if failed:
             raise failed[0].exception(0) or ReceiverFailedError("drop failed")
-
-    async def hello(self) -> EngineFacts:
-        """The engine's facts: its ``get_version()``, else the server's ``/version``."""
-        return await anyio.to_thread.run_sync(engine_facts, self.client, abandon_on_cancel=True)
-
-    async def needs(self) -> list[list[Needs]]:
-        """What each worker's model instances read of each checkpoint tensor, by rank."""
-        method = WorkerExtension.streamsync_needs.__name__
-        raw = await anyio.to_thread.run_sync(
-            _collective_rpc, self.client, method, abandon_on_cancel=True
-        )
-        return [[Needs.from_wire(n, rank=rank) for n in one] for rank, one in enumerate(raw)]
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
         # The workers receive from the endpoint of init_weight_transfer_engine.
@@ -281,25 +315,6 @@ def _http(client: Any, method: str, route: str, **kwargs: Any) -> Any:
     return call(str(base_url).rstrip("/"), method, route, timeout=timeout, **kwargs)
 
 
-def _collective_rpc(client: Any, method: str) -> list[Any]:
-    """Each worker's answer to ``method`` of :class:`~streamsync.vllm.WorkerExtension`: the
-    client's ``collective_rpc(method)``, else the server's ``POST /collective_rpc``."""
-    rpc = getattr(client, "collective_rpc", None)
-    if callable(rpc):
-        return list(rpc(method))
-    needs = "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls streamsync.vllm.WorkerExtension"
-    what = f"{method} on every worker (POST /collective_rpc; the server needs {needs})"
-    response = _http(
-        client, "POST", "collective_rpc", json={"method": method}, needs=needs, what=what
-    )
-    if response is None:
-        raise ConfigError(
-            f"{type(client).__name__} has no collective_rpc method (nor a base_url to post "
-            f"/collective_rpc to): it cannot ask the workers {method}"
-        )
-    return list(response.json()["results"])
-
-
 def _lora_route(client: Any, action: str, name: str, path: str | None) -> None:
     """``load`` (in place) or ``unload`` LoRA adapter ``name`` through ``client``: its own
     ``load_lora_adapter`` / ``unload_lora_adapter`` where it has them, else the server's
@@ -334,67 +349,6 @@ def _start_draft(client: Any) -> None:
         )
 
 
-def _ask(
-    client: Any, method: str, route: str, key: str, parse: Callable[[Any], T], *, hint: str
-) -> T | None:
-    """The engine's answer, ``parse``d: the client's ``method()``, else field ``key``
-    of the server's ``GET /route`` where the client has a ``base_url``; ``None`` where
-    neither can be asked. A server's answer without it is a :class:`ConfigError` that ends
-    with ``hint``."""
-    ask = getattr(client, method, None)
-    if callable(ask):
-        return parse(ask())
-    response = _http(client, "GET", route)
-    if response is None:
-        return None
-    try:
-        return parse(response.json()[key])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"the vLLM server at {client.base_url} answered GET /{route} without a {key} "
-            f"({exc!r}); {hint}"
-        ) from exc
-
-
-def engine_facts(client: Any) -> EngineFacts:
-    """What the engine behind ``client`` is: the client's ``get_version()``, else the
-    server's ``/version``."""
-    version = _ask(client, "get_version", "version", "version", str, hint="is it a vLLM server?")
-    if version is None:
-        raise ConfigError(
-            f"cannot ask {type(client).__name__} which vLLM the engine runs (no "
-            "get_version(), no base_url); expand_moe(when='auto') decides from the vLLM here"
-        )
-    return EngineFacts.of_vllm(version)
-
-
-def _receivers(init_info: StreamsyncInitInfo, client: Any) -> int:
-    """The workers to wait for: the engine's count (tensor x pipeline x data parallel: the
-    client's ``get_world_size()``, else the server's ``/get_world_size``), checked against
-    an explicit one."""
-    hint = "pass StreamsyncInitInfo(receivers=N)"
-    found = _ask(client, "get_world_size", "get_world_size", "world_size", int, hint=hint)
-    given = init_info.receivers
-    if given is not None and (not isinstance(given, int) or given < 1):
-        raise ConfigError(f"StreamsyncInitInfo(receivers={given!r}): use a count >= 1, or None")
-    if found is None:
-        if given is None:
-            raise ConfigError(
-                f"cannot ask {type(client).__name__} how many workers the engine has (no "
-                "get_world_size(), no base_url): pass StreamsyncInitInfo(receivers=N), "
-                "N = tensor x pipeline x data parallel size"
-            )
-        return given
-    if given is not None and given != found:
-        where = getattr(client, "base_url", None) or type(client).__name__
-        raise ConfigError(
-            f"StreamsyncInitInfo(receivers={given}) but the engine at {where} has {found} "
-            "workers (tensor x pipeline x data parallel); leave receivers unset to use the "
-            "engine's count"
-        )
-    return found
-
-
 class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
     """vLLM's trainer-side engine for the ``streamsync`` backend.
 
@@ -418,9 +372,12 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         transport: dict[str, Any] = {"connect_timeout": init_info.timeout}
         if init_info.secret is not None:
             transport["secret"] = init_info.secret
-        #: How many workers receive each sync.
-        self.receivers = _receivers(init_info, client) if is_sender else 0
-        self._client = _VllmClient(client, self.receivers)
+        self._client = _VllmClient(
+            client,
+            init_info.receivers,
+            transport={"secret": init_info.secret} if init_info.secret is not None else {},
+            timeout=init_info.timeout,
+        )
         #: ``StreamsyncInitInfo.staged``: each :meth:`send_weights` stages, then commits.
         self.staged = init_info.staged
         #: ``StreamsyncInitInfo.pause_mode``: the staged commit's pause.
@@ -441,6 +398,11 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
         self.last_report: SyncReport | None = None
 
     @property
+    def receivers(self) -> int:
+        """How many workers receive each sync, as they said when they joined."""
+        return self._client.receivers
+
+    @property
     def needs(self) -> Mapping[str, Needs]:
         """What each worker's model instance reads of each checkpoint tensor, as
         :attr:`EngineChannel.needs <streamsync.engine.channel.EngineChannel.needs>` gives
@@ -459,32 +421,9 @@ class StreamsyncTrainerEngine(TrainerWeightTransferEngine[StreamsyncInitInfo]):
             client=client, source=source, is_sender=init_info.is_sender, init_info=init_info
         )
         if engine.is_sender:
-            engine._sync = engine.channel.__enter__()  # binds the endpoint (port 0 resolved)
-            transport = {"secret": init_info.secret} if init_info.secret is not None else {}
-            init = TransferInit(
-                endpoint=engine.channel.url,
-                transport=transport,
-                timeout=init_info.timeout,
-                routes=engine.channel.routes(),
-            )
-            try:
-                engine.client.init_weight_transfer_engine(init.to_wire())
-            except Exception as exc:
-                error = _rpc_error("init_weight_transfer_engine", exc)
-                if type(error) is ReceiverFailedError:  # the sender may know why it refused one
-                    try:
-                        engine._sync.wait_ready(timeout=1.0)
-                    except SyncTimeoutError:
-                        pass
-                    except StreamsyncError as refused:
-                        error = refused
-                engine._sync.close()
-                raise error from exc
-            try:
-                engine._sync.wait_ready()  # every worker joined
-            except BaseException:
-                engine._sync.close()
-                raise
+            # Binds the endpoint, tells the workers to connect, and learns from them how
+            # many they are, their vLLM and (sharded) what each reads.
+            engine._sync = engine.channel.__enter__()
             log("vllm.native.trainer_init", endpoint=engine.channel.url)
         return engine
 
@@ -669,21 +608,6 @@ class AsyncLLMWeightSyncClient:
             raise SyncTimeoutError(
                 f"AsyncLLM {what} did not finish within {self.timeout:g} s"
             ) from None
-
-    def get_version(self) -> str:
-        """The engine's vLLM version (the server's ``/version``): this process's."""
-        import vllm
-
-        return str(vllm.__version__)
-
-    def get_world_size(self) -> int:
-        """The engine's workers (tensor x pipeline x data parallel), as the server's
-        ``/get_world_size`` tells."""
-        return int(self.llm.vllm_config.parallel_config.world_size_across_dp)
-
-    def collective_rpc(self, method: str) -> list[Any]:
-        """Each worker's answer to ``method`` (the server's ``/collective_rpc``)."""
-        return list(self._run(method, lambda: self.llm.collective_rpc(method)))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest

@@ -15,7 +15,7 @@ from streamsync._log import log, warn
 from streamsync.engine.messages import Route, WorkerOptions, WorkerResult
 from streamsync.engine.worker import WorkerReceivers
 from streamsync.errors import ConfigError, StreamsyncError, describe
-from streamsync.facts import Versioned
+from streamsync.facts import EngineFacts, Versioned, WorkerFacts
 from streamsync.vllm.sink import ModelInstance, WorkerModels, WorkerState
 from streamsync.vllm.slices import worker_needs
 from streamsync.vllm.worker_sink import worker_sink
@@ -36,6 +36,8 @@ class TransferInit(Versioned, frozen=True, kw_only=True, forbid_unknown_fields=T
     timeout: float = DEFAULT_TIMEOUT
     #: A sharded trainer's: per worker rank, where it receives from (instead of ``endpoint``).
     routes: tuple[Route, ...] = ()
+    #: Whether each worker says what it reads as it joins (a sharded trainer's first call).
+    needs: bool = False
 
     def endpoint_of(self, rank: int) -> str:
         """Where worker ``rank`` connects."""
@@ -104,8 +106,11 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         )
         self._init = init_info
         try:
+            facts = self._facts(needs=init_info.needs)
             self._receivers.open(
-                init_info.endpoint_of(self.rank), init_info.transport, timeout=init_info.timeout
+                init_info.endpoint_of(self.rank),
+                {**init_info.transport, "group": facts.workers, "facts": facts.to_bytes()},
+                timeout=init_info.timeout,
             )
         except BaseException as exc:
             self._receivers.shutdown()
@@ -114,6 +119,27 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
                 raise _named(exc, WorkerResult.failed(exc)) from exc
             raise
         log("vllm.native.init", endpoint=init_info.endpoint, rank=self.rank)
+
+    def _facts(self, *, needs: bool) -> WorkerFacts:
+        """What this worker tells the trainer as it joins: its rank among the engine's
+        workers (data parallel included), their count, the engine's facts and, if
+        ``needs``, what its model reads."""
+        parallel = self.parallel_config
+        within = int(getattr(parallel, "world_size", 1))
+        dp_rank = int(getattr(parallel, "data_parallel_rank", 0))
+        read = worker_needs(self._models("main")) if needs else []
+        return WorkerFacts(
+            rank=dp_rank * within + self.rank,
+            workers=int(getattr(parallel, "world_size_across_dp", within)),
+            engine=EngineFacts.here(),
+            needs=tuple(read),
+        )
+
+    def _models(self, target: str) -> WorkerModels:
+        """The session's model (``target``: main or drafter) with this worker's state."""
+        return WorkerModels(
+            [ModelInstance(target, self.model, self.model_config)], self.vllm_config, self._state
+        )
 
     def start_weight_update(self) -> None:
         self._require()
@@ -169,11 +195,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             transport={**init.transport, **update_info.transport},
             timeout=update_info.timeout if update_info.timeout is not None else init.timeout,
         )
-        models = WorkerModels(
-            [ModelInstance(self._target, self.model, self.model_config)],
-            self.vllm_config,
-            self._state,
-        )
+        models = self._models(self._target)
         if options.routes:  # a sharded sync: the slices this worker's loaders read
             worker_needs(models)
         return options, partial(worker_sink, models)
