@@ -123,6 +123,8 @@ class WorkerFacts(Versioned, frozen=True, kw_only=True):
     channel, what the worker reads."""
 
     what: ClassVar[str] = "worker {rank}'s introduction"
+    #: The worker's engine (its id, shared by its workers; the transport's ``team``).
+    engine_id: str = ""
     #: The worker's rank in its engine.
     rank: int
     #: How many workers the engine has (tensor x pipeline x data parallel).

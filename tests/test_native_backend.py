@@ -401,3 +401,60 @@ def test_staging_through_any_client_that_can_also_pause(
         assert torch.equal(model.named_weights()["lm_head.weight"], before)
     finally:
         sender.shutdown()
+
+
+def test_one_client_over_two_engines_counts_both() -> None:
+    """A client that drives two engines as one (as vLLM's ``RayVLLMWeightSyncClient`` does
+    with a list of actor handles, each call to every engine at once): each engine's worker
+    says it is one of one, of its own engine; the trainer waits for both and every sync
+    reaches both models."""
+    import concurrent.futures
+
+    from vllm.config import VllmConfig, WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    import streamsync.vllm.native  # noqa: F401  (registers the backend)
+    from streamsync.vllm.lifecycles import LIFECYCLES, register_lifecycle
+
+    register_lifecycle(LoadOnly)
+    models = [FakeVllmModel(), FakeVllmModel()]
+    engines = [
+        WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend="streamsync"), VllmConfig(), torch.device("cpu"), m
+        )
+        for m in models
+    ]
+    clients = [InProcessClient(e) for e in engines]
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    def every(name: str) -> Any:
+        def call(*args: Any) -> None:
+            for running in [pool.submit(getattr(c, name), *args) for c in clients]:
+                running.result()
+
+        return call
+
+    class Both:
+        init_weight_transfer_engine = staticmethod(every("init_weight_transfer_engine"))
+        shutdown_weight_transfer_engine = staticmethod(every("shutdown_weight_transfer_engine"))
+        start_weight_update = staticmethod(every("start_weight_update"))
+        update_weights = staticmethod(every("update_weights"))
+        finish_weight_update = staticmethod(every("finish_weight_update"))
+
+    try:
+        sender = trainer(Both(), None)
+        try:
+            assert sender.receivers == 2 and len(sender.channel.facts) == 2
+            for step in range(2):
+                weights = fake_state_dict(seed=30 + step)
+                sender.send_weights(weights)
+                for model in models:
+                    got = model.named_weights()["lm_head.weight"]
+                    assert torch.equal(got, weights["lm_head.weight"])
+        finally:
+            sender.shutdown()
+    finally:
+        pool.shutdown()
+        for engine in engines:
+            engine.shutdown()
+        LIFECYCLES.pop(LoadOnly.name, None)

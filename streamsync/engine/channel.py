@@ -93,16 +93,22 @@ def _sharding(
     return sharded
 
 
-def _check_introductions(workers: list[WorkerFacts], url: str) -> None:
-    """The workers that joined ``url`` are one engine's, each rank once."""
-    ranks = [w.rank for w in workers]
-    if ranks != list(range(len(workers))) or {w.workers for w in workers} != {len(workers)}:
-        raise WireFormatError(
-            f"{url}: the workers that joined are not one engine's, each rank once (ranks "
-            f"{ranks}, saying {sorted({w.workers for w in workers})} workers)"
-        )
-    if len({w.engine for w in workers}) > 1:
-        raise WireFormatError(f"{url}: the workers that joined run different engines")
+def _engines_of(told: Mapping[int, bytes], url: str) -> list[list[WorkerFacts]]:
+    """The workers that joined ``url`` (what each said, by receiver index), by engine and
+    rank; each engine's ranks once each."""
+    engines: dict[str, list[WorkerFacts]] = {}
+    for i, raw in told.items():
+        facts = WorkerFacts.from_bytes(raw, who=f"receiver {i} of {url}")
+        engines.setdefault(facts.engine_id, []).append(facts)
+    found = [sorted(workers, key=lambda w: w.rank) for _, workers in sorted(engines.items())]
+    for workers in found:
+        ranks = [w.rank for w in workers]
+        if ranks != list(range(len(workers))) or {w.workers for w in workers} != {len(workers)}:
+            raise WireFormatError(
+                f"{url}: engine {workers[0].engine_id!r}'s workers are not each rank once "
+                f"(ranks {ranks}, saying {sorted({w.workers for w in workers})} workers)"
+            )
+    return found
 
 
 class EngineChannel:
@@ -328,17 +334,10 @@ class EngineChannel:
         try:
             await self._fan.open(WholeCut(), client.receivers)  # 0: as the first one says
             await self._connect(client, needs=self.sharded)
-            told = self._fan.sender(0).introductions()
-            workers = sorted(
-                (
-                    WorkerFacts.from_bytes(raw, who=f"receiver {i} of {self.url}")
-                    for i, raw in told.items()
-                ),
-                key=lambda w: w.rank,
-            )
-            _check_introductions(workers, self.url)
+            engines = _engines_of(self._fan.sender(0).introductions(), self.url)
+            workers = [w for engine in engines for w in engine]
             client.introduced(len(workers))
-            self.facts = (workers[0].engine,)
+            self.facts = tuple(engine[0].engine for engine in engines)
             self._fan.engines = self.facts
             if not self.sharded:
                 return

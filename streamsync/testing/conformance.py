@@ -196,15 +196,20 @@ class TransportConformance:
                 assert item["syncs"] == [_expected(0)]
 
     def test_receivers_say_how_many_join_and_what_they_are(self) -> None:
-        """A sender opened with ``receivers=0`` waits for as many receivers as the first
-        says join with it (``group``), hears what each says of itself (``facts``), syncs
-        to all of them, and refuses by name one that says another count."""
+        """A sender opened with ``receivers=0`` waits for as many receivers as the first of
+        each team says join with it (``group``: two engines' workers, 2 + 1), hears what
+        each says of itself (``facts``), syncs to all of them, and refuses by name one that
+        says another count than its team's. (A transport whose group is fixed when it
+        forms takes one team.)"""
         url = self.with_receivers(self.make_url("introduced"), 0)
+        teams = [("a", 2), ("a", 2)] + ([("b", 1)] if self.replaces_receivers else [])
         said = [
-            {**self.receiver_options, "group": 2, "facts": f"worker{i}".encode()} for i in range(2)
+            {**self.receiver_options, "group": n, "team": team, "facts": f"worker{i}".encode()}
+            for i, (team, n) in enumerate(teams)
         ]
+        facts = [f"worker{i}".encode() for i in range(len(said))]
         if not self.cross_process:
-            asyncio.run(self._introduced_in_process(url, said))
+            asyncio.run(self._introduced_in_process(url, said, facts))
             return
         with self._peers() as peers:
             for options in said:
@@ -212,29 +217,36 @@ class TransportConformance:
 
             async def send() -> None:
                 async with self._tx(url) as tx:
+                    for _ in said:
+                        await anyio.to_thread.run_sync(self._reached, peers, "joined")
                     await tx.wait_ready(timeout=_CONNECT_S)
-                    assert tx.receivers == 2
-                    assert sorted(tx.introductions().values()) == [b"worker0", b"worker1"]
-                    assert (await self._send(tx)).receivers == 2
+                    assert tx.receivers == len(said)
+                    assert sorted(tx.introductions().values()) == facts
+                    assert (await self._send(tx)).receivers == len(said)
+                    if self.replaces_receivers:  # (a fixed group has no place to try)
+                        await self._refuses_another_count(url)
 
             asyncio.run(send())
-            for item in self._outcomes(peers, 2, 30):
+            for item in self._outcomes(peers, len(said), 30):
                 assert item["ok"], item
                 assert item["syncs"] == [_expected(0)]
 
-    async def _introduced_in_process(self, url: str, said: list[dict[str, Any]]) -> None:
+    async def _introduced_in_process(
+        self, url: str, said: list[dict[str, Any]], facts: list[bytes]
+    ) -> None:
         async with self._tx(url) as tx:
             async with contextlib.AsyncExitStack() as stack:
                 for options in said:
                     await stack.enter_async_context(open_receiver(url, **options))
                 await tx.wait_ready(timeout=_CONNECT_S)
-                assert tx.receivers == 2
-                assert sorted(tx.introductions().values()) == [b"worker0", b"worker1"]
+                assert tx.receivers == len(said)
+                assert sorted(tx.introductions().values()) == facts
             await self._refuses_another_count(url)
 
     async def _refuses_another_count(self, url: str) -> None:
-        """A receiver saying 3 join with it, on a sender that counted 2, is refused by name."""
-        odd = {**self.receiver_options, "group": 3, "connect_timeout": 5.0}
+        """A receiver saying 3 join with it, on a sender whose team ``a`` counted 2, is
+        refused by name."""
+        odd = {**self.receiver_options, "group": 3, "team": "a", "connect_timeout": 5.0}
         try:
             async with open_receiver(url, **odd) as rx:
                 await ss.receive(rx, _HashingSink(), timeout=5.0)

@@ -61,12 +61,15 @@ def resolve_secret(secret: bytes | str | None) -> bytes | None:
 SESSION = b"streamsync-session\0"
 
 
-def hello(codec: WireCodec, *, group: int = 0, facts: bytes = b"") -> tuple[bytes, bytes]:
+def hello(
+    codec: WireCodec, *, group: int = 0, team: str = "", facts: bytes = b""
+) -> tuple[bytes, bytes]:
     """Receiver: a fresh nonce and the ``Hello`` frame carrying it, with how many receivers
-    join with this one (``group``) and what it says of itself (``facts``)."""
+    join with this one (``group``, of ``team``) and what it says of itself (``facts``)."""
     nonce = os.urandom(_NONCE_BYTES)
     who = f"{os.uname().nodename}/{os.getpid()}"
-    return nonce, codec.encode(Hello(who, os.getpid(), nonce=nonce, group=group, facts=facts))
+    hello = Hello(who, os.getpid(), nonce=nonce, group=group, team=team, facts=facts)
+    return nonce, codec.encode(hello)
 
 
 def check_hello(codec: WireCodec, frame: bytes, *, url: str, who: str) -> Hello:

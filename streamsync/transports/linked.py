@@ -140,7 +140,7 @@ class LinkedSender(RingSender):
             return False
         taken = set(self.peers) | set(self._joining)
         if not self._closed and not self._sealed:
-            refused = self.count(f"receiver {hello.receiver}", hello.group)
+            refused = self.count(f"receiver {hello.receiver}", hello.group, hello.team)
             if refused is not None:
                 await self.on_refused(peer, refused)
                 return False
@@ -387,7 +387,9 @@ class LinkedReceiver(RingReceiver):
 
     async def _join(self) -> None:
         await self.link.connect()
-        nonce, hello = handshake.hello(self._codec, group=self.group, facts=self.facts)
+        nonce, hello = handshake.hello(
+            self._codec, group=self.group, team=self.team, facts=self.facts
+        )
         try:
             frame, fds = await self.link.handshake(hello)
         except PeerBrokenError as exc:  # our Hello could not be written: the sender went

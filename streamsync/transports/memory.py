@@ -108,7 +108,7 @@ class MemorySender(RingSender):
                 f"{self.url}: the sender has another secret; pass the same secret= (or "
                 "$STREAMSYNC_SECRET) to both sides"
             )
-        refused = self.count(f"receiver {index}", receiver.group)
+        refused = self.count(f"receiver {index}", receiver.group, receiver.team)
         if refused is None:
             self._facts[index] = receiver.facts
         return refused

@@ -218,6 +218,7 @@ def _bytes(value: Any) -> str | None:
 #: the first), and opaque bytes of what it is (``Sender.introductions()``).
 INTRODUCTION: tuple[Option, ...] = (
     Option("group", int, 0, "how many receivers join with this one (0: not said)", minimum=0),
+    Option("team", str, "", "which group it belongs to (an engine's id)"),
     Option(
         "facts",
         object,

@@ -176,8 +176,9 @@ class RingSender(Sender):
         self._held: dict[int, int | None] = {}
         self._quorum_met = False
         self._stats = SenderStatistics()
-        #: Opened with ``receivers=0``: who said how many join (the first to join).
-        self._counted_by: str | None = None
+        #: Opened with ``receivers=0``: per team, how many join and who said so first.
+        self._learning = receivers == 0
+        self._teams: dict[str, tuple[int, str]] = {}
         #: Per receiver present, what it said of itself as it joined (its ``facts``).
         self._facts: dict[int, bytes] = {}
 
@@ -216,25 +217,29 @@ class RingSender(Sender):
                 f"within {limit:g} s{self._whereabouts()}"
             ) from None
 
-    def count(self, who: str, group: int) -> StreamsyncError | None:
-        """A receiver (``who``) joins saying ``group`` receivers join with it; the error to
-        refuse it with, if any. A sender opened with ``receivers=0`` waits, from the first
-        on, for as many as that one says; a later one that says another count is refused
-        by name."""
-        if self.receivers == 0:
-            if group < 1:
-                return ConfigError(
-                    f"{self.url} was opened with receivers=0 (as many as the receivers "
-                    f"say), but {who} did not say how many join with it; open the sender "
-                    "with receivers=N, or the receivers with group=N"
-                )
-            self.receivers = self.ring.receivers = group
-            self._counted_by = who
-            log("channel.counted", url=self.url, receivers=group, by=who)
-        elif group and self._counted_by is not None and group != self.receivers:
+    def count(self, who: str, group: int, team: str = "") -> StreamsyncError | None:
+        """A receiver (``who``) joins saying ``group`` receivers of ``team`` join with it;
+        the error to refuse it with, if any. A sender opened with ``receivers=0`` waits for
+        the sum of what the first of each team says (every receiver says it before it is
+        welcomed, so once each one that will join was welcomed the count is whole); one
+        that says another count than its team's first is refused by name."""
+        if not self._learning:
+            return None
+        if group < 1:
             return ConfigError(
-                f"{self.url}: {who} says {group} receivers join with it, but "
-                f"{self._counted_by} said {self.receivers}"
+                f"{self.url} was opened with receivers=0 (as many as the receivers say), "
+                f"but {who} did not say how many join with it; open the sender with "
+                "receivers=N, or the receivers with group=N"
+            )
+        known = self._teams.get(team)
+        if known is None:
+            self._teams[team] = (group, who)
+            self.receivers = self.ring.receivers = sum(n for n, _ in self._teams.values())
+            log("channel.counted", url=self.url, receivers=self.receivers, team=team, by=who)
+        elif known[0] != group:
+            return ConfigError(
+                f"{self.url}: {who} says {group} receivers join with it, but {known[1]} "
+                f"said {known[0]}"
             )
         return None
 
@@ -501,13 +506,14 @@ class RingReceiver(Receiver):
         secret: bytes | str | None = None,
         connect_timeout: float = 60.0,
         group: int = 0,
+        team: str = "",
         facts: bytes = b"",
     ) -> None:
         self.url = url
         self.connect_timeout = connect_timeout
         self._secret = resolve_secret(secret)
         #: How many receivers join with this one, and what it says of itself, as it joins.
-        self.group, self.facts = group, facts
+        self.group, self.team, self.facts = group, team, facts
 
     def _silence(self, timeout: float) -> SyncTimeoutError:
         """The error of a receive that heard nothing within its ``timeout``."""

@@ -223,9 +223,14 @@ class GroupSender(LinkedSender):
         self._marker = torch.zeros(_MARKER.size, dtype=torch.uint8)
         self._pending: _Broadcast | None = None
 
-    def count(self, who: str, group: int) -> StreamsyncError | None:
+    def count(self, who: str, group: int, team: str = "") -> StreamsyncError | None:
         learning = self.receivers == 0
-        refused = super().count(who, group)
+        if self._learning and not learning and team not in self._teams:
+            return ConfigError(
+                f"{self.url}: {who} is of another team than the receivers counted; a "
+                "process group has a fixed size (use zmq+tcp:// for several engines)"
+            )
+        refused = super().count(who, group, team)
         if learning and refused is None:  # the group's size, told in every Welcome
             plan = self.member.plan
             assert plan is not None

@@ -194,6 +194,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     #: How many receivers join with this one, itself included (0: it does not say); a
     #: sender opened with ``receivers=0`` waits for as many as the first one says.
     group: int = 0
+    #: Which group it belongs to (an engine's id: the sender of several engines' workers
+    #: waits for the sum of their groups).
+    team: str = ""
     #: What the receiver tells the sender of itself (opaque here: an engine worker's
     #: :class:`~streamsync.facts.WorkerFacts`), read with ``Sender.introductions()``.
     facts: bytes = b""

@@ -109,7 +109,12 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
             facts = self._facts(needs=init_info.needs)
             self._receivers.open(
                 init_info.endpoint_of(self.rank),
-                {**init_info.transport, "group": facts.workers, "facts": facts.to_bytes()},
+                {
+                    **init_info.transport,
+                    "group": facts.workers,
+                    "team": facts.engine_id,
+                    "facts": facts.to_bytes(),
+                },
                 timeout=init_info.timeout,
             )
         except BaseException as exc:
@@ -129,6 +134,7 @@ class StreamsyncWeightTransferEngine(WeightTransferEngine[Any, Any]):
         dp_rank = int(getattr(parallel, "data_parallel_rank", 0))
         read = worker_needs(self._models("main")) if needs else []
         return WorkerFacts(
+            engine_id=str(getattr(self.vllm_config, "instance_id", "")),
             rank=dp_rank * within + self.rank,
             workers=int(getattr(parallel, "world_size_across_dp", within)),
             engine=EngineFacts.here(),
