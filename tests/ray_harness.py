@@ -38,12 +38,31 @@ class AsyncEngine:
     streamsync calls (``collective_rpc``, ``pause_generation``, ``resume_generation``,
     ``reset_prefix_cache``, ``update_weight_version``) and a greedy ``generate``."""
 
-    def __init__(self, model: str, **engine: Any) -> None:
+    def __init__(self, model: str, *, weight_transfer: str | None = None, **engine: Any) -> None:
         from vllm import AsyncEngineArgs
+        from vllm.config import WeightTransferConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if weight_transfer is not None:  # vLLM's weight-transfer API, on this backend
+            engine["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine))
         self.tokens = 0  # generated so far by the request running now
+
+    # vLLM's weight-transfer calls, as vLLM's RayVLLMWeightSyncClient makes them.
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        await self.llm.init_weight_transfer_engine(request)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.llm.shutdown_weight_transfer_engine()
+
+    async def start_weight_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, request: Any) -> None:
+        await self.llm.update_weights(request=request)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.llm.finish_weight_update(weight_version)
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return list(await self.llm.collective_rpc(method, args=args))

@@ -140,6 +140,130 @@ def test_an_async_llm_actor_generates_while_a_version_stages(runtime: None, tmp_
         ray.kill(actor)
 
 
+def pausing_ray_client(handles: Any) -> Any:
+    """vLLM's ``RayVLLMWeightSyncClient`` with the few lines of ``docs/ray.md`` that let a
+    staged sync pause the engine for its commit."""
+    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+    class PausingRayClient(RayVLLMWeightSyncClient):
+        def pause(self, mode: str = "keep") -> None:
+            ray.get([h.pause_generation.remote(mode=mode, clear_cache=False) for h in self.handles])
+
+        def reset_prefix_cache(self) -> None:
+            ray.get([h.reset_prefix_cache.remote(True) for h in self.handles])
+
+        def resume(self) -> None:
+            ray.get([h.resume_generation.remote() for h in self.handles])
+
+    return PausingRayClient(handles)
+
+
+def test_vllms_ray_client_on_the_server_backend(runtime: None, tmp_path: Path) -> None:
+    """``StreamsyncInitInfo`` with vLLM's own ``RayVLLMWeightSyncClient`` and no
+    ``receivers``: the worker says how many it is and which vLLM it runs as it connects;
+    plain syncs between the trainer's pause and resume, then staged ones through the client
+    with ``pause``, ``reset_prefix_cache`` and ``resume`` added, each serving the trainer's
+    weights under the version it names."""
+    import vllm
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from streamsync.facts import EngineFacts
+    from streamsync.vllm.native import StreamsyncInitInfo
+    from streamsync.vllm.ray import node_address
+
+    trainer = build_tiny_model(tmp_path, "dense", seed=0)
+    options = {"num_cpus": 0, "runtime_env": {"env_vars": ENGINE_ENV}}
+    actor = (
+        ray.remote(AsyncEngine)
+        .options(**options)
+        .remote(str(tmp_path), weight_transfer="streamsync", **ENGINE)
+    )
+    endpoint = f"zmq+tcp://{node_address()}:0"
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=600)
+        for client, staged in (
+            (RayVLLMWeightSyncClient(actor), False),
+            (pausing_ray_client(actor), True),
+        ):
+            engine = WeightTransferTrainerFactory.trainer_init(
+                StreamsyncInitInfo(rank=0, endpoint=endpoint, staged=staged),
+                client=client,
+                source=ModuleSource(trainer),
+            )
+            try:
+                assert engine.receivers == 1
+                assert engine.channel.facts == (EngineFacts.of_vllm(vllm.__version__),)
+                for step in range(2):
+                    perturb(trainer, seed=80 + step + 10 * staged)
+                    if not staged:
+                        ray.get(actor.pause_generation.remote(mode="keep"))
+                    engine.send_weights(weight_version=f"ray-{staged}-{step}")
+                    if not staged:
+                        ray.get(actor.resume_generation.remote())
+                    ((tokens, spans),) = ray.get(actor.generate.remote([PROMPTS[0]], 8))
+                    assert tokens == reference_outputs(trainer, [PROMPTS[0]]).tokens[0]
+                    assert spans[-1][0] == f"ray-{staged}-{step}", spans
+            finally:
+                engine.shutdown()
+    finally:
+        ray.kill(actor)
+
+
+def test_an_actor_killed_mid_sync_fails_it_by_name_and_rejoins_after_its_restart(
+    runtime: None, tmp_path: Path
+) -> None:
+    """``ray.kill`` of the engine's actor half-way through the stream fails the sync within
+    the channel's timeout, naming the actor; once Ray restarted it (``max_restarts``), on
+    the weights it started with, the next sync reaches it and it serves the trainer's."""
+    from vllm import LLM
+
+    from streamsync.vllm import WeightSync
+    from streamsync.vllm.ray import node_address
+
+    trainer = build_tiny_model(tmp_path, "dense", seed=0)
+    options = {"num_cpus": 0, "max_restarts": 1, "runtime_env": {"env_vars": ENGINE_ENV}}
+    actor = ray.remote(LLM).options(**options).remote(model=str(tmp_path), **ENGINE)
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=600)
+        with WeightSync(actor, f"zmq+tcp://{node_address()}:0", timeout=30) as sync:
+            name = sync.channel.clients[0].host.name  # type: ignore[attr-defined]
+            sync.update(ss.named_tensors(trainer))
+            perturb(trainer, seed=5)
+
+            def killed_half_way() -> Iterator[tuple[str, torch.Tensor]]:
+                items = list(trainer.state_dict().items())
+                for i, item in enumerate(items):
+                    if i == len(items) // 2:
+                        ray.kill(actor, no_restart=False)
+                    yield item
+
+            started = time.monotonic()
+            with pytest.raises(ss.StreamsyncError) as info:
+                sync.update(killed_half_way())
+            assert time.monotonic() - started < 30 + 10
+            assert name in str(info.value), info.value
+            restarted(actor)  # on the weights it started with
+            report = sync.update(ss.named_tensors(trainer))
+            assert report.complete and report.receivers == 1
+            assert_matches(generated(actor), reference_outputs(trainer))
+    finally:
+        ray.kill(actor)
+
+
+def restarted(actor: Any, within: float = 600) -> None:
+    """Wait until Ray has restarted ``actor`` (it answers as unavailable until then)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=within)
+            return
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, f"not restarted within {within:g} s"
+            time.sleep(0.5)
+
+
 def test_importing_streamsync_never_imports_ray() -> None:
     code = (
         "import sys, streamsync, streamsync.vllm, streamsync.vllm.client; "

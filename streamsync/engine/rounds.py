@@ -19,6 +19,7 @@ import msgspec
 from streamsync.engine.messages import WorkerResult
 from streamsync.errors import (
     CONSEQUENCES,
+    PeerBrokenError,
     ReceiverFailedError,
     SenderAbortedError,
     StreamsyncError,
@@ -173,6 +174,15 @@ class SyncRound:
         )
         if isinstance(cause, CONSEQUENCES) and self.send_error is not None:
             cause = self.send_error  # no party's own failure: the trainer's view first
+            gone = [
+                err
+                for e, err in self.engine_errors.items()
+                if e not in absent and isinstance(err, PeerBrokenError)
+            ]
+            if gone:  # the engine's host saw it go, and names it
+                named = type(cause)(f"{gone[0]}; {cause}")
+                named.engine, named.report = gone[0].engine, cause.report
+                cause = named
         assert cause is None or isinstance(cause, StreamsyncError)
         return cause
 

@@ -105,7 +105,7 @@ class RayActor:
     async def _await(self, what: str, ref: Any) -> Any:
         try:
             return await ref
-        except ray.exceptions.RayActorError as exc:
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise PeerBrokenError(f"{self.name} is gone ({what}): {exc}") from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc
