@@ -110,6 +110,8 @@ PUBLIC: dict[str, list[str]] = {
         "register",
         "weight_source",
     ],
+    # An engine in a Ray actor: the handle goes to WeightSync; the address to bind.
+    "streamsync.vllm.ray": ["node_address"],
     "streamsync.integrations.trl": ["WeightTransfer"],
     # The engine seam, for another engine (docs/vllm.md, "Another engine").
     "streamsync.engine.channel": ["EngineChannel"],
@@ -118,8 +120,8 @@ PUBLIC: dict[str, list[str]] = {
     "streamsync.engine.worker": ["WorkerReceivers"],
 }
 
-# Importing it imports vLLM (it registers the backend with vLLM's factories).
-NEEDS_VLLM = {"streamsync.vllm.native"}
+# Importing it imports vLLM (it registers the backend with vLLM's factories), or Ray.
+NEEDS_VLLM = {"streamsync.vllm.native", "streamsync.vllm.ray"}
 
 
 def _module_name(path: Path) -> str:

@@ -187,8 +187,6 @@ class TransportConformance:
                     for _ in range(2):
                         await anyio.to_thread.run_sync(self._reached, peers, "joined")
                     assert (await self._send(tx)).receivers == 2
-                    if self.replaces_receivers:  # (a fixed group has no place to try)
-                        await self._refuses_another_count(url)
 
             asyncio.run(send())
             for item in self._outcomes(peers, 2, 30):

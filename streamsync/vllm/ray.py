@@ -25,7 +25,7 @@ from streamsync._channel import DEFAULT_TIMEOUT
 from streamsync.engine.clients import PauseMode
 from streamsync.errors import ConfigError, LoraError, PeerBrokenError, ReceiverFailedError
 
-__all__ = ["RayActor", "node_address"]
+__all__ = ["node_address"]
 
 _HELLO = "streamsync_hello"
 
@@ -35,9 +35,10 @@ def node_address() -> str:
     return str(ray.util.get_node_ip_address())
 
 
-def _where(actor: Any) -> tuple[str, str]:
-    """Inside the actor: its class and its node's address."""
-    return type(actor).__name__, node_address()
+def _where(actor: Any) -> tuple[str, str, str]:
+    """Inside the actor: its class, its id and its node's address."""
+    actor_id = str(ray.get_runtime_context().get_actor_id() or "")
+    return type(actor).__name__, actor_id[:12], node_address()
 
 
 def _engine(actor: Any) -> Any:
@@ -76,15 +77,15 @@ class RayActor:
 
     def __init__(self, handle: Any, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.handle = handle
-        actor_id = handle._actor_id.hex()[:12]  # ActorHandle's id; public as actor_id
+        actor_id = "(not answering)"
         try:
-            cls, node = ray.get(handle.__ray_call__.remote(_where), timeout=timeout)
+            cls, actor_id, node = ray.get(handle.__ray_call__.remote(_where), timeout=timeout)
             hellos = ray.get(handle.collective_rpc.remote(_HELLO), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise PeerBrokenError(
                 f"Ray actor {actor_id} did not answer within {timeout:g} s"
             ) from None
-        except ray.exceptions.RayActorError as exc:
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise PeerBrokenError(f"Ray actor {actor_id} is gone: {exc}") from None
         except ray.exceptions.RayTaskError as exc:
             raise ConfigError(
