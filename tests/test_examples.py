@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import extra
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -47,7 +48,7 @@ def test_the_ray_rl_loop_runs_as_a_user_runs_it(tmp_path: Path) -> None:
     import os
     import shutil
 
-    pytest.importorskip("ray")
+    extra("ray", "ray")
     script = tmp_path / "ray_rl_loop.py"
     shutil.copy(EXAMPLES / "ray_rl_loop.py", script)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "STREAMSYNC"))}

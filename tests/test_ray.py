@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import extra
 from ray_harness import ENGINE, ENGINE_ENV, AsyncEngine, worker_path
 from vllm_harness import assert_matches
 
@@ -27,7 +28,7 @@ from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = pytest.mark.vllm
 
-ray = pytest.importorskip("ray")
+ray = extra("ray", "ray")
 
 
 @pytest.fixture(scope="module")

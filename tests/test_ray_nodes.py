@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import extra
 from ray_harness import ENGINE, ENGINE_ENV, worker_path
 
 import streamsync as ss
@@ -20,7 +21,7 @@ from streamsync.testing.models import build_tiny_model, perturb
 
 pytestmark = pytest.mark.vllm
 
-ray = pytest.importorskip("ray")
+ray = extra("ray", "ray")
 
 
 @pytest.fixture(scope="module")
