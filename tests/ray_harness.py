@@ -7,7 +7,9 @@ its folder on their ``PYTHONPATH``).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -103,3 +105,116 @@ class AsyncEngine:
     async def generated(self) -> int:
         """Tokens of the running request so far."""
         return self.tokens
+
+    async def outputs(self) -> Any:
+        """Greedy tokens and prompt logprobs of the fixed prompts
+        (:class:`streamsync.cli.verify.Outputs`)."""
+        from streamsync.cli.verify import PROMPTS, outputs_from, sampling
+
+        finals = []
+        for prompt in PROMPTS:
+            async for part in self.llm.generate(
+                {"prompt_token_ids": prompt}, sampling(), str(uuid.uuid4())
+            ):
+                final = part
+            finals.append(final)
+        return outputs_from(finals)
+
+
+class TrainerRank:
+    """One rank of an FSDP2 trainer in a Ray actor (``ray.remote(TrainerRank)``), in a gloo
+    group with the other ranks' actors, as verl and OpenRLHF run their trainer ranks. Rank 0
+    drives the engine actors; every rank sends its own shards. :meth:`open` holds the lines
+    a rank actor writes (``docs/ray.md``)."""
+
+    def __init__(self, path: str, rank: int, world: int, master: str) -> None:
+        import torch.distributed as dist
+        from rank_harness import fsdp2_model
+
+        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
+        self.rank = rank
+        self.model, self.full = fsdp2_model(path)
+        self.stack = contextlib.AsyncExitStack()
+        self.sync: Any = None
+
+    async def open(self, engines: Any, **options: Any) -> None:
+        from streamsync.vllm import RankPeer, Ranks, WeightSync
+        from streamsync.vllm.ray import node_address
+
+        self.ranks = Ranks()
+        endpoint = f"zmq+tcp://{node_address()}:0"  # this rank's node, where engines reach it
+        if self.rank == 0:
+            sync = WeightSync(engines, endpoint, sharded=True, ranks=self.ranks, **options)
+        else:
+            sync = RankPeer(self.ranks, endpoint, **options)
+        self.sync = await self.stack.enter_async_context(sync)
+
+    async def close(self) -> dict[str, int]:
+        """Close the sync; what this rank assembled of each tensor, at most, at once."""
+        await self.stack.aclose()
+        return dict(self.ranks.assembled)
+
+    def _step(self, step: int, hold: tuple[Any, ...] | None) -> Any:
+        from rank_harness import new_weights, set_shards
+
+        set_shards(self.model, new_weights(self.full, step))
+        return self.model if hold is None else _Held(self.model, *hold)
+
+    async def update(self, step: int, hold: tuple[Any, ...] | None = None) -> Any:
+        """This rank's part of the sync of step ``step``'s weights. ``hold``: an engine
+        actor and a token count; half-way through this rank's tensors, wait until the engine's
+        running request has produced that many (a paused engine would fail it)."""
+        return await self.sync.update(self._step(step, hold))
+
+    async def stage(self, step: int, hold: tuple[Any, ...] | None = None) -> Any:
+        """Rank 0: stage step ``step``'s weights (the other ranks :meth:`update`)."""
+        return await self.sync.stage(self._step(step, hold))
+
+    async def commit(self) -> Any:
+        return await self.sync.commit()
+
+    async def needs(self) -> dict[str, Any]:
+        """Rank 0: what each model instance of the engines reads."""
+        return dict(self.sync.needs)
+
+    async def versions(self) -> list[str]:
+        return [str(v) for v in self.sync.versions.values()]
+
+    async def plain(self, engines: Any, step: int) -> Any:
+        """Rank 0: a plain full sync of step ``step``'s whole weights (no ranks, not sharded)."""
+        from rank_harness import new_weights
+
+        from streamsync.vllm import WeightSync
+        from streamsync.vllm.ray import node_address
+
+        async with WeightSync(engines, f"zmq+tcp://{node_address()}:0") as plain:
+            return await plain.update(new_weights(self.full, step))
+
+    def leave(self) -> None:
+        """Tear down the gloo group (the actor is then killed)."""
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+class _Held(dict[str, Any]):
+    """A rank's weights whose iteration, half-way, waits for an engine's running request to
+    reach a token count (polled through the actor's handle)."""
+
+    def __init__(self, model: Any, engine: Any, tokens: int, marker: str = "") -> None:
+        super().__init__(model.state_dict(keep_vars=True))
+        self.engine, self.tokens, self.marker = engine, tokens, marker
+
+    def items(self) -> Any:  # type: ignore[override]
+        import ray
+
+        items = list(super().items())
+        for i, item in enumerate(items):
+            if i == len(items) // 2:
+                if self.marker:  # tell the test this rank is half-way
+                    Path(self.marker).touch()
+                deadline = time.monotonic() + 120
+                while (now := ray.get(self.engine.generated.remote())) < self.tokens:
+                    assert time.monotonic() < deadline, f"{now} of {self.tokens} tokens in 120 s"
+                    time.sleep(0.01)
+            yield item

@@ -16,40 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_harness import fsdp2_model, new_weights, set_shards
 
 pytestmark = pytest.mark.vllm
 
 WORLD = 2
 STEPS = 3
-
-
-def new_weights(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-    """The trainer's weights after ``step`` (the same on every rank): a few percent of each
-    tensor's elements move; names of one tensor (tied) stay one tensor."""
-    gen = torch.Generator().manual_seed(100 + step)
-    out: dict[str, torch.Tensor] = {}
-    made: dict[int, torch.Tensor] = {}
-    for name, tensor in full.items():
-        if id(tensor) not in made:
-            picked = torch.rand(tensor.shape, generator=gen) < 0.03
-            made[id(tensor)] = tensor + picked * torch.randn(tensor.shape, generator=gen) * 0.05
-        out[name] = made[id(tensor)]
-    return out
-
-
-def set_shards(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Each DTensor parameter's local shard from ``full`` (FSDP2 splits dim 0 in chunks)."""
-    from torch.distributed.tensor import DTensor
-
-    rank = dist.get_rank()
-    with torch.no_grad():
-        for name, param in model.state_dict(keep_vars=True).items():
-            if isinstance(param, DTensor):
-                local = param.to_local()
-                chunk = -(-full[name].shape[0] // WORLD)
-                local.copy_(full[name][rank * chunk : rank * chunk + local.shape[0]])
-            else:
-                param.copy_(full[name])
 
 
 def _pipeline(kind: str) -> Any:
@@ -128,20 +100,8 @@ def _worker(rank: int, port: int, path: str, out_dir: str, done: Any, kind: str)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         import anyio
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-        copies: dict[int, torch.Tensor] = {}  # tied names share one copy
-        full = {
-            n: copies.setdefault(t.data_ptr(), t.detach().clone())
-            for n, t in model.state_dict().items()
-        }
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model, full = fsdp2_model(path)
         out = _rank0(model, full, path, kind) if rank == 0 else anyio.run(_rank1, model, full, kind)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         done.wait(120)
