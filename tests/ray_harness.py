@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +143,7 @@ class TrainerRank:
         from streamsync.vllm import RankPeer, Ranks, WeightSync
         from streamsync.vllm.ray import node_address
 
-        self.ranks = Ranks()
+        self.ranks = Ranks(timeout=options.get("timeout", 60))
         endpoint = f"zmq+tcp://{node_address()}:0"  # this rank's node, where engines reach it
         if self.rank == 0:
             sync = WeightSync(engines, endpoint, sharded=True, ranks=self.ranks, **options)
@@ -154,21 +156,20 @@ class TrainerRank:
         await self.stack.aclose()
         return dict(self.ranks.assembled)
 
-    def _step(self, step: int, hold: tuple[Any, ...] | None) -> Any:
+    def _step(self, step: int, half_way: Callable[[], object] | None) -> Any:
         from rank_harness import new_weights, set_shards
 
         set_shards(self.model, new_weights(self.full, step))
-        return self.model if hold is None else _Held(self.model, *hold)
+        return self.model if half_way is None else _Held(self.model, half_way)
 
-    async def update(self, step: int, hold: tuple[Any, ...] | None = None) -> Any:
-        """This rank's part of the sync of step ``step``'s weights. ``hold``: an engine
-        actor and a token count; half-way through this rank's tensors, wait until the engine's
-        running request has produced that many (a paused engine would fail it)."""
-        return await self.sync.update(self._step(step, hold))
+    async def update(self, step: int, half_way: Callable[[], object] | None = None) -> Any:
+        """This rank's part of the sync of step ``step``'s weights; ``half_way`` runs half-way
+        through this rank's tensors (it blocks this rank meanwhile)."""
+        return await self.sync.update(self._step(step, half_way))
 
-    async def stage(self, step: int, hold: tuple[Any, ...] | None = None) -> Any:
+    async def stage(self, step: int, half_way: Callable[[], object] | None = None) -> Any:
         """Rank 0: stage step ``step``'s weights (the other ranks :meth:`update`)."""
-        return await self.sync.stage(self._step(step, hold))
+        return await self.sync.stage(self._step(step, half_way))
 
     async def commit(self) -> Any:
         return await self.sync.commit()
@@ -198,23 +199,44 @@ class TrainerRank:
 
 
 class _Held(dict[str, Any]):
-    """A rank's weights whose iteration, half-way, waits for an engine's running request to
-    reach a token count (polled through the actor's handle)."""
+    """A rank's weights whose iteration runs ``half_way`` half-way through."""
 
-    def __init__(self, model: Any, engine: Any, tokens: int, marker: str = "") -> None:
+    def __init__(self, model: Any, half_way: Callable[[], object]) -> None:
         super().__init__(model.state_dict(keep_vars=True))
-        self.engine, self.tokens, self.marker = engine, tokens, marker
+        self.half_way = half_way
 
     def items(self) -> Any:  # type: ignore[override]
-        import ray
-
         items = list(super().items())
         for i, item in enumerate(items):
             if i == len(items) // 2:
-                if self.marker:  # tell the test this rank is half-way
-                    Path(self.marker).touch()
-                deadline = time.monotonic() + 120
-                while (now := ray.get(self.engine.generated.remote())) < self.tokens:
-                    assert time.monotonic() < deadline, f"{now} of {self.tokens} tokens in 120 s"
-                    time.sleep(0.01)
+                self.half_way()
             yield item
+
+
+def tokens_reach(engine: Any, count: int, within: float = 120) -> int:
+    """Wait until the engine actor's running request has produced ``count`` tokens."""
+    import ray
+
+    deadline = time.monotonic() + within
+    while (now := ray.get(engine.generated.remote())) < count:
+        assert time.monotonic() < deadline, f"{now} of {count} tokens within {within:g} s"
+        time.sleep(0.01)
+    return int(now)
+
+
+def die() -> None:
+    """Kill this process at once (SIGKILL: no cleanup, as the OOM killer does)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def worker_pids(_: Any = None) -> list[int]:
+    """Inside an engine actor (``__ray_call__``): the process ids of its engine's
+    tensor-parallel workers (vLLM names them ``Worker_TP<rank>``), by rank."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        title = " ".join(child.cmdline())
+        if "Worker_TP" in title:
+            found[title.split("Worker_TP")[1][:1]] = child.pid
+    return [found[rank] for rank in sorted(found)]

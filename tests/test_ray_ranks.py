@@ -8,18 +8,32 @@ what a plain full sync of the same weights gives it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
+from functools import partial
 from math import prod
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import extra
-from ray_harness import ENGINE, ENGINE_ENV, AsyncEngine, TrainerRank, worker_path
+from ray_harness import (
+    ENGINE,
+    ENGINE_ENV,
+    AsyncEngine,
+    TrainerRank,
+    die,
+    tokens_reach,
+    worker_path,
+    worker_pids,
+)
 
+import streamsync as ss
 from streamsync.boxes import slices_of
+from streamsync.cli.verify import PROMPTS
 from streamsync.testing.models import build_tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -74,15 +88,8 @@ def rank_actors(path: Path) -> list[Any]:
 
 
 def node_of(actor: Any) -> str:
-    return str(ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())))
-
-
-def tokens_reach(engine: Any, count: int) -> int:
-    deadline = time.monotonic() + 120
-    while (now := ray.get(engine.generated.remote())) < count:
-        assert time.monotonic() < deadline, f"{now} of {count} tokens within 120 s"
-        time.sleep(0.01)
-    return int(now)
+    ref = actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+    return str(ray.get(ref))
 
 
 @pytest.mark.timeout(900)
@@ -100,12 +107,7 @@ def test_two_rank_actors_sync_a_tp2_engine_actor_on_another_node(
     try:
         here = node_of(rank0)
         assert node_of(rank1) == here != engine_node.node_id == node_of(engine)
-        ray.get(
-            [
-                rank0.open.remote(engine, delta=True, staged=True, timeout=60),
-                rank1.open.remote(engine, delta=True, timeout=60),
-            ]
-        )
+        open_ranks(ranks, engine, timeout=60)
         needs = ray.get(rank0.needs.remote())
         reports, seen = [], []
         for step in range(STEPS - 1):
@@ -116,7 +118,10 @@ def test_two_rank_actors_sync_a_tp2_engine_actor_on_another_node(
         running = engine.generate.remote([[1, 2, 3, 4]], 300)
         started = tokens_reach(engine, 1)
         staged, told = ray.get(
-            [rank0.stage.remote(STEPS - 1), rank1.update.remote(STEPS - 1, (engine, started + 3))]
+            [
+                rank0.stage.remote(STEPS - 1),
+                rank1.update.remote(STEPS - 1, partial(tokens_reach, engine, started + 3)),
+            ]
         )
         assert staged.rank_bytes == told.rank_bytes
         at_commit = ray.get(engine.generated.remote())
@@ -158,3 +163,89 @@ def test_two_rank_actors_sync_a_tp2_engine_actor_on_another_node(
     # Tokens came while the version staged; the later ones carry it.
     assert spans[0][0] != str(staged.sync_id) and spans[-1][0] == str(staged.sync_id), spans
     assert at_commit >= started + 3 and spans[-1][1] >= at_commit, (started, at_commit, spans)
+
+
+def open_ranks(ranks: list[Any], engine: Any, timeout: float) -> None:
+    rank0, rank1 = ranks
+    ray.get(
+        [
+            rank0.open.remote(engine, delta=True, staged=True, timeout=timeout),
+            rank1.open.remote(engine, delta=True, timeout=timeout),
+        ]
+    )
+
+
+def served_version(engine: Any) -> str:
+    ((_, spans),) = ray.get(engine.generate.remote([PROMPTS[0]], 2))
+    return str(spans[-1][0])
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_actor_that_dies_leaves_the_engine_on_its_old_version(
+    cluster: tuple[Any, Any, Path],
+) -> None:
+    """Rank 0's actor SIGKILLed half-way through its shards of a staged sync: the engine
+    goes on serving the version before, untouched; the next trainer's first sync is full
+    and the engine then serves exactly what a plain full sync gives it."""
+    engine, _, path = cluster
+    ranks = rank_actors(path)
+    try:
+        open_ranks(ranks, engine, timeout=30)
+        ray.get([r.update.remote(0) for r in ranks])
+        before, version = ray.get(engine.outputs.remote()), served_version(engine)
+        dying, peer = ranks[0].update.remote(1, die), ranks[1].update.remote(1)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(dying, timeout=120)
+        with pytest.raises(ss.StreamsyncError) as info:
+            ray.get(peer, timeout=120)
+        assert "trainer rank 1 of 2" in str(info.value) and "a rank is gone" in str(info.value)
+        after = ray.get(engine.outputs.remote())
+        assert after.tokens == before.tokens and after.max_logprob_diff(before) == 0
+        assert served_version(engine) == version
+    finally:
+        for actor in ranks:
+            ray.kill(actor)
+    # The workers give up the dead trainer's sync within its timeout (30 s): the next
+    # trainer's first sync waits that out.
+    ranks = rank_actors(path)
+    try:
+        open_ranks(ranks, engine, timeout=90)
+        report, _ = ray.get([r.update.remote(1) for r in ranks])
+        synced = ray.get(engine.outputs.remote())
+        ray.get([r.close.remote() for r in ranks])
+        ray.get(ranks[0].plain.remote(engine, 1))
+        want = ray.get(engine.outputs.remote())
+    finally:
+        for actor in ranks:
+            ray.kill(actor)
+    assert report.delta is not None and report.delta.base is None  # full
+    assert synced.tokens == want.tokens and synced.max_logprob_diff(want) == 0
+    assert synced.max_logprob_diff(before) > 0
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_engine_worker_fails_the_sync_by_the_actors_name(
+    cluster: tuple[Any, Any, Path],
+) -> None:
+    """SIGKILL of one of the engine's two worker processes half-way through rank 0's shards:
+    the sync fails on both ranks within the channel's timeout, naming the engine's actor.
+    (Last in this module: the engine is gone after it.)"""
+    engine, _, path = cluster
+    workers = ray.get(engine.__ray_call__.remote(worker_pids))
+    assert len(set(workers)) == 2
+    actor_id = engine._actor_id.hex()[:12]
+    ranks = rank_actors(path)
+    try:
+        open_ranks(ranks, engine, timeout=30)
+        ray.get([r.update.remote(0) for r in ranks])
+        kill = partial(os.kill, workers[1], signal.SIGKILL)
+        started = time.monotonic()
+        failing = [ranks[0].update.remote(1, kill), ranks[1].update.remote(1)]
+        for ref in failing:
+            with pytest.raises(ss.StreamsyncError) as info:
+                ray.get(ref, timeout=120)
+            assert f"AsyncEngine actor {actor_id}" in str(info.value), info.value
+        assert time.monotonic() - started < 30 + 15
+    finally:
+        for actor in ranks:
+            ray.kill(actor)
