@@ -213,6 +213,25 @@ class _Held(dict[str, Any]):
             yield item
 
 
+def pausing_ray_client(handles: Any) -> Any:
+    """vLLM's ``RayVLLMWeightSyncClient`` with the few lines of ``docs/ray.md`` that let a
+    staged sync pause the engine for its commit."""
+    import ray
+    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+    class PausingRayClient(RayVLLMWeightSyncClient):  # type: ignore[misc]
+        def pause(self, mode: str = "keep") -> None:
+            ray.get([h.pause_generation.remote(mode=mode, clear_cache=False) for h in self.handles])
+
+        def reset_prefix_cache(self) -> None:
+            ray.get([h.reset_prefix_cache.remote(True) for h in self.handles])
+
+        def resume(self) -> None:
+            ray.get([h.resume_generation.remote() for h in self.handles])
+
+    return PausingRayClient(handles)
+
+
 def tokens_reach(engine: Any, count: int, within: float = 120) -> int:
     """Wait until the engine actor's running request has produced ``count`` tokens."""
     import ray

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import extra
-from ray_harness import ENGINE, ENGINE_ENV, AsyncEngine, worker_path
+from ray_harness import ENGINE, ENGINE_ENV, AsyncEngine, pausing_ray_client, worker_path
 from vllm_harness import assert_matches
 
 import streamsync as ss
@@ -141,24 +141,6 @@ def test_an_async_llm_actor_generates_while_a_version_stages(runtime: None, tmp_
         ray.kill(actor)
 
 
-def pausing_ray_client(handles: Any) -> Any:
-    """vLLM's ``RayVLLMWeightSyncClient`` with the few lines of ``docs/ray.md`` that let a
-    staged sync pause the engine for its commit."""
-    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
-
-    class PausingRayClient(RayVLLMWeightSyncClient):
-        def pause(self, mode: str = "keep") -> None:
-            ray.get([h.pause_generation.remote(mode=mode, clear_cache=False) for h in self.handles])
-
-        def reset_prefix_cache(self) -> None:
-            ray.get([h.reset_prefix_cache.remote(True) for h in self.handles])
-
-        def resume(self) -> None:
-            ray.get([h.resume_generation.remote() for h in self.handles])
-
-    return PausingRayClient(handles)
-
-
 def test_vllms_ray_client_on_the_server_backend(runtime: None, tmp_path: Path) -> None:
     """``StreamsyncInitInfo`` with vLLM's own ``RayVLLMWeightSyncClient`` and no
     ``receivers``: the worker says how many it is and which vLLM it runs as it connects;
@@ -251,6 +233,52 @@ def test_an_actor_killed_mid_sync_fails_it_by_name_and_rejoins_after_its_restart
             assert_matches(generated(actor), reference_outputs(trainer))
     finally:
         ray.kill(actor)
+
+
+def test_an_engine_killed_while_staging_leaves_the_others_untouched(
+    runtime: None, tmp_path: Path
+) -> None:
+    """Two engine actors, staged: one killed (``ray.kill``) half-way through the stream
+    fails the stage within the channel's timeout, naming it; nothing is committed, and the
+    other goes on serving the version before, untouched."""
+    from vllm import LLM
+
+    from streamsync.vllm import WeightSync
+    from streamsync.vllm.ray import node_address
+
+    trainer = build_tiny_model(tmp_path, "dense", seed=0)
+    options = {"num_cpus": 0, "runtime_env": {"env_vars": ENGINE_ENV}}
+    engines = [
+        ray.remote(LLM).options(**options).remote(model=str(tmp_path), **ENGINE) for _ in range(2)
+    ]
+    doomed, survivor = engines
+    try:
+        ray.get([e.__ray_ready__.remote() for e in engines], timeout=600)
+        endpoint = f"zmq+tcp://{node_address()}:0"
+        with WeightSync(engines, endpoint, staged=True, timeout=30) as sync:
+            name = sync.channel.clients[0].host.name  # type: ignore[attr-defined]
+            perturb(trainer, seed=11)
+            sync.update(ss.named_tensors(trainer))
+            before = generated(survivor)
+            perturb(trainer, seed=12)
+
+            def killed_half_way() -> Iterator[tuple[str, torch.Tensor]]:
+                items = list(trainer.state_dict().items())
+                for i, item in enumerate(items):
+                    if i == len(items) // 2:
+                        ray.kill(doomed)
+                    yield item
+
+            started = time.monotonic()
+            with pytest.raises(ss.StreamsyncError) as info:
+                sync.update(killed_half_way())
+            assert time.monotonic() - started < 30 + 10
+            assert name in str(info.value), info.value
+            after = generated(survivor)
+        assert after.tokens == before.tokens and after.max_logprob_diff(before) == 0
+    finally:
+        for engine in engines:
+            ray.kill(engine)
 
 
 def restarted(actor: Any, within: float = 600) -> None:

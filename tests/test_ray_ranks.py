@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import extra
 from ray_harness import (
     ENGINE,
@@ -26,6 +27,7 @@ from ray_harness import (
     AsyncEngine,
     TrainerRank,
     die,
+    pausing_ray_client,
     tokens_reach,
     worker_path,
     worker_pids,
@@ -62,7 +64,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any
     engine = (
         ray.remote(AsyncEngine)
         .options(**options)
-        .remote(str(path), tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+        .remote(
+            str(path),
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+            weight_transfer="streamsync",  # vLLM's weight-transfer API too
+            **ENGINE,
+        )
     )
     try:
         ray.get(engine.__ray_ready__.remote(), timeout=600)
@@ -147,12 +155,7 @@ def test_two_rank_actors_sync_a_tp2_engine_actor_on_another_node(
     # deltas less.
     for w in range(2):
         mine = [n for k, n in needs.items() if k.startswith(f"worker{w}.")]
-        reads = {
-            need.name: prod(need.box.shape if need.box is not None else need.shape)
-            for instance in mine
-            for need in instance.needs
-        }
-        assert full.worker_bytes[f"worker{w}"] == 4 * sum(reads.values()), w
+        assert full.worker_bytes[f"worker{w}"] == read_bytes(needs, w), w
         assert all(r.worker_bytes[f"worker{w}"] < full.worker_bytes[f"worker{w}"] for r in deltas)
         # No rank held a whole tensor that a worker reads in part: each assembled that
         # worker's box (half of it).
@@ -163,6 +166,91 @@ def test_two_rank_actors_sync_a_tp2_engine_actor_on_another_node(
     # Tokens came while the version staged; the later ones carry it.
     assert spans[0][0] != str(staged.sync_id) and spans[-1][0] == str(staged.sync_id), spans
     assert at_commit >= started + 3 and spans[-1][1] >= at_commit, (started, at_commit, spans)
+
+
+@pytest.mark.timeout(900)
+def test_vllms_ray_client_shards_deltas_and_stages_into_the_tp2_actor(
+    cluster: tuple[Any, Any, Path],
+) -> None:
+    """The same through vLLM's weight-transfer API: ``StreamsyncInitInfo`` (sharded, delta,
+    staged, no ``receivers``) with vLLM's ``RayVLLMWeightSyncClient`` and the documented
+    pause, from the driver on the trainer's node. Each step equals a plain full sync of the
+    same weights; the workers got the bytes of what they read; the last version stages while
+    a request generates, and its later tokens carry the version given."""
+    from rank_harness import new_weights
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from streamsync.vllm import WeightSync
+    from streamsync.vllm.native import StreamsyncInitInfo
+    from streamsync.vllm.ray import node_address
+
+    engine, _, path = cluster
+    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+    full = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    endpoint = f"zmq+tcp://{node_address()}:0"
+    info = StreamsyncInitInfo(rank=0, endpoint=endpoint, sharded=True, delta=True, staged=True)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        info, client=pausing_ray_client(engine), source=ModuleSource(model)
+    )
+    reports, seen = [], []
+    try:
+        assert trainer.receivers == 2
+        needs = dict(trainer.needs)
+        for step in range(STEPS - 1):
+            model.load_state_dict(new_weights(full, step))
+            trainer.send_weights(weight_version=f"native-{step}")
+            reports.append(trainer.last_report)
+            seen.append(ray.get(engine.outputs.remote()))
+        model.load_state_dict(new_weights(full, STEPS - 1))
+        running = engine.generate.remote([[1, 2, 3, 4]], 500)
+        tokens_reach(engine, 1)
+        started = 0
+
+        def held() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal started
+            items = list(model.state_dict().items())
+            for i, item in enumerate(items):
+                if i == 0:  # the stage has begun
+                    started = ray.get(engine.generated.remote())
+                if i == len(items) // 2:
+                    tokens_reach(engine, started + 3)
+                yield item
+
+        trainer.stage_weights(held())
+        at_commit = ray.get(engine.generated.remote())
+        reports.append(trainer.commit_weights(f"native-{STEPS - 1}"))
+        seen.append(ray.get(engine.outputs.remote()))
+        ((_, spans),) = ray.get(running, timeout=300)
+    finally:
+        trainer.shutdown()
+    want = []
+    with WeightSync(engine, endpoint) as plain:
+        for step in range(STEPS):
+            plain.update(new_weights(full, step))
+            want.append(ray.get(engine.outputs.remote()))
+    for got, expected in zip(seen, want, strict=True):
+        assert got.tokens == expected.tokens and got.max_logprob_diff(expected) == 0
+    full_report, *deltas = reports
+    assert full_report.delta is not None and full_report.delta.base is None
+    assert all(r.delta is not None and r.delta.base is not None for r in deltas)
+    # vLLM's protocol brings back no worker's report: the bytes are the sender's, the sum
+    # of what each worker reads.
+    assert full_report.wire_bytes == read_bytes(needs, 0) + read_bytes(needs, 1)
+    assert spans[0][0] != spans[-1][0] == f"native-{STEPS - 1}", spans
+    assert at_commit >= started + 3 and spans[-1][1] >= at_commit, (started, at_commit, spans)
+
+
+def read_bytes(needs: dict[str, Any], worker: int) -> int:
+    """The bytes of what worker ``worker`` reads (fp32): its boxes, or whole tensors."""
+    mine = [n for k, n in needs.items() if k.startswith(f"worker{worker}.")]
+    reads = {
+        need.name: prod(need.box.shape if need.box is not None else need.shape)
+        for instance in mine
+        for need in instance.needs
+    }
+    return 4 * sum(reads.values())
 
 
 def open_ranks(ranks: list[Any], engine: Any, timeout: float) -> None:
