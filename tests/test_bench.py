@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from conftest import extra
 
 import streamsync as ss
 from streamsync.adapters import expand_moe
@@ -535,6 +536,41 @@ def test_the_lora_bench_syncs_an_adapter_and_the_full_model_into_vllm() -> None:
     assert data["adapter_bytes"] == 2 * per_layer * 4
     assert data["full_bytes"] > 10 * data["adapter_bytes"]
     assert len(data["full_s"]) == len(data["adapter_s"]) == 1
+
+
+def test_the_ray_table_gives_the_ratio_against_its_target() -> None:
+    from streamsync.cli.bench.ray import format_ray_table
+
+    data = {
+        "model": "dense-400m",
+        "runs": 3,
+        "bytes": 800 << 20,
+        "in_process_s": [1.0, 1.2, 1.1],
+        "actor_s": [1.3, 1.2, 1.25],
+        "in_process_median_s": 1.1,
+        "actor_median_s": 1.25,
+        "ratio": 1.25 / 1.1,
+        "target": 1.1,
+        "verified": True,
+    }
+    table = format_ray_table(data)
+    assert "| in a Ray actor | 1.250 | 1.200-1.300 |" in table
+    assert (
+        "actor / in-process: 1.14 (target <= 1.1: MISSED); both engines answer alike: yes" in table
+    )
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_ray_bench_syncs_an_actor_and_an_engine_here_alike() -> None:
+    extra("ray", "ray")
+    from streamsync.cli.bench.ray import run_ray_bench
+
+    data = run_ray_bench(runs=1, timeout=120, kind="dense")
+    assert data["verified"], "the actor's engine and this process's answer alike"
+    assert len(data["in_process_s"]) == len(data["actor_s"]) == 1
+    assert data["ratio"] == data["actor_median_s"] / data["in_process_median_s"] > 0
 
 
 @pytest.mark.vllm

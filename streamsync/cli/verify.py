@@ -34,18 +34,27 @@ class Outputs:
         )
 
 
-def make_llm(path: str, *, dtype: str = "float32", **kwargs: Any) -> Any:
-    """A small CPU engine on ``path`` with streamsync's worker extension (in-process when
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``kwargs`` go to ``LLM`` (another
-    ``worker_extension_cls`` among them)."""
-    from vllm import LLM
-
-    options: dict[str, Any] = {
+def llm_options(path: str, *, dtype: str = "float32", **kwargs: Any) -> dict[str, Any]:
+    """The keywords of a small CPU ``LLM`` on ``path`` with streamsync's worker extension;
+    ``kwargs`` override them (another ``worker_extension_cls`` among them)."""
+    return {
+        "model": path,
+        "max_model_len": 256,
+        "enforce_eager": True,
+        "max_num_seqs": 4,
+        "seed": 0,
         "dtype": dtype,
         "worker_extension_cls": "streamsync.vllm.WorkerExtension",
         **kwargs,
     }
-    return LLM(model=path, max_model_len=256, enforce_eager=True, max_num_seqs=4, seed=0, **options)
+
+
+def make_llm(path: str, *, dtype: str = "float32", **kwargs: Any) -> Any:
+    """A small CPU engine (:func:`llm_options`), in-process when
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
+    from vllm import LLM
+
+    return LLM(**llm_options(path, dtype=dtype, **kwargs))
 
 
 def sampling() -> Any:
