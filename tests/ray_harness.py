@@ -83,6 +83,15 @@ class AsyncEngine:
     async def update_weight_version(self, version: str) -> None:
         await self.llm.update_weight_version(version)
 
+    async def add_lora(self, request: Any) -> bool:
+        return bool(await self.llm.add_lora(request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return bool(await self.llm.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return set(await self.llm.list_loras())
+
     async def generate(
         self, prompts: list[list[int]], max_tokens: int = 8
     ) -> list[tuple[list[int], list[tuple[str, int, int]]]]:
@@ -108,15 +117,18 @@ class AsyncEngine:
         """Tokens of the running request so far."""
         return self.tokens
 
-    async def outputs(self) -> Any:
+    async def outputs(self, lora_request: Any = None) -> Any:
         """Greedy tokens and prompt logprobs of the fixed prompts
-        (:class:`streamsync.cli.verify.Outputs`)."""
+        (:class:`streamsync.cli.verify.Outputs`), with a LoRA adapter if asked."""
         from streamsync.cli.verify import PROMPTS, outputs_from, sampling
 
         finals = []
         for prompt in PROMPTS:
             async for part in self.llm.generate(
-                {"prompt_token_ids": prompt}, sampling(), str(uuid.uuid4())
+                {"prompt_token_ids": prompt},
+                sampling(),
+                str(uuid.uuid4()),
+                lora_request=lora_request,
             ):
                 final = part
             finals.append(final)

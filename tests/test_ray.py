@@ -281,6 +281,46 @@ def test_an_engine_killed_while_staging_leaves_the_others_untouched(
             ray.kill(engine)
 
 
+def test_lora_adapters_into_an_async_llm_actor(runtime: None, tmp_path: Path) -> None:
+    """An ``AsyncLLM`` actor started with ``enable_lora=True`` that exposes its engine's
+    ``add_lora``/``remove_lora``: an adapter synced from memory twice serves the peft
+    model's outputs each time, under its name; removed, the engine no longer knows it."""
+    peft = extra("peft", "lora")
+    import copy
+
+    from streamsync.vllm import WeightSync
+    from streamsync.vllm.ray import node_address
+
+    base = build_tiny_model(tmp_path, "dense", seed=0)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    options = {"num_cpus": 0, "runtime_env": {"env_vars": ENGINE_ENV}}
+    actor = (
+        ray.remote(AsyncEngine)
+        .options(**options)
+        .remote(str(tmp_path), enable_lora=True, max_lora_rank=8, **ENGINE)
+    )
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=600)
+        with WeightSync(actor, f"zmq+tcp://{node_address()}:0") as sync:
+            for step in range(2):
+                with torch.no_grad():
+                    gen = torch.Generator().manual_seed(20 + step)
+                    for name, param in model.named_parameters():
+                        if "lora_" in name:
+                            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+                report = sync.update_lora("policy", model)
+                assert report.complete and report.lora is not None and report.lora.rank == 8
+                got = ray.get(actor.outputs.remote(sync.lora_request("policy")))
+                want = reference_outputs(model)
+                assert got.tokens == want.tokens and got.max_logprob_diff(want) <= 1e-4
+            sync.remove_lora("policy")
+            assert ray.get(actor.list_loras.remote()) == set()
+    finally:
+        ray.kill(actor)
+
+
 def restarted(actor: Any, within: float = 600) -> None:
     """Wait until Ray has restarted ``actor`` (it answers as unavailable until then)."""
     deadline = time.monotonic() + within

@@ -7,7 +7,9 @@ and for an ``AsyncLLM`` ``pause_generation``, ``resume_generation`` and
 ``reset_prefix_cache``), or a list of them. The workers' calls go through the actor's
 ``collective_rpc`` with plain values; what only the engine object itself can do (install a
 LoRA adapter, set an ``LLM``'s weight version) runs inside the actor (Ray's
-``__ray_call__``), by reference to a function of this module. The weights go over the
+``__ray_call__``), by reference to a function of this module, or, for an actor holding an
+``AsyncLLM``, through the methods it exposes (``add_lora(request)``, ``remove_lora(lora_id)``
+as the ``AsyncLLM`` takes them). The weights go over the
 channel's transport, never through Ray.
 
 This module is imported only where a handle is given: importing streamsync never imports
@@ -54,9 +56,9 @@ def _lora_config(actor: Any) -> bool | None:
 
 
 def _add_lora(actor: Any, name: str, lora_id: int, path: str) -> None:
-    from vllm.lora.request import LoRARequest
+    from streamsync.vllm.client import _lora_request
 
-    _engine(actor).add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
+    _engine(actor).add_lora(_lora_request(name, lora_id, path, load_inplace=True))
 
 
 def _remove_lora(actor: Any, lora_id: int) -> None:
@@ -145,11 +147,21 @@ class RayActor:
             await self._in_actor("set_weight_version", _set_weight_version, version)
 
     async def add_lora(self, name: str, lora_id: int, path: str) -> int | None:
-        await self._in_actor(f"add_lora({name!r})", _add_lora, name, lora_id, path)
+        what = f"add_lora({name!r})"
+        if self._has("add_lora"):  # an actor exposing its AsyncLLM's add_lora(request)
+            from streamsync.vllm.client import _lora_request
+
+            request = _lora_request(name, lora_id, path, load_inplace=True)
+            await self._await(what, self.handle.add_lora.remote(request))
+        else:  # an LLM actor: its engine, inside it
+            await self._in_actor(what, _add_lora, name, lora_id, path)
         return None  # the actor does not say which requests use it
 
     async def remove_lora(self, lora_id: int) -> None:
-        await self._in_actor("remove_lora", _remove_lora, lora_id)
+        if self._has("remove_lora"):
+            await self._await("remove_lora", self.handle.remove_lora.remote(lora_id))
+        else:
+            await self._in_actor("remove_lora", _remove_lora, lora_id)
 
     def check_lora(self) -> None:
         """Refuse, by name, an engine started without LoRA (where the actor can tell)."""
