@@ -75,6 +75,27 @@ async def test_shared_secret_round_trip(form: str) -> None:
     assert isinstance(out["tx"], ss.SyncReport) and out["tx"].receivers == 1, out
 
 
+@pytest.mark.parametrize("scheme", ["zmq+tcp", "torch+gloo"])
+async def test_a_sender_bound_on_every_interface_tells_an_address_receivers_reach(
+    scheme: str,
+) -> None:
+    """Bound on 0.0.0.0, the sender tells its receivers (in its URL, which a channel hands
+    the engine's workers) this machine's address on its default route, not 0.0.0.0, which
+    on another machine would be that machine itself; a receiver given it syncs."""
+    from streamsync.transports.places import told_host
+
+    async with open_sender(f"{scheme}://0.0.0.0:0", connect_timeout=2) as tx:
+        host = tx.url.removeprefix(f"{scheme}://").rpartition(":")[0]
+        assert host == told_host("0.0.0.0") not in ("0.0.0.0", ""), tx.url
+
+        async def rx() -> object:
+            async with open_receiver(tx.url, connect_timeout=2) as r:
+                return await ss.receive(r, Keep(), timeout=2)
+
+        out = await run_both(rx=rx, tx=lambda: ss.send({"w": torch.arange(10.0)}, tx, timeout=2))
+    assert isinstance(out["tx"], ss.SyncReport) and out["tx"].receivers == 1, out
+
+
 @pytest.mark.parametrize("form", URLS)
 async def test_wrong_secret_fails_on_both_sides(form: str) -> None:
     with anyio.fail_after(10):

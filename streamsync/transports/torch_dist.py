@@ -53,7 +53,7 @@ from streamsync.transports import Endpoint, Transport
 from streamsync.transports.link import LinkLost, NotThere, Peer
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import DEVICE, HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
-from streamsync.transports.places import cuda_device, host_port
+from streamsync.transports.places import cuda_device, host_port, told_host
 from streamsync.transports.slots import Shared, SlotStore, SlotView
 from streamsync.transports.torch_group import (
     GroupPlan,
@@ -191,7 +191,8 @@ class GroupLink(ZmqLink):
         self.member.local_host = self.host
         await super().open()  # names the link's own port in self.url
         control_port = self.url.rpartition(":")[2]
-        self.url = self.member.url = f"{self.scheme}://{self.host}:{self.port}"
+        told = told_host(self.host)  # a wildcard: the host receivers can reach
+        self.url = self.member.url = f"{self.scheme}://{told}:{self.port}"
         await _in_thread(lambda: store.set(_CONTROL_KEY, control_port.encode()))
 
 

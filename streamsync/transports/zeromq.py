@@ -49,7 +49,7 @@ from streamsync.transports.link import (
 )
 from streamsync.transports.linked import LinkedReceiver, LinkedSender
 from streamsync.transports.options import HEARTBEAT, RECEIVER_OPTIONS, SENDER_OPTIONS
-from streamsync.transports.places import host_port
+from streamsync.transports.places import host_port, told_host
 from streamsync.transports.slots import HostSlots, PayloadView
 
 # Longest sleep on a socket's FD: bounds the cost of an edge another call consumed, and how
@@ -246,8 +246,9 @@ class ZmqLink(SenderLink):
             self._file = bound.removeprefix("ipc://")
             os.chmod(self._file, 0o600)
             self._bound_id = file_id(self._file)
-        if self._scheme == "zmq+tcp" and self.address.endswith(":0"):
-            host = self._target.rpartition(":")[0]
+        if self._scheme == "zmq+tcp":
+            # The port bound (for :0) on the host receivers can reach (for a wildcard).
+            host = told_host(self._target.rpartition(":")[0])
             self.url = f"zmq+tcp://{host}:{bound.rpartition(':')[2]}"
 
     async def serve(self, events: LinkEvents) -> None:
