@@ -79,3 +79,19 @@ def _greedy() -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("scheme", ["zmq+tcp", "torch+gloo"])
+def test_an_address_not_of_the_trainers_node_is_refused_by_name(
+    cluster: tuple[Any, torch.nn.Module, Any], scheme: str
+) -> None:
+    """An endpoint on an address this node does not have (a TEST-NET-2 address) is refused
+    as the channel opens, naming it, before any engine waits on it."""
+    from streamsync.vllm import WeightSync
+
+    actor, _, _ = cluster
+    with (
+        pytest.raises(ss.ConfigError, match=r"198\.51\.100\.1.*cannot (bind|listen)"),
+        WeightSync(actor, f"{scheme}://198.51.100.1:0"),
+    ):
+        pass

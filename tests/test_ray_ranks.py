@@ -293,8 +293,9 @@ def test_a_rank_actor_that_dies_leaves_the_engine_on_its_old_version(
     finally:
         for actor in ranks:
             ray.kill(actor)
-    # The workers give up the dead trainer's sync within its timeout (30 s): the next
-    # trainer's first sync waits that out.
+    # The next trainer's first sync finds the workers still in the dead trainer's sync
+    # (it took about 55 s here with the dead one's timeout at 30 s): its own timeout is
+    # longer, so that it outlasts that.
     ranks = rank_actors(path)
     try:
         open_ranks(ranks, engine, timeout=90)
