@@ -141,15 +141,45 @@ class TrainerRank:
     drives the engine actors; every rank sends its own shards. :meth:`open` holds the lines
     a rank actor writes (``docs/ray.md``)."""
 
-    def __init__(self, path: str, rank: int, world: int, master: str) -> None:
-        import torch.distributed as dist
-        from rank_harness import fsdp2_model
+    def __init__(self, path: str, rank: int, world: int) -> None:
+        from datetime import timedelta
 
-        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
-        self.rank = rank
-        self.model, self.full = fsdp2_model(path)
+        from torch.distributed import TCPStore
+
+        from streamsync.vllm.ray import node_address
+
+        self.path, self.rank, self.world = path, rank, world
+        self.store: Any = None
+        if rank == 0:  # the group's store, on a free port it binds itself (no race for one)
+            self.store = TCPStore(
+                node_address(),
+                0,
+                world,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=120),
+            )
         self.stack = contextlib.AsyncExitStack()
         self.sync: Any = None
+
+    def master(self) -> tuple[str, int]:
+        """Rank 0: where the group's store listens."""
+        return self.store.host, self.store.port
+
+    def join(self, master: tuple[str, int]) -> None:
+        """Join the gloo group (every rank at once) and shard the model over it."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from rank_harness import fsdp2_model
+        from torch.distributed import TCPStore
+
+        if self.store is None:
+            self.store = TCPStore(
+                *master, self.world, is_master=False, timeout=timedelta(seconds=120)
+            )
+        dist.init_process_group("gloo", store=self.store, rank=self.rank, world_size=self.world)
+        self.model, self.full = fsdp2_model(self.path)
 
     async def open(self, engines: Any, **options: Any) -> None:
         from streamsync.vllm import RankPeer, Ranks, WeightSync

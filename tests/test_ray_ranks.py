@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -82,17 +81,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any
 
 
 def rank_actors(path: Path) -> list[Any]:
-    """Two FSDP2 rank actors on the trainer's node, in a gloo group of their own."""
-    from streamsync.vllm.ray import node_address
-
-    with socket.socket() as s:
-        s.bind((node_address(), 0))
-        master = f"{node_address()}:{s.getsockname()[1]}"
+    """Two FSDP2 rank actors on the trainer's node, in a gloo group of their own (its store
+    on a port rank 0 bound)."""
     options = {"num_cpus": 0, "resources": {"trainer": 1}}
-    return [
-        ray.remote(TrainerRank).options(**options).remote(str(path), rank, 2, master)
-        for rank in range(2)
-    ]
+    ranks = [ray.remote(TrainerRank).options(**options).remote(str(path), r, 2) for r in range(2)]
+    master = ray.get(ranks[0].master.remote())
+    ray.get([r.join.remote(master) for r in ranks])
+    return ranks
 
 
 def node_of(actor: Any) -> str:
