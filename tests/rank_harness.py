@@ -3,8 +3,28 @@ trainer's weights after each step, and an FSDP2 model's local shards set from th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+
+def join_group(rank: int, world: int, ports: Any) -> None:
+    """Start the default gloo group of ``world`` spawned processes: rank 0's store binds a
+    free port itself and tells the other ranks through ``ports`` (a spawn context's
+    ``Queue``), so no port is picked and then raced for."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    if rank == 0:
+        store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        for _ in range(world - 1):
+            ports.put(store.port)
+    else:
+        port = ports.get(timeout=120)
+        store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def new_weights(full: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:

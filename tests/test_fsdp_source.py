@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import weakref
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_harness import join_group
 
 import streamsync as ss
 
@@ -79,10 +79,8 @@ async def _send_and_check(model: torch.nn.Module, rank: int) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, port: int, out_dir: str, done: Any, left: Any) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, ports: Any, out_dir: str, done: Any, left: Any) -> None:
+    join_group(rank, WORLD, ports)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -108,12 +106,6 @@ def _worker(rank: int, port: int, out_dir: str, done: Any, left: Any) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fsdp2_model_is_gathered_one_tensor_at_a_time_and_sent_from_one_rank(
@@ -121,7 +113,8 @@ def test_fsdp2_model_is_gathered_one_tensor_at_a_time_and_sent_from_one_rank(
 ) -> None:
     spawn = mp.get_context("spawn")
     done, left = spawn.Barrier(WORLD), spawn.Barrier(WORLD)
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), done, left), nprocs=WORLD, join=True)
+    ports = spawn.Queue()
+    mp.spawn(_worker, args=(ports, str(tmp_path), done, left), nprocs=WORLD, join=True)
     rank0 = torch.load(tmp_path / "rank0.pt")
     rank1 = torch.load(tmp_path / "rank1.pt")
     assert rank0["sharded"] and rank1["sharded"]

@@ -6,7 +6,6 @@ FSDP2 into a real TP=2 engine is in ``test_vllm_ranks.py``."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_harness import join_group
 
 from streamsync.facts import EngineFacts
 
@@ -58,11 +58,9 @@ class _DiesMidStream(dict[str, torch.Tensor]):
             yield item
 
 
-def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _worker(rank: int, ports: Any, out_dir: str, fail: str) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_group(rank, WORLD, ports)
     try:
         import anyio
         from test_routes import SlicedEngine, weights
@@ -83,7 +81,7 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
             if fail == "worker":
                 engine.failing = {1}
             try:
-                endpoint = f"shm://ranks-{port}"
+                endpoint = f"shm://ranks-{os.getpid()}"
                 with EngineChannel(
                     engine, endpoint, sharded=True, ranks=Ranks(), delta=True, timeout=20
                 ) as sync:
@@ -124,14 +122,9 @@ def _worker(rank: int, port: int, out_dir: str, fail: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(tmp_path: Path, *, fail: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), fail), nprocs=WORLD, join=True)
+    ports = mp.get_context("spawn").Queue()
+    mp.spawn(_worker, args=(ports, str(tmp_path), fail), nprocs=WORLD, join=True)
     load = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     return load[0], load[1]
 

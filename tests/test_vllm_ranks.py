@@ -7,7 +7,6 @@ expander (each expert's slice taken from the rank holding it), and a drafter."""
 from __future__ import annotations
 
 import os
-import socket
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rank_harness import fsdp2_model, new_weights, set_shards
+from rank_harness import fsdp2_model, join_group, new_weights, set_shards
 
 pytestmark = pytest.mark.vllm
 
@@ -93,11 +92,9 @@ def _rank0(
     return out
 
 
-def _worker(rank: int, port: int, path: str, out_dir: str, done: Any, kind: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _worker(rank: int, ports: Any, path: str, out_dir: str, done: Any, kind: str) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_group(rank, WORLD, ports)
     try:
         import anyio
 
@@ -109,12 +106,6 @@ def _worker(rank: int, port: int, path: str, out_dir: str, done: Any, kind: str)
         if dist.is_initialized():
             dist.destroy_process_group()
     os._exit(0)  # as test_fsdp_source: no gloo teardown in interpreter finalisation
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(600)
@@ -132,7 +123,7 @@ def test_two_fsdp2_ranks_sync_a_tp2_engine(kind: str, tmp_path: Path) -> None:
         build_tiny_model(tmp_path / "draft", "dense", seed=1)  # another drafter to start with
     spawn = mp.get_context("spawn")
     done = spawn.Barrier(WORLD)
-    args = (_free_port(), str(path), str(tmp_path), done, kind)
+    args = (spawn.Queue(), str(path), str(tmp_path), done, kind)
     mp.spawn(_worker, args=args, nprocs=WORLD, join=True)
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
