@@ -30,6 +30,7 @@ from streamsync.facts import EngineFacts, Needs
 from streamsync.pipeline import AdapterLike
 from streamsync.report import SyncReport
 from streamsync.vllm.extension import WorkerExtension
+from streamsync.vllm.lora import lora_request
 from streamsync.wire.pack import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -43,12 +44,6 @@ _STAGE = "streamsync_stage"
 _STAGED = "streamsync_staged"
 _COMMIT = "streamsync_commit"
 _DROP = "streamsync_drop"
-
-
-def _lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> Any:
-    from vllm.lora.request import LoRARequest
-
-    return LoRARequest(name, lora_id, path, load_inplace=load_inplace)
 
 
 def _in_flight(engine: Any, name: str) -> int | None:
@@ -142,7 +137,7 @@ class InProcess:
     async def add_lora(self, name: str, lora_id: int, path: str) -> int | None:
         """Install adapter ``name``'s version at ``path``; the requests generating with it."""
         await self._call(
-            self._engine.add_lora, _lora_request(name, lora_id, path, load_inplace=True)
+            self._engine.add_lora, lora_request(name, lora_id, path, load_inplace=True)
         )
         return _in_flight(self._engine, name)
 
@@ -288,7 +283,7 @@ class WeightSync(EngineChannel):
         """The vLLM ``LoRARequest`` that generates with adapter ``name``'s installed version
         (``llm.generate(..., lora_request=sync.lora_request(name))``)."""
         lora_id, path = self.lora(name)
-        return _lora_request(name, lora_id, path)
+        return lora_request(name, lora_id, path)
 
     async def stage_lora(
         self,

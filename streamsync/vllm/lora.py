@@ -30,6 +30,14 @@ if TYPE_CHECKING:
     from streamsync.vllm.sink import WorkerState
 
 
+def lora_request(name: str, lora_id: int, path: str, *, load_inplace: bool = False) -> Any:
+    """vLLM's ``LoRARequest`` for adapter ``name``'s version at ``path`` (``load_inplace``:
+    the engine replaces what it holds under ``lora_id``)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, lora_id, path, load_inplace=load_inplace)
+
+
 @dataclass
 class _Version:
     """One staged version: the adapter's tensors and config, and the ``LoRAModel`` checked at

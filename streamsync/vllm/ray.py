@@ -56,9 +56,9 @@ def _lora_config(actor: Any) -> bool | None:
 
 
 def _add_lora(actor: Any, name: str, lora_id: int, path: str) -> None:
-    from streamsync.vllm.client import _lora_request
+    from streamsync.vllm.lora import lora_request
 
-    _engine(actor).add_lora(_lora_request(name, lora_id, path, load_inplace=True))
+    _engine(actor).add_lora(lora_request(name, lora_id, path, load_inplace=True))
 
 
 def _remove_lora(actor: Any, lora_id: int) -> None:
@@ -149,9 +149,9 @@ class RayActor:
     async def add_lora(self, name: str, lora_id: int, path: str) -> int | None:
         what = f"add_lora({name!r})"
         if self._has("add_lora"):  # an actor exposing its AsyncLLM's add_lora(request)
-            from streamsync.vllm.client import _lora_request
+            from streamsync.vllm.lora import lora_request
 
-            request = _lora_request(name, lora_id, path, load_inplace=True)
+            request = lora_request(name, lora_id, path, load_inplace=True)
             await self._await(what, self.handle.add_lora.remote(request))
         else:  # an LLM actor: its engine, inside it
             await self._in_actor(what, _add_lora, name, lora_id, path)
